@@ -1,0 +1,88 @@
+// The per-element Adam update, written once for the CPU and the CUDA engine.
+// Hyperparameters are folded per group into coefficients so that the element
+// math has no branches on modes (AdamW vs L2, maximize, bias correction): the
+// CPU compiler vectorises it and GPU warps never diverge.
+#pragma once
+
+#include <cmath>
+
+#include "scalar.h"
+
+namespace shardadam {
+
+// One parameter group's hyperparameters, as the kernels receive them.
+struct AdamGroup {
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 0.0f;
+  bool adam_w_mode = true;      // decoupled decay (AdamW) instead of L2
+  bool bias_correction = true;
+  bool maximize = false;
+  ScalarSrc lr;
+  ScalarSrc step;  // the step number of the update being applied (1 for the first)
+};
+
+struct AdamCoeffs {
+  float grad_mul;   // grad scale, negated for maximize
+  float l2;         // weight decay added to the gradient (L2 mode), else 0
+  float decay;      // 1 - lr * weight_decay (AdamW mode), else 1
+  float beta1, one_minus_beta1;
+  float beta2, one_minus_beta2;
+  float step_size;  // lr / (1 - beta1^step)
+  float bc2_sqrt;   // sqrt(1 - beta2^step)
+  float eps;
+};
+
+// Bias corrections in double, as torch.optim computes them, then rounded once.
+SHARDADAM_HD AdamCoeffs make_adam_coeffs(const AdamGroup& g, double grad_scale) {
+  const double lr = g.lr.read();
+  const double step = g.step.read();
+  const double bc1 = g.bias_correction ? 1.0 - pow(double(g.beta1), step) : 1.0;
+  const double bc2 = g.bias_correction ? 1.0 - pow(double(g.beta2), step) : 1.0;
+  AdamCoeffs c;
+  c.grad_mul = float(g.maximize ? -grad_scale : grad_scale);
+  c.l2 = g.adam_w_mode ? 0.0f : g.weight_decay;
+  c.decay = g.adam_w_mode ? float(1.0 - lr * double(g.weight_decay)) : 1.0f;
+  c.beta1 = g.beta1;
+  c.one_minus_beta1 = 1.0f - g.beta1;
+  c.beta2 = g.beta2;
+  c.one_minus_beta2 = 1.0f - g.beta2;
+  c.step_size = float(lr / bc1);
+  c.bc2_sqrt = float(sqrt(bc2));
+  c.eps = g.eps;
+  return c;
+}
+
+// max that propagates NaN from either side, like torch.maximum.
+SHARDADAM_HD float nan_max(float a, float b) {
+  return (a != a || a > b) ? a : b;
+}
+
+// One element. `vmax` is the AMSGrad running maximum when has_max, ignored
+// otherwise.
+SHARDADAM_HD void adam_element(float& p, float g, float& m, float& v, float& vmax,
+                               bool has_max, const AdamCoeffs& c) {
+  g = g * c.grad_mul + c.l2 * p;
+  p = p * c.decay;
+  m = c.beta1 * m + c.one_minus_beta1 * g;
+  v = c.beta2 * v + c.one_minus_beta2 * g * g;
+  vmax = has_max ? nan_max(vmax, v) : v;
+  const float denom = sqrtf(vmax) / c.bc2_sqrt + c.eps;
+  p = p - c.step_size * m / denom;
+}
+
+// Scaled low-precision states keep value * scale with scale a power of two,
+// so scaling and unscaling are exact. The scale maps the tensor's absolute
+// maximum just under 2^15: far from fp16 overflow (65504), and values 2^39
+// below the maximum still land on fp16's subnormal grid.
+SHARDADAM_HD float pow2_scale_for(float amax, float old_scale) {
+  if (!(amax > 0.0f) || !is_finite(amax)) return old_scale;
+  int e;
+  frexpf(amax, &e);  // amax < 2^e
+  int k = 15 - e;
+  k = k > 126 ? 126 : (k < -126 ? -126 : k);
+  return ldexpf(1.0f, k);
+}
+
+}  // namespace shardadam

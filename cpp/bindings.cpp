@@ -1,0 +1,141 @@
+// The only file that meets Python. Tensors never cross this boundary: Python
+// passes addresses, sizes and dtype codes once (TensorTable), then each call
+// passes the table, a few scalars and the stream.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include "cuda_api.h"
+#include "kernels_cpu.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+using namespace shardadam;
+
+namespace {
+
+using ListTuple = std::tuple<std::string, std::vector<uint64_t>, std::vector<int64_t>,
+                             std::vector<uint8_t>, bool>;
+
+TensorTable make_table(const std::vector<ListTuple>& lists, std::vector<uint32_t> groups,
+                       int64_t chunk_size, int alias_list) {
+  std::vector<ListSpec> specs;
+  for (const ListTuple& l : lists)
+    specs.push_back(ListSpec{std::get<0>(l), std::get<1>(l), std::get<2>(l), std::get<3>(l), std::get<4>(l)});
+  return TensorTable(std::move(specs), std::move(groups), chunk_size, alias_list);
+}
+
+ScalarSrc make_scalar(double value, uint64_t ptr, int dtype) {
+  return ScalarSrc{value, reinterpret_cast<const void*>(ptr), DType(dtype)};
+}
+
+}  // namespace
+
+NB_MODULE(_core, m) {
+  m.doc() = "shardadam compiled core: tensor tables, multi-tensor engine, Adam kernels (CPU and CUDA).";
+
+  nb::enum_<DType>(m, "DType")
+      .value("none", DType::None)
+      .value("float32", DType::F32)
+      .value("float16", DType::F16)
+      .value("bfloat16", DType::BF16)
+      .value("int16", DType::I16)
+      .value("float64", DType::F64)
+      .value("int32", DType::I32)
+      .value("int64", DType::I64);
+
+  nb::class_<ScalarSrc>(m, "Scalar", "A number, or the address of a one-element tensor read by the kernel.")
+      .def("__init__",
+           [](ScalarSrc* s, double value, uint64_t ptr, int dtype) { new (s) ScalarSrc(make_scalar(value, ptr, dtype)); },
+           "value"_a, "ptr"_a = 0, "dtype"_a = 0);
+
+  nb::class_<AdamGroup>(m, "AdamGroup", "Hyperparameters of one parameter group.")
+      .def(nb::init<>())
+      .def_rw("beta1", &AdamGroup::beta1)
+      .def_rw("beta2", &AdamGroup::beta2)
+      .def_rw("eps", &AdamGroup::eps)
+      .def_rw("weight_decay", &AdamGroup::weight_decay)
+      .def_rw("adam_w_mode", &AdamGroup::adam_w_mode)
+      .def_rw("bias_correction", &AdamGroup::bias_correction)
+      .def_rw("maximize", &AdamGroup::maximize)
+      .def_rw("lr", &AdamGroup::lr)
+      .def_rw("step", &AdamGroup::step);
+
+  nb::class_<AdamExtras>(m, "AdamExtras", "Per-call inputs of adam beyond the groups.")
+      .def(nb::init<>())
+      .def_rw("grad_scale", &AdamExtras::grad_scale)
+      .def_rw("found_inf", &AdamExtras::found_inf)
+      .def_prop_rw(
+          "scales", [](const AdamExtras& x) { return std::make_tuple(x.scales[0], x.scales[1], x.scales[2]); },
+          [](AdamExtras& x, std::tuple<uint64_t, uint64_t, uint64_t> s) {
+            x.scales[0] = std::get<0>(s);
+            x.scales[1] = std::get<1>(s);
+            x.scales[2] = std::get<2>(s);
+          },
+          "Addresses of the per-tensor scales of (master, exp_avg, exp_avg_sq); 0 = unscaled.")
+      .def_rw("amax_scratch", &AdamExtras::amax_scratch);
+
+  nb::class_<TensorTable>(m, "TensorTable",
+                          "Validated lists of equally sized tensors, cut into chunks.")
+      .def("__init__",
+           [](TensorTable* t, const std::vector<ListTuple>& lists, std::vector<uint32_t> groups,
+              int64_t chunk_size, int alias_list) {
+             new (t) TensorTable(make_table(lists, std::move(groups), chunk_size, alias_list));
+           },
+           "lists"_a, "groups"_a, "chunk_size"_a, "alias_list"_a = -1,
+           "lists: (name, addresses, numels, dtype codes, written) per list; an absent list has "
+           "no addresses. groups: a non-decreasing group index per tensor, or empty.")
+      .def_prop_ro("num_lists", &TensorTable::num_lists)
+      .def_prop_ro("num_tensors", &TensorTable::num_tensors)
+      .def_prop_ro("num_chunks", &TensorTable::num_chunks)
+      .def_prop_ro("num_groups", &TensorTable::num_groups)
+      .def_prop_ro("total_numel", &TensorTable::total_numel)
+      .def_prop_ro("chunk_size", &TensorTable::chunk_size)
+      .def("blob", [](const TensorTable& t) { return nb::bytes(t.blob().data(), t.blob().size()); },
+           "The table as bytes, to be copied to the device once.")
+      .def("set_list_ptrs", &TensorTable::set_list_ptrs, "list"_a, "ptrs"_a);
+
+  m.def("check_adam_table", &check_adam_table, "table"_a, "scaled_master"_a);
+
+  m.def(
+      "adam",
+      [](const TensorTable& t, const std::vector<AdamGroup>& groups, const AdamExtras& x, int device,
+         uint64_t stream, uint64_t blob, int threads) {
+        if (device < 0) cpu_adam(t, groups, x, threads);
+        else cuda_adam(t, CudaTarget{device, stream, blob}, groups, x);
+      },
+      "table"_a, "groups"_a, "extras"_a, "device"_a, "stream"_a, "blob"_a, "threads"_a,
+      nb::call_guard<nb::gil_scoped_release>());
+
+  m.def(
+      "scale",
+      [](const TensorTable& t, const ScalarSrc& scale, uint64_t found_inf, uint64_t skip_if, int device,
+         uint64_t stream, uint64_t blob, int threads) {
+        if (device < 0) cpu_scale(t, scale, found_inf, skip_if, threads);
+        else cuda_scale(t, CudaTarget{device, stream, blob}, scale, found_inf, skip_if);
+      },
+      "table"_a, "scale"_a, "found_inf"_a, "skip_if"_a, "device"_a, "stream"_a, "blob"_a, "threads"_a,
+      nb::call_guard<nb::gil_scoped_release>());
+
+  m.def(
+      "l2_norm",
+      [](const TensorTable& t, uint64_t partials, uint64_t per_tensor, uint64_t total, uint64_t nonfinite,
+         int device, uint64_t stream, uint64_t blob, int threads) {
+        if (device < 0) cpu_l2_norm(t, partials, per_tensor, total, nonfinite, threads);
+        else cuda_l2_norm(t, CudaTarget{device, stream, blob}, partials, per_tensor, total, nonfinite);
+      },
+      "table"_a, "partials"_a, "per_tensor"_a, "total"_a, "nonfinite"_a, "device"_a, "stream"_a,
+      "blob"_a, "threads"_a, nb::call_guard<nb::gil_scoped_release>());
+
+  m.def("build_info", []() {
+    nb::dict d;
+    d["cuda"] = cuda_built();
+    d["cuda_architectures"] = cuda_architectures();
+    d["cuda_runtime_version"] = cuda_runtime_version();
+    d["cuda_device_count"] = cuda_device_count();
+    d["version"] = SHARDADAM_VERSION;
+    d["max_groups_per_launch"] = kMaxGroupsPerLaunch;
+    return d;
+  }, "What this build contains: CUDA kernels and their architectures, runtime and device count.");
+}

@@ -1,0 +1,37 @@
+#include "launch.h"
+
+namespace shardadam {
+namespace {
+
+bool is_float(DType d) { return d == DType::F32 || d == DType::F16 || d == DType::BF16; }
+
+}  // namespace
+
+void check_adam_table(const TensorTable& t, bool scaled_master) {
+  SHARDADAM_CHECK(t.num_lists() == kAdamLists, "adam: a table needs the 7 Adam lists");
+  for (int l : {int(kParam), int(kGrad), int(kExpAvg), int(kExpAvgSq)})
+    SHARDADAM_CHECK(t.has_list(l), "adam: " + t.list(l).name + " must be given");
+  const bool rem = t.has_list(kRemainder);
+  SHARDADAM_CHECK(!(rem && scaled_master),
+                  "adam: param_remainders and master_scales exclude each other: the remainder "
+                  "already makes the bf16 param an exact fp32 master");
+  for (int l = 0; l < kAdamLists; ++l) {
+    if (!t.has_list(l)) continue;
+    const ListSpec& spec = t.list(l);
+    for (int64_t i = 0; i < t.num_tensors(); ++i) {
+      const DType d = DType(spec.dtypes[i]);
+      const std::string at = spec.name + "[" + std::to_string(i) + "]";
+      if (l == kRemainder) {
+        SHARDADAM_CHECK(d == DType::I16, at + " must be int16 (the low half of an fp32 master)");
+        SHARDADAM_CHECK(DType(t.list(kParam).dtypes[i]) == DType::BF16,
+                        t.list(kParam).name + "[" + std::to_string(i) +
+                            "] must be bfloat16 when param_remainders are given");
+      } else {
+        SHARDADAM_CHECK(is_float(d), at + " has dtype " + dtype_name(d) +
+                                         "; supported: float32, float16, bfloat16");
+      }
+    }
+  }
+}
+
+}  // namespace shardadam

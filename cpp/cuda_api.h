@@ -1,0 +1,31 @@
+// CUDA entry points as plain C++ declarations, so host files never include
+// CUDA headers. `blob` is the device copy of the table's blob; `stream` is a
+// cudaStream_t passed as an integer (the caller's current torch stream).
+// Built from cuda/*.cu, or from cpp/cuda_stub.cpp when CUDA is not built.
+#pragma once
+
+#include <string>
+
+#include "launch.h"
+
+namespace shardadam {
+
+struct CudaTarget {
+  int device;
+  uint64_t stream;
+  uint64_t blob;
+};
+
+void cuda_adam(const TensorTable& t, const CudaTarget& where, const std::vector<AdamGroup>& groups,
+               const AdamExtras& x);
+void cuda_scale(const TensorTable& t, const CudaTarget& where, ScalarSrc scale, uint64_t found_inf,
+                uint64_t skip_if);
+void cuda_l2_norm(const TensorTable& t, const CudaTarget& where, uint64_t partials,
+                  uint64_t per_tensor, uint64_t total, uint64_t nonfinite);
+
+bool cuda_built();
+std::string cuda_architectures();
+int cuda_runtime_version();  // e.g. 13000; 0 when not built
+int cuda_device_count();     // 0 without a driver or GPU
+
+}  // namespace shardadam

@@ -1,0 +1,30 @@
+// Stand-ins for the CUDA entry points in a build without CUDA: the module
+// exposes the same functions either way, and GPU calls say why they fail.
+#include <stdexcept>
+
+#include "cuda_api.h"
+
+namespace shardadam {
+namespace {
+
+[[noreturn]] void no_cuda() {
+  throw std::runtime_error(
+      "shardadam was built without CUDA kernels; rebuild with SHARDADAM_CUDA=ON on a machine "
+      "with nvcc (see README, 'Install')");
+}
+
+}  // namespace
+
+void cuda_adam(const TensorTable&, const CudaTarget&, const std::vector<AdamGroup>&, const AdamExtras&) {
+  no_cuda();
+}
+void cuda_scale(const TensorTable&, const CudaTarget&, ScalarSrc, uint64_t, uint64_t) { no_cuda(); }
+void cuda_l2_norm(const TensorTable&, const CudaTarget&, uint64_t, uint64_t, uint64_t, uint64_t) {
+  no_cuda();
+}
+bool cuda_built() { return false; }
+std::string cuda_architectures() { return ""; }
+int cuda_runtime_version() { return 0; }
+int cuda_device_count() { return 0; }
+
+}  // namespace shardadam

@@ -1,0 +1,140 @@
+// Storage dtypes and conversions to and from float, usable on host and device.
+// The math always runs in float; storage types only meet it through these.
+#pragma once
+
+#include <cstring>
+
+#include "common.h"
+
+#if defined(__CUDACC__)
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#endif
+
+namespace shardadam {
+
+// Codes shared with Python (shardadam/_torch.py maps torch dtypes onto them).
+enum class DType : uint8_t {
+  None = 0,  // list absent for this tensor
+  F32 = 1,
+  F16 = 2,
+  BF16 = 3,
+  I16 = 4,  // raw 16-bit payload: the low half of an fp32 master (remainders)
+  F64 = 5,  // scalar sources only
+  I32 = 6,  // scalar sources only
+  I64 = 7,  // scalar sources only
+};
+
+inline int64_t dtype_size(DType d) {
+  switch (d) {
+    case DType::F32: case DType::I32: return 4;
+    case DType::F16: case DType::BF16: case DType::I16: return 2;
+    case DType::F64: case DType::I64: return 8;
+    default: return 0;
+  }
+}
+
+inline const char* dtype_name(DType d) {
+  switch (d) {
+    case DType::None: return "none";
+    case DType::F32: return "float32";
+    case DType::F16: return "float16";
+    case DType::BF16: return "bfloat16";
+    case DType::I16: return "int16";
+    case DType::F64: return "float64";
+    case DType::I32: return "int32";
+    case DType::I64: return "int64";
+  }
+  return "unknown";
+}
+
+SHARDADAM_HD uint32_t float_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+#endif
+}
+
+SHARDADAM_HD float bits_float(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+
+SHARDADAM_HD float bf16_to_float(uint16_t h) { return bits_float(uint32_t(h) << 16); }
+
+// Round to nearest even; NaN stays a quiet NaN of the same sign.
+SHARDADAM_HD uint16_t float_to_bf16(float f) {
+#if defined(__CUDA_ARCH__)
+  __nv_bfloat16 b = __float2bfloat16_rn(f);
+  return *reinterpret_cast<uint16_t*>(&b);
+#else
+  uint32_t u = float_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x0040u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+#endif
+}
+
+SHARDADAM_HD float f16_to_float(uint16_t h) {
+#if defined(__CUDA_ARCH__)
+  return __half2float(__ushort_as_half(h));
+#else
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
+  const uint32_t em = h & 0x7fffu;
+  if (em >= 0x7c00u) return bits_float(sign | 0x7f800000u | ((em & 0x3ffu) << 13));
+  if (em < 0x0400u) {  // zero or subnormal: exact in float
+    const float mag = float(em) * 5.9604644775390625e-08f;  // 2^-24
+    return bits_float(sign | float_bits(mag));
+  }
+  return bits_float(sign | ((em << 13) + (112u << 23)));  // rebias 15 -> 127
+#endif
+}
+
+// Round to nearest even, overflow to infinity, subnormals kept.
+SHARDADAM_HD uint16_t float_to_f16(float f) {
+#if defined(__CUDA_ARCH__)
+  return __half_as_ushort(__float2half_rn(f));
+#else
+  uint32_t u = float_bits(f);
+  const uint16_t sign = uint16_t((u >> 16) & 0x8000u);
+  u &= 0x7fffffffu;
+  if (u >= 0x7f800000u) return sign | (u > 0x7f800000u ? 0x7e00u : 0x7c00u);
+  if (u >= 0x477ff000u) return sign | 0x7c00u;  // >= 65520 rounds to infinity
+  if (u < 0x38800000u) {
+    // Below 2^-14 the result is subnormal: adding 0.5 makes the FPU round the
+    // value to a multiple of 2^-24 (ties to even), which is the fp16 grid there.
+    const float shifted = bits_float(u) + 0.5f;
+    return sign | uint16_t(float_bits(shifted) - 0x3f000000u);
+  }
+  const uint32_t odd = (u >> 13) & 1u;
+  u += 0xc8000fffu + odd;  // rebias 127 -> 15 and round to nearest even
+  return sign | uint16_t(u >> 13);
+#endif
+}
+
+// An fp32 master stored as a bf16 model param (high half, rounded to nearest)
+// plus an int16 remainder (low half). Rounding up is recorded by the sign of
+// the remainder, so join(split(x)) == x bit for bit for every fp32 x.
+SHARDADAM_HD float join_remainder(uint16_t bf16_bits, uint16_t remainder) {
+  uint32_t hi = bf16_bits;
+  if (remainder & 0x8000u) hi -= 1u;  // the split rounded the high half up
+  return bits_float((hi << 16) | remainder);
+}
+
+SHARDADAM_HD void split_remainder(float x, uint16_t& bf16_bits, uint16_t& remainder) {
+  const uint32_t u = float_bits(x);
+  remainder = uint16_t(u & 0xffffu);
+  uint32_t hi = u >> 16;
+  if (remainder & 0x8000u) hi += 1u;  // low half >= 0.5 ulp of bf16: round up
+  bf16_bits = uint16_t(hi);
+}
+
+}  // namespace shardadam

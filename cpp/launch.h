@@ -1,0 +1,82 @@
+// How each operation is sequenced over a table: group slices, the two passes
+// of scaled states, the norm's finalize step. Written once as templates over
+// an Engine, which the CPU (cpp/kernels_cpu.cpp) and CUDA (cuda/*.cu) builds
+// provide:
+//   apply(chunk_begin, chunk_end, op, skip_if)   run op over a chunk range
+//   zero(float* p, n)                             clear scratch
+//   commit_scales(AdamArgs, num_tensors, skip_if) scales <- f(amax)
+//   finalize_norm(partials, per_tensor, total)    per-tensor and total norms
+#pragma once
+
+#include <algorithm>
+#include <vector>
+
+#include "ops.h"
+
+namespace shardadam {
+
+struct AdamExtras {
+  ScalarSrc grad_scale{1.0, nullptr, DType::None};
+  uint64_t found_inf = 0;  // float32 flag: set -> the step writes nothing
+  uint64_t scales[kScaledStates] = {0, 0, 0};  // float32 [num_tensors] each, or 0
+  uint64_t amax_scratch = 0;  // float32 [3 * num_tensors], needed with scales
+};
+
+// Dtype rules for Adam tables; called once when a plan is built.
+void check_adam_table(const TensorTable& t, bool scaled_master);
+
+template <class Engine>
+void run_adam(const Engine& e, const TensorTable& t, const std::vector<AdamGroup>& groups,
+              const AdamExtras& x) {
+  SHARDADAM_CHECK(int64_t(groups.size()) == t.num_groups(),
+                  "adam: " + std::to_string(groups.size()) + " groups given for a table of " +
+                      std::to_string(t.num_groups()) + " groups");
+  AdamOp op;
+  op.a.grad_scale = x.grad_scale;
+  bool scaled = false;
+  for (int i = 0; i < kScaledStates; ++i) {
+    op.a.scales[i] = reinterpret_cast<float*>(x.scales[i]);
+    scaled |= x.scales[i] != 0;
+  }
+  const float* skip_if = reinterpret_cast<const float*>(x.found_inf);
+  std::vector<AdamPhase> phases{AdamPhase::Apply};
+  if (scaled) {
+    SHARDADAM_CHECK(x.amax_scratch != 0, "adam: scaled states need an amax scratch buffer");
+    float* scratch = reinterpret_cast<float*>(x.amax_scratch);
+    for (int i = 0; i < kScaledStates; ++i) op.a.amax[i] = scratch + i * t.num_tensors();
+    e.zero(scratch, kScaledStates * t.num_tensors());
+    phases = {AdamPhase::Measure, AdamPhase::ApplyScaled};
+  }
+  for (AdamPhase phase : phases) {
+    op.a.phase = phase;
+    for (int64_t g0 = 0; g0 < t.num_groups(); g0 += kMaxGroupsPerLaunch) {
+      const int64_t g1 = std::min<int64_t>(g0 + kMaxGroupsPerLaunch, t.num_groups());
+      for (int64_t g = g0; g < g1; ++g) op.a.groups[g - g0] = groups[g];
+      op.a.group_base = uint32_t(g0);
+      e.apply(t.group_chunk_begin(g0), t.group_chunk_begin(g1), op, skip_if);
+    }
+  }
+  if (scaled) e.commit_scales(op.a, t.num_tensors(), skip_if);
+}
+
+template <class Engine>
+void run_scale(const Engine& e, const TensorTable& t, ScalarSrc scale, uint64_t found_inf,
+               uint64_t skip_if) {
+  ScaleOp op;
+  op.scale = scale;
+  op.found_inf = reinterpret_cast<float*>(found_inf);
+  e.apply(0, t.num_chunks(), op, reinterpret_cast<const float*>(skip_if));
+}
+
+// partials: float32 [num_chunks] scratch. per_tensor: float32 [num_tensors] or 0.
+template <class Engine>
+void run_l2_norm(const Engine& e, const TensorTable& t, uint64_t partials, uint64_t per_tensor,
+                 uint64_t total, uint64_t nonfinite) {
+  SumSqOp op;
+  op.partials = reinterpret_cast<float*>(partials);
+  op.nonfinite = reinterpret_cast<float*>(nonfinite);
+  e.apply(0, t.num_chunks(), op, nullptr);
+  e.finalize_norm(op.partials, reinterpret_cast<float*>(per_tensor), reinterpret_cast<float*>(total));
+}
+
+}  // namespace shardadam

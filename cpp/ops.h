@@ -1,0 +1,230 @@
+// The element-wise operations, written once against two small interfaces that
+// each engine (cpp/cpu_engine.h, cuda/multi_tensor_apply.cuh) implements:
+//
+//   IO (one tile of K elements of one tensor):
+//     dtype(l), count(), load(l, float[K]), store(l, const float[K]),
+//     load_bits(l, uint16[K]), store_bits(l, const uint16[K])
+//     Absent lists load zeros and store nothing; elements past count() are
+//     loaded as zeros and never stored.
+//   Reducer (once per chunk, all threads of a chunk call it together):
+//     max_to(float*, v), sum_to(float*, v), flag_if(float*, bool)
+//
+// An op has kLists, a per-chunk State<K>, and begin / tile / finish.
+#pragma once
+
+#include "adam_math.h"
+#include "tensor_table.h"
+
+namespace shardadam {
+
+struct ChunkCtx {
+  uint32_t tensor;
+  uint32_t group;
+  int64_t chunk;
+};
+
+// ---------------------------------------------------------------- Adam
+
+enum AdamList : int {
+  kParam = 0,         // fp32/fp16/bf16 param or master; bf16 high half with remainders
+  kGrad = 1,
+  kExpAvg = 2,
+  kExpAvgSq = 3,
+  kMaxExpAvgSq = 4,   // AMSGrad, optional
+  kParamOut = 5,      // optional copy of the new param in another dtype
+  kRemainder = 6,     // optional int16 low half of the fp32 master
+  kAdamLists = 7,
+};
+
+// Scaled low-precision states: index into AdamArgs::scales / amax.
+enum ScaledState : int { kScaledMaster = 0, kScaledExpAvg = 1, kScaledExpAvgSq = 2, kScaledStates = 3 };
+constexpr int kScaledList[kScaledStates] = {kParam, kExpAvg, kExpAvgSq};
+
+// Groups travel inside the kernel arguments; more groups than this take
+// several launches (one per slice of groups).
+constexpr int kMaxGroupsPerLaunch = 32;
+
+enum class AdamPhase : int {
+  Apply = 0,    // plain update
+  Measure = 1,  // scaled states, pass 1: compute the update, record per-tensor amax, write nothing
+  ApplyScaled = 2,  // scaled states, pass 2: recompute, store under scales derived from amax
+};
+
+struct AdamArgs {
+  AdamGroup groups[kMaxGroupsPerLaunch];
+  uint32_t group_base = 0;  // group index of groups[0]
+  ScalarSrc grad_scale;     // multiplies every gradient
+  float* scales[kScaledStates] = {nullptr, nullptr, nullptr};  // [num_tensors] each, or null
+  float* amax[kScaledStates] = {nullptr, nullptr, nullptr};    // scratch [num_tensors] each
+  AdamPhase phase = AdamPhase::Apply;
+};
+
+struct AdamOp {
+  static constexpr int kLists = kAdamLists;
+  AdamArgs a;
+
+  template <int K>
+  struct State {
+    AdamCoeffs c;
+    float unscale[kScaledStates];  // stored -> true value
+    float rescale[kScaledStates];  // true value -> stored
+    float amax[kScaledStates];
+  };
+
+  template <int K>
+  SHARDADAM_HD State<K> begin(const ChunkCtx& ctx) const {
+    State<K> s;
+    s.c = make_adam_coeffs(a.groups[ctx.group - a.group_base], a.grad_scale.read());
+    for (int i = 0; i < kScaledStates; ++i) {
+      const float old_scale = a.scales[i] ? a.scales[i][ctx.tensor] : 1.0f;
+      s.unscale[i] = 1.0f / old_scale;  // exact: scales are powers of two
+      s.rescale[i] = (a.phase == AdamPhase::ApplyScaled && a.scales[i])
+                         ? pow2_scale_for(a.amax[i][ctx.tensor], old_scale)
+                         : 1.0f;
+      s.amax[i] = 0.0f;
+    }
+    return s;
+  }
+
+  template <int K, class IO>
+  SHARDADAM_HD void tile(const IO& io, State<K>& s) const {
+    float p[K], g[K], m[K], v[K], vmax[K];
+    const bool has_rem = io.dtype(kRemainder) != DType::None;
+    const bool has_max = io.dtype(kMaxExpAvgSq) != DType::None;
+    if (has_rem) {
+      uint16_t hi[K], lo[K];
+      io.load_bits(kParam, hi);
+      io.load_bits(kRemainder, lo);
+      for (int k = 0; k < K; ++k) p[k] = join_remainder(hi[k], lo[k]);
+    } else {
+      io.load(kParam, p);
+    }
+    io.load(kGrad, g);
+    io.load(kExpAvg, m);
+    io.load(kExpAvgSq, v);
+    io.load(kMaxExpAvgSq, vmax);
+    for (int k = 0; k < K; ++k) {
+      p[k] *= s.unscale[kScaledMaster];
+      m[k] *= s.unscale[kScaledExpAvg];
+      v[k] *= s.unscale[kScaledExpAvgSq];
+      adam_element(p[k], g[k], m[k], v[k], vmax[k], has_max, s.c);
+    }
+    if (a.phase == AdamPhase::Measure) {
+      for (int k = 0; k < io.count(); ++k) {
+        s.amax[kScaledMaster] = nan_max(s.amax[kScaledMaster], fabsf(p[k]));
+        s.amax[kScaledExpAvg] = nan_max(s.amax[kScaledExpAvg], fabsf(m[k]));
+        s.amax[kScaledExpAvgSq] = nan_max(s.amax[kScaledExpAvgSq], fabsf(v[k]));
+      }
+      return;
+    }
+    io.store(kParamOut, p);  // true values, before the master is rescaled
+    if (has_rem) {
+      uint16_t hi[K], lo[K];
+      for (int k = 0; k < K; ++k) split_remainder(p[k], hi[k], lo[k]);
+      io.store_bits(kParam, hi);
+      io.store_bits(kRemainder, lo);
+    } else {
+      for (int k = 0; k < K; ++k) p[k] *= s.rescale[kScaledMaster];
+      io.store(kParam, p);
+    }
+    for (int k = 0; k < K; ++k) {
+      m[k] *= s.rescale[kScaledExpAvg];
+      v[k] *= s.rescale[kScaledExpAvgSq];
+    }
+    io.store(kExpAvg, m);
+    io.store(kExpAvgSq, v);
+    if (has_max) io.store(kMaxExpAvgSq, vmax);
+  }
+
+  template <int K, class R>
+  SHARDADAM_HD void finish(const ChunkCtx& ctx, State<K>& s, R& red) const {
+    if (a.phase != AdamPhase::Measure) return;
+    for (int i = 0; i < kScaledStates; ++i)
+      if (a.scales[i]) red.max_to(&a.amax[i][ctx.tensor], s.amax[i]);
+  }
+};
+
+// ---------------------------------------------------------------- scale / copy
+
+// out = in * scale, in any float dtypes. Flags non-finite input.
+struct ScaleOp {
+  static constexpr int kLists = 2;  // 0: in, 1: out
+  ScalarSrc scale;
+  float* found_inf = nullptr;
+
+  template <int K>
+  struct State {
+    float factor;
+    bool nonfinite;
+  };
+
+  template <int K>
+  SHARDADAM_HD State<K> begin(const ChunkCtx&) const {
+    return State<K>{float(scale.read()), false};
+  }
+
+  template <int K, class IO>
+  SHARDADAM_HD void tile(const IO& io, State<K>& s) const {
+    float x[K];
+    io.load(0, x);
+    bool bad = false;
+    for (int k = 0; k < K; ++k) {
+      bad |= !is_finite(x[k]);  // padding lanes load as 0, which is finite
+      x[k] *= s.factor;
+    }
+    s.nonfinite |= bad;
+    io.store(1, x);
+  }
+
+  template <int K, class R>
+  SHARDADAM_HD void finish(const ChunkCtx&, State<K>& s, R& red) const {
+    if (found_inf) red.flag_if(found_inf, s.nonfinite);
+  }
+};
+
+// ---------------------------------------------------------------- L2 norm
+
+// Sum of squares per chunk in fp32, written to partials[chunk]; the engine's
+// finalize step adds chunks per tensor in a fixed order (deterministic).
+struct SumSqOp {
+  static constexpr int kLists = 1;
+  float* partials = nullptr;  // [num_chunks]
+  float* nonfinite = nullptr;
+
+  template <int K>
+  struct State {
+    float acc[K];  // one lane per tile slot: vectorises on the CPU
+    bool bad;
+  };
+
+  template <int K>
+  SHARDADAM_HD State<K> begin(const ChunkCtx&) const {
+    State<K> s;
+    for (int k = 0; k < K; ++k) s.acc[k] = 0.0f;
+    s.bad = false;
+    return s;
+  }
+
+  template <int K, class IO>
+  SHARDADAM_HD void tile(const IO& io, State<K>& s) const {
+    float x[K];
+    io.load(0, x);
+    bool bad = false;
+    for (int k = 0; k < K; ++k) {
+      bad |= !is_finite(x[k]);
+      s.acc[k] += x[k] * x[k];
+    }
+    s.bad |= bad;
+  }
+
+  template <int K, class R>
+  SHARDADAM_HD void finish(const ChunkCtx& ctx, State<K>& s, R& red) const {
+    // Pairwise sum of the lanes, then across threads inside the reducer.
+    for (int w = K / 2; w > 0; w /= 2)
+      for (int k = 0; k < w; ++k) s.acc[k] += s.acc[k + w];
+    red.sum_to(&partials[ctx.chunk], s.acc[0]);
+    if (nonfinite) red.flag_if(nonfinite, s.bad);
+  }
+};
+
+}  // namespace shardadam

@@ -1,0 +1,176 @@
+#include "tensor_table.h"
+
+#include <algorithm>
+#include <cstring>
+
+namespace shardadam {
+namespace {
+
+std::string where(const ListSpec& l, int64_t t) { return l.name + "[" + std::to_string(t) + "]"; }
+
+struct Range {
+  uint64_t begin, end;
+  int list;
+  int64_t tensor;
+  bool written;
+};
+
+template <class T>
+size_t append(std::vector<uint8_t>& blob, const std::vector<T>& v) {
+  // Every array starts 16-byte aligned so engines can read records directly.
+  const size_t off = (blob.size() + 15) & ~size_t(15);
+  blob.resize(off + v.size() * sizeof(T));
+  if (!v.empty()) std::memcpy(blob.data() + off, v.data(), v.size() * sizeof(T));
+  return off;
+}
+
+}  // namespace
+
+TensorTable::TensorTable(std::vector<ListSpec> lists, std::vector<uint32_t> groups,
+                         int64_t chunk_size, int alias_list)
+    : lists_(std::move(lists)), groups_(std::move(groups)), chunk_size_(chunk_size),
+      alias_list_(alias_list) {
+  SHARDADAM_CHECK(!lists_.empty() && !lists_[0].ptrs.empty(), "the first tensor list must be given");
+  SHARDADAM_CHECK(chunk_size_ > 0 && chunk_size_ % kVecElems == 0 && chunk_size_ <= (int64_t(1) << 30),
+                  "chunk_size must be a positive multiple of 4, at most 2^30");
+  const ListSpec& first = lists_[0];
+  num_tensors_ = int64_t(first.ptrs.size());
+  SHARDADAM_CHECK(num_tensors_ < (int64_t(1) << 32), "too many tensors for one table (2^32)");
+  for (const ListSpec& l : lists_) {
+    if (l.ptrs.empty()) continue;
+    SHARDADAM_CHECK(int64_t(l.ptrs.size()) == num_tensors_ && l.numels.size() == l.ptrs.size() &&
+                        l.dtypes.size() == l.ptrs.size(),
+                    l.name + " has " + std::to_string(l.ptrs.size()) + " tensors but " + first.name +
+                        " has " + std::to_string(num_tensors_) + ": pass lists of equal length");
+    for (int64_t t = 0; t < num_tensors_; ++t) {
+      SHARDADAM_CHECK(l.numels[t] == first.numels[t],
+                      where(l, t) + " has " + std::to_string(l.numels[t]) + " elements but " +
+                          where(first, t) + " has " + std::to_string(first.numels[t]) +
+                          ": corresponding tensors must have the same number of elements");
+      SHARDADAM_CHECK(l.dtypes[t] >= uint8_t(DType::F32) && l.dtypes[t] <= uint8_t(DType::I16),
+                      where(l, t) + " has an unsupported dtype code " + std::to_string(l.dtypes[t]));
+      SHARDADAM_CHECK(l.numels[t] >= 0, where(l, t) + " has a negative size");
+      SHARDADAM_CHECK(l.numels[t] == 0 || l.ptrs[t] != 0, where(l, t) + " has a null data pointer");
+    }
+  }
+  if (groups_.empty()) groups_.assign(size_t(num_tensors_), 0u);
+  SHARDADAM_CHECK(int64_t(groups_.size()) == num_tensors_, "groups must give one group index per tensor");
+  for (int64_t t = 1; t < num_tensors_; ++t)
+    SHARDADAM_CHECK(groups_[t] >= groups_[t - 1], "tensors must be ordered by group index");
+  num_groups_ = num_tensors_ ? int64_t(groups_.back()) + 1 : 1;
+
+  validate_overlap();
+
+  // Zero-size tensors keep their index (per-tensor outputs stay aligned with
+  // the caller's list) but produce no chunk, so no launch ever sees them.
+  tensor_chunks_.assign(size_t(num_tensors_) + 1, 0);
+  group_chunk_begin_.assign(size_t(num_groups_) + 1, 0);
+  int64_t g_next = 0;
+  for (int64_t t = 0; t < num_tensors_; ++t) {
+    while (g_next <= int64_t(groups_[t])) group_chunk_begin_[g_next++] = int64_t(chunks_.size());
+    tensor_chunks_[t] = int64_t(chunks_.size());
+    const int64_t n = first.numels[t];
+    total_numel_ += n;
+    for (int64_t s = 0; s < n; s += chunk_size_)
+      chunks_.push_back(Chunk{s, uint32_t(t), uint32_t(std::min(chunk_size_, n - s))});
+  }
+  tensor_chunks_[num_tensors_] = int64_t(chunks_.size());
+  while (g_next <= num_groups_) group_chunk_begin_[g_next++] = int64_t(chunks_.size());
+  build_blob();
+}
+
+void TensorTable::validate_overlap() const {
+  // Sweep the address ranges in order: a range overlaps an earlier one iff it
+  // starts before the furthest end seen so far. Written ranges may not overlap
+  // anything; read-only ranges may share memory with each other.
+  std::vector<Range> ranges;
+  for (int l = 0; l < num_lists(); ++l) {
+    const ListSpec& spec = lists_[l];
+    if (spec.ptrs.empty()) continue;
+    for (int64_t t = 0; t < num_tensors_; ++t) {
+      const uint64_t bytes = uint64_t(spec.numels[t]) * uint64_t(dtype_size(DType(spec.dtypes[t])));
+      if (bytes == 0) continue;
+      if (spec.written && alias_list_ >= 0 && l != alias_list_) {
+        const ListSpec& a = lists_[alias_list_];
+        const uint64_t a_bytes = uint64_t(a.numels[t]) * uint64_t(dtype_size(DType(a.dtypes[t])));
+        if (a.ptrs[t] == spec.ptrs[t] && a_bytes == bytes) continue;  // exact in-place alias
+      }
+      ranges.push_back(Range{spec.ptrs[t], spec.ptrs[t] + bytes, l, t, spec.written});
+    }
+  }
+  std::sort(ranges.begin(), ranges.end(),
+            [](const Range& a, const Range& b) { return a.begin < b.begin; });
+  const Range* furthest = nullptr;
+  const Range* furthest_written = nullptr;
+  for (const Range& r : ranges) {
+    const Range* hit = nullptr;
+    if (furthest_written && r.begin < furthest_written->end) hit = furthest_written;
+    else if (r.written && furthest && r.begin < furthest->end) hit = furthest;
+    if (hit) {
+      throw std::invalid_argument(
+          where(lists_[r.list], r.tensor) + " overlaps " + where(lists_[hit->list], hit->tensor) +
+          " in memory, and at least one of them is written: pass separate tensors");
+    }
+    if (!furthest || r.end > furthest->end) furthest = &r;
+    if (r.written && (!furthest_written || r.end > furthest_written->end)) furthest_written = &r;
+  }
+}
+
+void TensorTable::build_blob() {
+  const int L = num_lists();
+  std::vector<uint64_t> ptrs(size_t(L) * size_t(num_tensors_), 0);
+  std::vector<uint8_t> dtypes(size_t(L) * size_t(num_tensors_), uint8_t(DType::None));
+  std::vector<uint8_t> aligned(size_t(num_tensors_), 1);
+  for (int l = 0; l < L; ++l) {
+    const ListSpec& spec = lists_[l];
+    if (spec.ptrs.empty()) continue;
+    for (int64_t t = 0; t < num_tensors_; ++t) {
+      ptrs[size_t(l) * num_tensors_ + t] = spec.ptrs[t];
+      dtypes[size_t(l) * num_tensors_ + t] = spec.dtypes[t];
+      const uint64_t vec_bytes = uint64_t(kVecElems * dtype_size(DType(spec.dtypes[t])));
+      if (spec.ptrs[t] % vec_bytes != 0) aligned[t] = 0;
+    }
+  }
+  blob_.clear();
+  off_ptrs_ = append(blob_, ptrs);
+  off_dtypes_ = append(blob_, dtypes);
+  off_numels_ = append(blob_, lists_[0].numels);
+  off_groups_ = append(blob_, groups_);
+  off_aligned_ = append(blob_, aligned);
+  off_tensor_chunks_ = append(blob_, tensor_chunks_);
+  off_chunks_ = append(blob_, chunks_);
+  blob_.resize((blob_.size() + 15) & ~size_t(15));
+}
+
+TableView TensorTable::view(const void* base) const {
+  const uint8_t* b = static_cast<const uint8_t*>(base);
+  TableView v;
+  v.ptrs = reinterpret_cast<const uint64_t*>(b + off_ptrs_);
+  v.dtypes = b + off_dtypes_;
+  v.numels = reinterpret_cast<const int64_t*>(b + off_numels_);
+  v.groups = reinterpret_cast<const uint32_t*>(b + off_groups_);
+  v.aligned = b + off_aligned_;
+  v.tensor_chunks = reinterpret_cast<const int64_t*>(b + off_tensor_chunks_);
+  v.chunks = reinterpret_cast<const Chunk*>(b + off_chunks_);
+  v.num_lists = num_lists();
+  v.num_tensors = num_tensors_;
+  v.num_chunks = int64_t(chunks_.size());
+  return v;
+}
+
+void TensorTable::set_list_ptrs(int l, const std::vector<uint64_t>& ptrs) {
+  SHARDADAM_CHECK(l >= 0 && l < num_lists() && has_list(l), "set_list_ptrs: no such list in the table");
+  SHARDADAM_CHECK(int64_t(ptrs.size()) == num_tensors_,
+                  "set_list_ptrs: " + lists_[l].name + " needs " + std::to_string(num_tensors_) + " addresses");
+  std::vector<uint64_t> old = lists_[l].ptrs;
+  lists_[l].ptrs = ptrs;
+  try {
+    validate_overlap();
+  } catch (...) {
+    lists_[l].ptrs = std::move(old);  // leave the table usable and unchanged
+    throw;
+  }
+  build_blob();
+}
+
+}  // namespace shardadam

@@ -1,0 +1,97 @@
+// A table of tensors for one multi-tensor operation: several lists (params,
+// grads, ...) of equally sized tensors, validated once and cut into chunks.
+// It holds raw addresses only; the Python side keeps the tensors alive.
+//
+// The table is serialised into one blob (structure of arrays) that engines read
+// through TableView. The CPU engine reads the host blob; for CUDA, Python copies
+// the blob to the device once and passes its address with each launch, so a
+// launch costs the same whatever the number of tensors.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "dtype.h"
+
+namespace shardadam {
+
+// Elements handled per vector access on the GPU; tables flag tensors whose
+// every list is aligned to this many elements so the engine can vectorise.
+constexpr int kVecElems = 4;
+
+struct Chunk {
+  int64_t start;    // first element, within the tensor
+  uint32_t tensor;  // index into the table
+  uint32_t len;     // elements, > 0
+};
+static_assert(sizeof(Chunk) == 16, "Chunk is read as a 16-byte record");
+
+// What an engine sees. All pointers point into one blob.
+struct TableView {
+  const uint64_t* ptrs = nullptr;      // [num_lists][num_tensors]; 0 = list absent
+  const uint8_t* dtypes = nullptr;     // [num_lists][num_tensors]
+  const int64_t* numels = nullptr;     // [num_tensors]
+  const uint32_t* groups = nullptr;    // [num_tensors]
+  const uint8_t* aligned = nullptr;    // [num_tensors]: every list vector-aligned
+  const int64_t* tensor_chunks = nullptr;  // [num_tensors + 1]: chunk range per tensor
+  const Chunk* chunks = nullptr;       // [num_chunks]
+  int32_t num_lists = 0;
+  int64_t num_tensors = 0;
+  int64_t num_chunks = 0;
+};
+
+struct ListSpec {
+  std::string name;
+  std::vector<uint64_t> ptrs;    // empty: the list is absent
+  std::vector<int64_t> numels;
+  std::vector<uint8_t> dtypes;
+  bool written = false;
+};
+
+class TensorTable {
+ public:
+  // `alias_ok`: a written list may be exactly the same memory as the list
+  // at index `alias_ok` for the same tensor (in-place scale). -1: never.
+  TensorTable(std::vector<ListSpec> lists, std::vector<uint32_t> groups,
+              int64_t chunk_size, int alias_list);
+
+  int num_lists() const { return int(lists_.size()); }
+  int64_t num_tensors() const { return num_tensors_; }
+  int64_t num_chunks() const { return int64_t(chunks_.size()); }
+  int64_t num_groups() const { return num_groups_; }
+  int64_t total_numel() const { return total_numel_; }
+  int64_t chunk_size() const { return chunk_size_; }
+  bool has_list(int l) const { return !lists_[l].ptrs.empty(); }
+  const ListSpec& list(int l) const { return lists_[l]; }
+  // First chunk of group g; group_chunk_begin(num_groups) == num_chunks.
+  int64_t group_chunk_begin(int64_t g) const { return group_chunk_begin_[g]; }
+
+  const std::vector<uint8_t>& blob() const { return blob_; }
+  // View over a copy of blob() at `base` (the host blob itself, or its device copy).
+  TableView view(const void* base) const;
+  TableView host_view() const { return view(blob_.data()); }
+
+  // Replace the addresses of one list (e.g. gradients that moved), keeping
+  // every other property. Revalidates alignment and overlap.
+  void set_list_ptrs(int l, const std::vector<uint64_t>& ptrs);
+
+ private:
+  void validate_overlap() const;
+  void build_blob();
+
+  std::vector<ListSpec> lists_;
+  std::vector<uint32_t> groups_;
+  std::vector<Chunk> chunks_;
+  std::vector<int64_t> tensor_chunks_;
+  std::vector<int64_t> group_chunk_begin_;
+  std::vector<uint8_t> blob_;
+  int64_t num_tensors_ = 0;
+  int64_t num_groups_ = 1;
+  int64_t total_numel_ = 0;
+  int64_t chunk_size_ = 0;
+  int alias_list_ = -1;
+  size_t off_ptrs_ = 0, off_dtypes_ = 0, off_numels_ = 0, off_groups_ = 0, off_aligned_ = 0,
+         off_tensor_chunks_ = 0, off_chunks_ = 0;
+};
+
+}  // namespace shardadam

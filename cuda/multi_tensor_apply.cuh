@@ -1,0 +1,226 @@
+// The CUDA multi-tensor engine. One launch covers any number of tensors: the
+// table (addresses, dtypes, chunks) lives in device memory and each block
+// reads its chunk's record, so the kernel arguments stay the same size
+// whatever the tensor count. Within a chunk each thread handles tiles of
+// kVecElems elements with one vector access per list when the tensor is
+// aligned, and element by element otherwise (misaligned views, tails).
+// Indices are 64-bit throughout: a tensor may exceed 2^31 elements.
+#pragma once
+
+#include "cuda_check.cuh"
+#include "cuda_api.h"
+#include "ops.h"
+
+namespace shardadam {
+
+constexpr int kBlock = 512;
+constexpr int64_t kMaxGrid = 0x7fffffff;
+
+template <class T, int K>
+struct alignas(sizeof(T) * K) Pack {
+  T v[K];
+};
+
+template <int L, int K>
+class CudaIO {
+ public:
+  __device__ CudaIO(const TableView& tv, uint32_t tensor) {
+#pragma unroll
+    for (int l = 0; l < L; ++l) {
+      ptr_[l] = reinterpret_cast<char*>(tv.ptrs[int64_t(l) * tv.num_tensors + tensor]);
+      dtype_[l] = DType(tv.dtypes[int64_t(l) * tv.num_tensors + tensor]);
+    }
+    vec_ = tv.aligned[tensor] != 0;
+  }
+  __device__ void at(int64_t index, int count) {
+    index_ = index;
+    count_ = count;
+  }
+  __device__ DType dtype(int l) const { return dtype_[l]; }
+  __device__ int count() const { return count_; }
+
+  __device__ void load(int l, float (&out)[K]) const {
+    switch (dtype_[l]) {
+      case DType::F32: {
+        float r[K];
+        load_raw(reinterpret_cast<const float*>(ptr_[l]) + index_, r);
+#pragma unroll
+        for (int k = 0; k < K; ++k) out[k] = r[k];
+        break;
+      }
+      case DType::BF16: {
+        uint16_t r[K];
+        load_raw(reinterpret_cast<const uint16_t*>(ptr_[l]) + index_, r);
+#pragma unroll
+        for (int k = 0; k < K; ++k) out[k] = bf16_to_float(r[k]);
+        break;
+      }
+      case DType::F16: {
+        uint16_t r[K];
+        load_raw(reinterpret_cast<const uint16_t*>(ptr_[l]) + index_, r);
+#pragma unroll
+        for (int k = 0; k < K; ++k) out[k] = f16_to_float(r[k]);
+        break;
+      }
+      default:
+#pragma unroll
+        for (int k = 0; k < K; ++k) out[k] = 0.0f;
+    }
+  }
+
+  __device__ void store(int l, const float (&in)[K]) const {
+    switch (dtype_[l]) {
+      case DType::F32: {
+        float r[K];
+#pragma unroll
+        for (int k = 0; k < K; ++k) r[k] = in[k];
+        store_raw(reinterpret_cast<float*>(ptr_[l]) + index_, r);
+        break;
+      }
+      case DType::BF16: {
+        uint16_t r[K];
+#pragma unroll
+        for (int k = 0; k < K; ++k) r[k] = float_to_bf16(in[k]);
+        store_raw(reinterpret_cast<uint16_t*>(ptr_[l]) + index_, r);
+        break;
+      }
+      case DType::F16: {
+        uint16_t r[K];
+#pragma unroll
+        for (int k = 0; k < K; ++k) r[k] = float_to_f16(in[k]);
+        store_raw(reinterpret_cast<uint16_t*>(ptr_[l]) + index_, r);
+        break;
+      }
+      default:
+        break;
+    }
+  }
+
+  __device__ void load_bits(int l, uint16_t (&out)[K]) const {
+    load_raw(reinterpret_cast<const uint16_t*>(ptr_[l]) + index_, out);
+  }
+  __device__ void store_bits(int l, const uint16_t (&in)[K]) const {
+    store_raw(reinterpret_cast<uint16_t*>(ptr_[l]) + index_, in);
+  }
+
+ private:
+  template <class T>
+  __device__ void load_raw(const T* src, T (&r)[K]) const {
+    if (vec_ && count_ == K) {
+      const Pack<T, K> p = *reinterpret_cast<const Pack<T, K>*>(src);
+#pragma unroll
+      for (int k = 0; k < K; ++k) r[k] = p.v[k];
+    } else {
+#pragma unroll
+      for (int k = 0; k < K; ++k) r[k] = k < count_ ? src[k] : T(0);
+    }
+  }
+  template <class T>
+  __device__ void store_raw(T* dst, const T (&r)[K]) const {
+    if (vec_ && count_ == K) {
+      Pack<T, K> p;
+#pragma unroll
+      for (int k = 0; k < K; ++k) p.v[k] = r[k];
+      *reinterpret_cast<Pack<T, K>*>(dst) = p;
+    } else {
+#pragma unroll
+      for (int k = 0; k < K; ++k)
+        if (k < count_) dst[k] = r[k];
+    }
+  }
+
+  char* ptr_[L];
+  DType dtype_[L];
+  bool vec_;
+  int64_t index_ = 0;
+  int count_ = 0;
+};
+
+// Block-wide reductions in a fixed order (deterministic), warp shuffles then
+// one shared-memory step. Every thread of the block calls each method.
+class CudaReducer {
+ public:
+  __device__ void max_to(float* addr, float v) {
+    const float m = reduce(v, [](float a, float b) { return nan_max(a, b); });
+    // Non-negative floats order like their bit patterns (NaN above infinity).
+    if (threadIdx.x == 0) atomicMax(reinterpret_cast<unsigned int*>(addr), __float_as_uint(m));
+  }
+  __device__ void sum_to(float* addr, float v) {
+    const float s = reduce(v, [](float a, float b) { return a + b; });
+    if (threadIdx.x == 0) *addr = s;
+  }
+  __device__ void flag_if(float* addr, bool v) {
+    if (__syncthreads_or(v) && threadIdx.x == 0) *addr = 1.0f;
+  }
+
+ private:
+  template <class F>
+  __device__ float reduce(float v, F f) {
+    __shared__ float partial[kBlock / 32];
+    for (int o = 16; o > 0; o /= 2) v = f(v, __shfl_down_sync(0xffffffffu, v, o));
+    __syncthreads();  // partial may still be read by a previous reduction
+    if ((threadIdx.x & 31) == 0) partial[threadIdx.x / 32] = v;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+      v = threadIdx.x < blockDim.x / 32 ? partial[threadIdx.x] : partial[0];
+      for (int o = 16; o > 0; o /= 2) v = f(v, __shfl_down_sync(0xffffffffu, v, o));
+    }
+    return v;  // valid in thread 0
+  }
+};
+
+template <class Op>
+__global__ void __launch_bounds__(kBlock)
+    multi_tensor_kernel(const TableView tv, const int64_t chunk_begin, const __grid_constant__ Op op,
+                        const float* skip_if) {
+  constexpr int K = kVecElems;
+  if (flag_is_set(skip_if)) return;  // the same answer for every block
+  const int64_t c = chunk_begin + blockIdx.x;
+  const Chunk ch = tv.chunks[c];
+  const ChunkCtx ctx{ch.tensor, tv.groups[ch.tensor], c};
+  CudaIO<Op::kLists, K> io(tv, ch.tensor);
+  auto state = op.template begin<K>(ctx);
+  const int64_t end = ch.start + ch.len;
+  for (int64_t i = ch.start + int64_t(threadIdx.x) * K; i < end; i += int64_t(kBlock) * K) {
+    io.at(i, end - i < K ? int(end - i) : K);
+    op.template tile<K>(io, state);
+  }
+  CudaReducer red;
+  op.template finish<K>(ctx, state, red);
+}
+
+// Small kernels for the steps around a multi-tensor pass (cuda/engine.cu).
+void launch_commit_scales(const AdamArgs& a, int64_t num_tensors, const float* skip_if,
+                          cudaStream_t stream);
+void launch_finalize_norm(const TableView& tv, const float* partials, float* per_tensor,
+                          float* total, cudaStream_t stream);
+
+struct CudaEngine {
+  TableView tv;
+  cudaStream_t stream;
+
+  template <class Op>
+  void apply(int64_t chunk_begin, int64_t chunk_end, const Op& op, const float* skip_if) const {
+    for (int64_t c = chunk_begin; c < chunk_end; c += kMaxGrid) {
+      const int64_t n = chunk_end - c < kMaxGrid ? chunk_end - c : kMaxGrid;
+      multi_tensor_kernel<Op><<<unsigned(n), kBlock, 0, stream>>>(tv, c, op, skip_if);
+      cuda_check(cudaGetLastError(), "multi_tensor_kernel launch");
+    }
+  }
+  void zero(float* p, int64_t n) const {
+    cuda_check(cudaMemsetAsync(p, 0, size_t(n) * sizeof(float), stream), "cudaMemsetAsync");
+  }
+  void commit_scales(const AdamArgs& a, int64_t num_tensors, const float* skip_if) const {
+    launch_commit_scales(a, num_tensors, skip_if, stream);
+  }
+  void finalize_norm(const float* partials, float* per_tensor, float* total) const {
+    launch_finalize_norm(tv, partials, per_tensor, total, stream);
+  }
+};
+
+inline CudaEngine make_engine(const TensorTable& t, const CudaTarget& where) {
+  return CudaEngine{t.view(reinterpret_cast<const void*>(where.blob)),
+                    reinterpret_cast<cudaStream_t>(where.stream)};
+}
+
+}  // namespace shardadam

@@ -1,0 +1,12 @@
+"""shardadam: distributed fused Adam for PyTorch on a compiled C++/CUDA core."""
+from . import _core, kernels
+
+__version__ = _core.build_info()["version"]
+
+
+def build_info() -> dict:
+    """What the compiled core contains: CUDA kernels, architectures, runtime, devices."""
+    return _core.build_info()
+
+
+__all__ = ["build_info", "kernels", "__version__"]

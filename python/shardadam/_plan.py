@@ -1,0 +1,56 @@
+"""A launch plan: tensor lists validated once, tabled by the core, and (for
+CUDA) copied to the device once, so every later call is one launch whose host
+cost does not depend on the number of tensors."""
+from __future__ import annotations
+
+import torch
+
+from . import _core
+from ._torch import device_index, first_device, spec, stream_of
+
+# Elements per chunk: one CUDA block (or one CPU work item) handles a chunk.
+CHUNK_SIZE = 65536
+
+
+class TensorPlan:
+    """Lists of equally sized tensors for one kernel family.
+
+    ``lists`` maps each list name to (tensors or None, written, allowed dtypes),
+    in the order the core expects. The plan keeps the tensors alive; it reads
+    their addresses now, so tensors must not be reallocated (``.data = ...``,
+    ``set_()``) while the plan is used.
+    """
+
+    def __init__(self, kind: str, lists: dict, *, groups: list[int] | None = None, alias_list: int = -1):
+        names = list(lists)
+        tensor_lists = [lists[n][0] for n in names]
+        self.kind = kind
+        self.device = first_device(tensor_lists)
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"build the {kind} plan before CUDA graph capture starts, then launch it inside")
+        ref_name = names[0]
+        ref = tensor_lists[0]
+        if ref is None:
+            raise ValueError(f"{kind}: {ref_name} must be given")
+        specs = [spec(n, lists[n][0], lists[n][1], ref, ref_name, self.device, lists[n][2]) for n in names]
+        self.table = _core.TensorTable(specs, groups or [], CHUNK_SIZE, alias_list)
+        self.lists = dict(zip(names, tensor_lists))
+        self.num_tensors = len(ref)
+        self._device_index = device_index(self.device)
+        self._blob = None
+        if self.device.type == "cuda":
+            # A synchronous copy: the table is on the device before any launch,
+            # whatever stream that launch uses.
+            raw = torch.frombuffer(bytearray(self.table.blob()), dtype=torch.uint8)
+            self._blob = raw.to(self.device)
+        self._blob_ptr = self._blob.data_ptr() if self._blob is not None else 0
+
+    def target(self) -> tuple[int, int, int, int]:
+        """(device, stream, blob, threads) for a core call, on the current stream."""
+        return (self._device_index, stream_of(self.device), self._blob_ptr, torch.get_num_threads())
+
+    def __repr__(self) -> str:
+        present = [n for n, t in self.lists.items() if t is not None]
+        return (f"TensorPlan({self.kind}, tensors={self.num_tensors}, elements={self.table.total_numel}, "
+                f"chunks={self.table.num_chunks}, groups={self.table.num_groups}, lists={present}, "
+                f"device={self.device})")

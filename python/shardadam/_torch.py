@@ -1,0 +1,150 @@
+"""The torch-aware glue: torch tensors in, addresses and dtype codes out.
+
+Everything here runs when a plan is built (once), never per element. The
+compiled core never sees a torch object.
+"""
+from __future__ import annotations
+
+import numbers
+from typing import Sequence
+
+import torch
+
+from . import _core
+
+DTYPE_CODES = {
+    torch.float32: _core.DType.float32,
+    torch.float16: _core.DType.float16,
+    torch.bfloat16: _core.DType.bfloat16,
+    torch.int16: _core.DType.int16,
+}
+SCALAR_CODES = {
+    torch.float32: _core.DType.float32,
+    torch.float64: _core.DType.float64,
+    torch.int32: _core.DType.int32,
+    torch.int64: _core.DType.int64,
+}
+
+
+def as_list(name: str, value) -> list[torch.Tensor] | None:
+    """A tensor, a sequence of tensors, or None (absent list)."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        for i, t in enumerate(value):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}[{i}] is {type(t).__name__}; pass torch tensors")
+        return list(value)
+    raise TypeError(f"{name} must be a tensor or a list of tensors, not {type(value).__name__}")
+
+
+def is_dense(t: torch.Tensor) -> bool:
+    """True when t's elements fill one gap-free block of memory in some order
+    (contiguous, channels_last, any permutation)."""
+    dims = sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1)
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _same_element_order(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Element k in memory is the same logical element in both tensors."""
+    if a.is_contiguous() and b.is_contiguous():
+        return True  # any shapes: row-major order on both sides (flat state is fine)
+    if a.shape != b.shape:
+        return False
+    return all(sa == sb for sa, sb, n in zip(a.stride(), b.stride(), a.shape) if n != 1)
+
+
+def check_tensor(name: str, t: torch.Tensor, device: torch.device, allowed) -> None:
+    if t.layout != torch.strided:
+        raise ValueError(f"{name} is a {t.layout} tensor; pass dense (strided) tensors "
+                         "(sparse gradients are not supported)")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the first tensor is on {device}: "
+                         "put all tensors of one call on the same device")
+    if t.dtype not in allowed:
+        names = ", ".join(str(d).replace("torch.", "") for d in allowed)
+        raise ValueError(f"{name} has dtype {str(t.dtype).replace('torch.', '')}; supported: {names}")
+    if t.numel() and not is_dense(t):
+        raise ValueError(f"{name} is not dense (a strided view with gaps); pass a contiguous "
+                         "tensor, e.g. t.contiguous(), and copy results back yourself")
+
+
+def spec(name: str, tensors: list[torch.Tensor] | None, written: bool, reference: list[torch.Tensor] | None,
+         ref_name: str, device: torch.device, allowed):
+    """One list as the core's TensorTable wants it."""
+    if tensors is None:
+        return (name, [], [], [], written)
+    for i, t in enumerate(tensors):
+        check_tensor(f"{name}[{i}]", t, device, allowed)
+    if reference is not None and reference is not tensors and len(tensors) == len(reference):
+        for i, (t, r) in enumerate(zip(tensors, reference)):
+            if t.numel() == r.numel() and t.numel() and not _same_element_order(t, r):
+                raise ValueError(
+                    f"{name}[{i}] (shape {tuple(t.shape)}, strides {t.stride()}) orders its elements "
+                    f"differently from {ref_name}[{i}] (shape {tuple(r.shape)}, strides {r.stride()}): "
+                    "give corresponding tensors the same shape and memory format")
+    return (name, [t.data_ptr() for t in tensors], [t.numel() for t in tensors],
+            [DTYPE_CODES[t.dtype].value for t in tensors], written)
+
+
+def scalar(name: str, value, device: torch.device) -> _core.Scalar:
+    """A Python number, or a one-element tensor the kernel reads itself."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} must be a number or a one-element tensor, got {value.numel()} elements")
+        if value.device.type == "cpu" and device.type != "cpu":
+            return _core.Scalar(float(value.item()))  # host value: no device sync involved
+        if value.device != device:
+            raise ValueError(f"{name} is on {value.device}; put it on {device} (or pass a number)")
+        if value.dtype not in SCALAR_CODES:
+            raise ValueError(f"{name} has dtype {value.dtype}; use float32, float64, int32 or int64")
+        return _core.Scalar(0.0, value.data_ptr(), SCALAR_CODES[value.dtype].value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number or a one-element tensor, not {type(value).__name__}")
+    return _core.Scalar(float(value))
+
+
+def flag_ptr(name: str, flag: torch.Tensor | None, device: torch.device) -> int:
+    """Address of a float32 one-element flag tensor (found_inf style), or 0."""
+    if flag is None:
+        return 0
+    if not isinstance(flag, torch.Tensor) or flag.numel() != 1 or flag.dtype != torch.float32:
+        raise ValueError(f"{name} must be a one-element float32 tensor (like GradScaler's found_inf)")
+    if flag.device != device:
+        raise ValueError(f"{name} is on {flag.device}; put it on {device}")
+    return flag.data_ptr()
+
+
+def per_tensor_ptr(name: str, t: torch.Tensor | None, n: int, device: torch.device) -> int:
+    """Address of a float32 [n] tensor with one value per table tensor, or 0."""
+    if t is None:
+        return 0
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.numel() != n or not t.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous float32 tensor with one value per tensor ({n})")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}; put it on {device}")
+    return t.data_ptr()
+
+
+def stream_of(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def device_index(device: torch.device) -> int:
+    return -1 if device.type == "cpu" else device.index
+
+
+def first_device(lists: Sequence[list[torch.Tensor] | None]) -> torch.device:
+    for tensors in lists:
+        if tensors:
+            return tensors[0].device
+    return torch.device("cpu")
