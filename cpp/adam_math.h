@@ -11,11 +11,13 @@
 namespace shardadam {
 
 // One parameter group's hyperparameters, as the kernels receive them.
+// Kept in double, as torch.optim keeps them, so that derived coefficients
+// such as 1 - beta2 round once to float (1 - float(0.999) is 1.3e-5 off).
 struct AdamGroup {
-  float beta1 = 0.9f;
-  float beta2 = 0.999f;
-  float eps = 1e-8f;
-  float weight_decay = 0.0f;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
   bool adam_w_mode = true;      // decoupled decay (AdamW) instead of L2
   bool bias_correction = true;
   bool maximize = false;
@@ -38,19 +40,19 @@ struct AdamCoeffs {
 SHARDADAM_HD AdamCoeffs make_adam_coeffs(const AdamGroup& g, double grad_scale) {
   const double lr = g.lr.read();
   const double step = g.step.read();
-  const double bc1 = g.bias_correction ? 1.0 - pow(double(g.beta1), step) : 1.0;
-  const double bc2 = g.bias_correction ? 1.0 - pow(double(g.beta2), step) : 1.0;
+  const double bc1 = g.bias_correction ? 1.0 - pow(g.beta1, step) : 1.0;
+  const double bc2 = g.bias_correction ? 1.0 - pow(g.beta2, step) : 1.0;
   AdamCoeffs c;
   c.grad_mul = float(g.maximize ? -grad_scale : grad_scale);
-  c.l2 = g.adam_w_mode ? 0.0f : g.weight_decay;
-  c.decay = g.adam_w_mode ? float(1.0 - lr * double(g.weight_decay)) : 1.0f;
-  c.beta1 = g.beta1;
-  c.one_minus_beta1 = 1.0f - g.beta1;
-  c.beta2 = g.beta2;
-  c.one_minus_beta2 = 1.0f - g.beta2;
+  c.l2 = g.adam_w_mode ? 0.0f : float(g.weight_decay);
+  c.decay = g.adam_w_mode ? float(1.0 - lr * g.weight_decay) : 1.0f;
+  c.beta1 = float(g.beta1);
+  c.one_minus_beta1 = float(1.0 - g.beta1);
+  c.beta2 = float(g.beta2);
+  c.one_minus_beta2 = float(1.0 - g.beta2);
   c.step_size = float(lr / bc1);
   c.bc2_sqrt = float(sqrt(bc2));
-  c.eps = g.eps;
+  c.eps = float(g.eps);
   return c;
 }
 
@@ -63,7 +65,9 @@ SHARDADAM_HD float nan_max(float a, float b) {
 // otherwise.
 SHARDADAM_HD void adam_element(float& p, float g, float& m, float& v, float& vmax,
                                bool has_max, const AdamCoeffs& c) {
-  g = g * c.grad_mul + c.l2 * p;
+  g = g * c.grad_mul;
+  // Only in L2 mode: 0 * p would turn an infinite param into a NaN gradient.
+  if (c.l2 != 0.0f) g += c.l2 * p;
   p = p * c.decay;
   m = c.beta1 * m + c.one_minus_beta1 * g;
   v = c.beta2 * v + c.one_minus_beta2 * g * g;

@@ -19,11 +19,11 @@ using ListTuple = std::tuple<std::string, std::vector<uint64_t>, std::vector<int
                              std::vector<uint8_t>, bool>;
 
 TensorTable make_table(const std::vector<ListTuple>& lists, std::vector<uint32_t> groups,
-                       int64_t chunk_size, int alias_list) {
+                       int64_t num_groups, int64_t chunk_size, int alias_list) {
   std::vector<ListSpec> specs;
   for (const ListTuple& l : lists)
     specs.push_back(ListSpec{std::get<0>(l), std::get<1>(l), std::get<2>(l), std::get<3>(l), std::get<4>(l)});
-  return TensorTable(std::move(specs), std::move(groups), chunk_size, alias_list);
+  return TensorTable(std::move(specs), std::move(groups), num_groups, chunk_size, alias_list);
 }
 
 ScalarSrc make_scalar(double value, uint64_t ptr, int dtype) {
@@ -80,12 +80,13 @@ NB_MODULE(_core, m) {
                           "Validated lists of equally sized tensors, cut into chunks.")
       .def("__init__",
            [](TensorTable* t, const std::vector<ListTuple>& lists, std::vector<uint32_t> groups,
-              int64_t chunk_size, int alias_list) {
-             new (t) TensorTable(make_table(lists, std::move(groups), chunk_size, alias_list));
+              int64_t num_groups, int64_t chunk_size, int alias_list) {
+             new (t) TensorTable(make_table(lists, std::move(groups), num_groups, chunk_size, alias_list));
            },
-           "lists"_a, "groups"_a, "chunk_size"_a, "alias_list"_a = -1,
+           "lists"_a, "groups"_a, "num_groups"_a, "chunk_size"_a, "alias_list"_a = -1,
            "lists: (name, addresses, numels, dtype codes, written) per list; an absent list has "
-           "no addresses. groups: a non-decreasing group index per tensor, or empty.")
+           "no addresses. groups: a non-decreasing group index per tensor, or empty (one group). "
+           "alias_list: a written list may be exactly this list's tensor (in place).")
       .def_prop_ro("num_lists", &TensorTable::num_lists)
       .def_prop_ro("num_tensors", &TensorTable::num_tensors)
       .def_prop_ro("num_chunks", &TensorTable::num_chunks)
@@ -136,6 +137,7 @@ NB_MODULE(_core, m) {
     d["cuda_device_count"] = cuda_device_count();
     d["version"] = SHARDADAM_VERSION;
     d["max_groups_per_launch"] = kMaxGroupsPerLaunch;
+    d["cpu_isa"] = cpu_isa();
     return d;
   }, "What this build contains: CUDA kernels and their architectures, runtime and device count.");
 }

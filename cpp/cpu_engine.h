@@ -1,7 +1,7 @@
 // The CPU multi-tensor engine: chunks spread over threads, each chunk walked
-// in tiles of kCpuTile elements that are converted to float arrays, handed to
-// the op's shared math (which the compiler vectorises over the tile), and
-// converted back.
+// in tiles of kCpuTile elements that are converted to float arrays (vector
+// registers for full tiles), handed to the op's shared math (which the
+// compiler vectorises over the tile), and converted back.
 #pragma once
 
 #include "ops.h"
@@ -9,62 +9,86 @@
 
 namespace shardadam {
 
-constexpr int kCpuTile = 256;
+constexpr int kCpuTile = 32;
 
-template <int L, int K>
-class CpuIO {
- public:
-  CpuIO(const TableView& tv, uint32_t tensor) {
+// Addresses and dtypes of one tensor in every list, read once per chunk.
+template <int L>
+struct CpuTensor {
+  CpuTensor(const TableView& tv, uint32_t tensor) {
     for (int l = 0; l < L; ++l) {
-      ptr_[l] = reinterpret_cast<char*>(tv.ptrs[int64_t(l) * tv.num_tensors + tensor]);
-      dtype_[l] = DType(tv.dtypes[int64_t(l) * tv.num_tensors + tensor]);
+      ptr[l] = reinterpret_cast<char*>(tv.ptrs[int64_t(l) * tv.num_tensors + tensor]);
+      dtype[l] = DType(tv.dtypes[int64_t(l) * tv.num_tensors + tensor]);
+      all_f32 &= dtype[l] == DType::F32 || dtype[l] == DType::None;
     }
   }
-  void at(int64_t index, int count) {
-    index_ = index;
-    count_ = count;
-  }
-  DType dtype(int l) const { return dtype_[l]; }
-  int count() const { return count_; }
+  char* ptr[L];
+  DType dtype[L];
+  bool all_f32 = true;  // every present list is float32
+};
+
+// One tile. Full tiles (all K elements real) have compile-time trip counts;
+// the tail tile of a chunk runs the same code over count() lanes. With
+// F32Only (every list float32 or absent, the common case) loads and stores
+// need no dtype dispatch, so a small tile stays in vector registers instead
+// of making a round trip through the stack.
+template <int L, int K, bool Full, bool F32Only = false>
+class CpuIO {
+ public:
+  CpuIO(const CpuTensor<L>& t, int64_t index, int count) : t_(t), index_(index), count_(count) {}
+  DType dtype(int l) const { return F32Only ? (t_.ptr[l] ? DType::F32 : DType::None) : t_.dtype[l]; }
+  int count() const { return Full ? K : count_; }
+  int lanes() const { return Full ? K : count_; }
 
   void load(int l, float (&out)[K]) const {
-    switch (dtype_[l]) {
+    const int n = lanes();
+    if (F32Only) {
+      const float* __restrict__ s = reinterpret_cast<const float*>(t_.ptr[l]) + index_;
+      if (t_.ptr[l]) for (int k = 0; k < n; ++k) out[k] = s[k];
+      else for (int k = 0; k < n; ++k) out[k] = 0.0f;
+      return;
+    }
+    switch (t_.dtype[l]) {
       case DType::F32: {
-        const float* s = reinterpret_cast<const float*>(ptr_[l]) + index_;
-        for (int k = 0; k < count_; ++k) out[k] = s[k];
+        const float* s = reinterpret_cast<const float*>(t_.ptr[l]) + index_;
+        for (int k = 0; k < n; ++k) out[k] = s[k];
         break;
       }
       case DType::BF16: {
-        const uint16_t* s = reinterpret_cast<const uint16_t*>(ptr_[l]) + index_;
-        for (int k = 0; k < count_; ++k) out[k] = bf16_to_float(s[k]);
+        const uint16_t* s = reinterpret_cast<const uint16_t*>(t_.ptr[l]) + index_;
+        for (int k = 0; k < n; ++k) out[k] = bf16_to_float(s[k]);
         break;
       }
       case DType::F16: {
-        const uint16_t* s = reinterpret_cast<const uint16_t*>(ptr_[l]) + index_;
-        for (int k = 0; k < count_; ++k) out[k] = f16_to_float(s[k]);
+        const uint16_t* s = reinterpret_cast<const uint16_t*>(t_.ptr[l]) + index_;
+        for (int k = 0; k < n; ++k) out[k] = f16_to_float(s[k]);
         break;
       }
       default:
-        for (int k = 0; k < count_; ++k) out[k] = 0.0f;
+        for (int k = 0; k < n; ++k) out[k] = 0.0f;
     }
-    for (int k = count_; k < K; ++k) out[k] = 0.0f;
   }
 
   void store(int l, const float (&in)[K]) const {
-    switch (dtype_[l]) {
+    const int n = lanes();
+    if (F32Only) {
+      float* __restrict__ d = reinterpret_cast<float*>(t_.ptr[l]) + index_;
+      if (t_.ptr[l]) for (int k = 0; k < n; ++k) d[k] = in[k];
+      return;
+    }
+    switch (t_.dtype[l]) {
       case DType::F32: {
-        float* d = reinterpret_cast<float*>(ptr_[l]) + index_;
-        for (int k = 0; k < count_; ++k) d[k] = in[k];
+        float* d = reinterpret_cast<float*>(t_.ptr[l]) + index_;
+        for (int k = 0; k < n; ++k) d[k] = in[k];
         break;
       }
       case DType::BF16: {
-        uint16_t* d = reinterpret_cast<uint16_t*>(ptr_[l]) + index_;
-        for (int k = 0; k < count_; ++k) d[k] = float_to_bf16(in[k]);
+        uint16_t* d = reinterpret_cast<uint16_t*>(t_.ptr[l]) + index_;
+        for (int k = 0; k < n; ++k) d[k] = float_to_bf16(in[k]);
         break;
       }
       case DType::F16: {
-        uint16_t* d = reinterpret_cast<uint16_t*>(ptr_[l]) + index_;
-        for (int k = 0; k < count_; ++k) d[k] = float_to_f16(in[k]);
+        uint16_t* d = reinterpret_cast<uint16_t*>(t_.ptr[l]) + index_;
+        for (int k = 0; k < n; ++k) d[k] = float_to_f16(in[k]);
         break;
       }
       default:
@@ -73,21 +97,19 @@ class CpuIO {
   }
 
   void load_bits(int l, uint16_t (&out)[K]) const {
-    const uint16_t* s = reinterpret_cast<const uint16_t*>(ptr_[l]) + index_;
-    for (int k = 0; k < count_; ++k) out[k] = s[k];
-    for (int k = count_; k < K; ++k) out[k] = 0;
+    const uint16_t* s = reinterpret_cast<const uint16_t*>(t_.ptr[l]) + index_;
+    for (int k = 0; k < lanes(); ++k) out[k] = s[k];
   }
 
   void store_bits(int l, const uint16_t (&in)[K]) const {
-    uint16_t* d = reinterpret_cast<uint16_t*>(ptr_[l]) + index_;
-    for (int k = 0; k < count_; ++k) d[k] = in[k];
+    uint16_t* d = reinterpret_cast<uint16_t*>(t_.ptr[l]) + index_;
+    for (int k = 0; k < lanes(); ++k) d[k] = in[k];
   }
 
  private:
-  char* ptr_[L];
-  DType dtype_[L];
-  int64_t index_ = 0;
-  int count_ = 0;
+  const CpuTensor<L>& t_;
+  int64_t index_;
+  int count_;
 };
 
 // One chunk is handled by one thread, so reductions are plain writes except
@@ -108,19 +130,31 @@ struct CpuReducer {
   }
 };
 
+// Walks one chunk of `tensor` in tiles of K.
+template <int K, bool F32Only, class Op, class State>
+void cpu_run_tiles(const CpuTensor<Op::kLists>& tensor, const Chunk& ch, const Op& op, State& state) {
+  const int64_t end = ch.start + ch.len;
+  int64_t i = ch.start;
+  for (; i + K <= end; i += K) op.template tile<K>(CpuIO<Op::kLists, K, true, F32Only>(tensor, i, K), state);
+  if (i < end) op.template tile<K>(CpuIO<Op::kLists, K, false, F32Only>(tensor, i, int(end - i)), state);
+}
+
 template <class Op>
 void cpu_run_chunks(const TableView& tv, int64_t chunk_begin, int64_t chunk_end, const Op& op) {
   constexpr int K = kCpuTile;
+  typename Op::GroupState group_state{};
+  int64_t current_group = -1;
   for (int64_t c = chunk_begin; c < chunk_end; ++c) {
     const Chunk ch = tv.chunks[c];
     const ChunkCtx ctx{ch.tensor, tv.groups[ch.tensor], c};
-    CpuIO<Op::kLists, K> io(tv, ch.tensor);
-    auto state = op.template begin<K>(ctx);
-    const int64_t end = ch.start + ch.len;
-    for (int64_t i = ch.start; i < end; i += K) {
-      io.at(i, int(end - i < K ? end - i : K));
-      op.template tile<K>(io, state);
+    if (int64_t(ctx.group) != current_group) {  // chunks come ordered by group
+      group_state = op.group_state(ctx.group);
+      current_group = ctx.group;
     }
+    const CpuTensor<Op::kLists> tensor(tv, ch.tensor);
+    auto state = op.template begin<K>(ctx, group_state);
+    if (tensor.all_f32) cpu_run_tiles<K, true>(tensor, ch, op, state);
+    else cpu_run_tiles<K, false>(tensor, ch, op, state);
     CpuReducer red;
     op.template finish<K>(ctx, state, red);
   }
@@ -129,16 +163,18 @@ void cpu_run_chunks(const TableView& tv, int64_t chunk_begin, int64_t chunk_end,
 // Below this many elements a call stays on the caller's thread.
 constexpr int64_t kCpuParallelMin = int64_t(1) << 16;
 
-template <class Op>
+// Spreads [chunk_begin, chunk_end) over threads; `run(tv, b, e, op)` runs a
+// sub-range (cpu_run_chunks, compiled for the CPU's instruction set).
+template <class Op, class Run>
 void cpu_apply(const TableView& tv, int64_t chunk_begin, int64_t chunk_end, const Op& op,
-               const float* skip_if, int threads) {
+               const float* skip_if, int threads, Run run) {
   if (flag_is_set(skip_if) || chunk_end <= chunk_begin) return;
   int64_t work = 0;
   for (int64_t c = chunk_begin; c < chunk_end && work < kCpuParallelMin; ++c) work += tv.chunks[c].len;
   parallel_for(
       chunk_begin, chunk_end, work < kCpuParallelMin ? 1 : threads,
       [&](int64_t c) { return int64_t(tv.chunks[c].len) + 64; },  // + per-chunk overhead
-      [&](int64_t b, int64_t e) { cpu_run_chunks(tv, b, e, op); });
+      [&](int64_t b, int64_t e) { run(tv, b, e, op); });
 }
 
 }  // namespace shardadam

@@ -9,13 +9,36 @@
 namespace shardadam {
 namespace {
 
+// The hot loops, compiled once per instruction set and chosen at load time by
+// the CPU's abilities (the widest vectors it has, as torch's CPU kernels do):
+// one build runs everywhere and still uses AVX2/AVX-512 where present.
+// `flatten` inlines the whole chunk loop into each clone, so no shared
+// out-of-line helper carries one instruction set's code into another's path.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define SHARDADAM_CPU_CLONES \
+  __attribute__((target_clones("default", "arch=x86-64-v3", "arch=x86-64-v4"), flatten))
+#else
+#define SHARDADAM_CPU_CLONES
+#endif
+
+SHARDADAM_CPU_CLONES void run_chunks(const TableView& tv, int64_t b, int64_t e, const AdamOp& op) {
+  cpu_run_chunks(tv, b, e, op);
+}
+SHARDADAM_CPU_CLONES void run_chunks(const TableView& tv, int64_t b, int64_t e, const ScaleOp& op) {
+  cpu_run_chunks(tv, b, e, op);
+}
+SHARDADAM_CPU_CLONES void run_chunks(const TableView& tv, int64_t b, int64_t e, const SumSqOp& op) {
+  cpu_run_chunks(tv, b, e, op);
+}
+
 struct CpuEngine {
   TableView tv;
   int threads;
 
   template <class Op>
   void apply(int64_t chunk_begin, int64_t chunk_end, const Op& op, const float* skip_if) const {
-    cpu_apply(tv, chunk_begin, chunk_end, op, skip_if, threads);
+    cpu_apply(tv, chunk_begin, chunk_end, op, skip_if, threads,
+              [](const TableView& v, int64_t b, int64_t e, const Op& o) { run_chunks(v, b, e, o); });
   }
   void zero(float* p, int64_t n) const { std::memset(p, 0, size_t(n) * sizeof(float)); }
   void commit_scales(const AdamArgs& a, int64_t num_tensors, const float* skip_if) const {
@@ -38,6 +61,17 @@ struct CpuEngine {
 };
 
 }  // namespace
+
+const char* cpu_isa() {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("x86-64-v4")) return "x86-64-v4";
+  if (__builtin_cpu_supports("x86-64-v3")) return "x86-64-v3";
+  return "x86-64";
+#else
+  return "generic";
+#endif
+}
 
 void cpu_adam(const TensorTable& t, const std::vector<AdamGroup>& groups, const AdamExtras& x,
               int threads) {

@@ -12,4 +12,7 @@ void cpu_scale(const TensorTable& t, ScalarSrc scale, uint64_t found_inf, uint64
 void cpu_l2_norm(const TensorTable& t, uint64_t partials, uint64_t per_tensor, uint64_t total,
                  uint64_t nonfinite, int threads);
 
+// The instruction set the CPU kernels run with on this machine.
+const char* cpu_isa();
+
 }  // namespace shardadam

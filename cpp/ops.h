@@ -1,21 +1,36 @@
 // The element-wise operations, written once against two small interfaces that
 // each engine (cpp/cpu_engine.h, cuda/multi_tensor_apply.cuh) implements:
 //
-//   IO (one tile of K elements of one tensor):
-//     dtype(l), count(), load(l, float[K]), store(l, const float[K]),
+//   IO (one tile of up to K elements of one tensor):
+//     dtype(l), count(), lanes(), load(l, float[K]), store(l, const float[K]),
 //     load_bits(l, uint16[K]), store_bits(l, const uint16[K])
-//     Absent lists load zeros and store nothing; elements past count() are
-//     loaded as zeros and never stored.
+//     count() elements are real. Ops compute lanes() of them: the CPU engine
+//     gives count() (no work on padding), the GPU engine K (a constant trip
+//     count keeps tiles in registers); padding lanes load as zeros and are
+//     never stored. Absent lists load zeros and store nothing.
 //   Reducer (once per chunk, all threads of a chunk call it together):
 //     max_to(float*, v), sum_to(float*, v), flag_if(float*, bool)
 //
-// An op has kLists, a per-chunk State<K>, and begin / tile / finish.
+// An op has kLists, a GroupState computed once per parameter group (the CPU
+// engine reuses it across a group's chunks), a per-chunk State<K>, and
+// group_state / begin / tile / finish.
 #pragma once
 
 #include "adam_math.h"
 #include "tensor_table.h"
 
 namespace shardadam {
+
+// Sum of n lanes as a balanced tree; recursion on a constant keeps GPU
+// register arrays in registers (no dynamic indexing).
+template <int N>
+SHARDADAM_HD float pairwise_sum(const float* x) {
+  if constexpr (N == 1) {
+    return x[0];
+  } else {
+    return pairwise_sum<N / 2>(x) + pairwise_sum<N - N / 2>(x + N / 2);
+  }
+}
 
 struct ChunkCtx {
   uint32_t tensor;
@@ -71,10 +86,15 @@ struct AdamOp {
     float amax[kScaledStates];
   };
 
+  using GroupState = AdamCoeffs;
+  SHARDADAM_HD GroupState group_state(uint32_t group) const {
+    return make_adam_coeffs(a.groups[group - a.group_base], a.grad_scale.read());
+  }
+
   template <int K>
-  SHARDADAM_HD State<K> begin(const ChunkCtx& ctx) const {
+  SHARDADAM_HD State<K> begin(const ChunkCtx& ctx, const GroupState& coeffs) const {
     State<K> s;
-    s.c = make_adam_coeffs(a.groups[ctx.group - a.group_base], a.grad_scale.read());
+    s.c = coeffs;
     for (int i = 0; i < kScaledStates; ++i) {
       const float old_scale = a.scales[i] ? a.scales[i][ctx.tensor] : 1.0f;
       s.unscale[i] = 1.0f / old_scale;  // exact: scales are powers of two
@@ -95,7 +115,7 @@ struct AdamOp {
       uint16_t hi[K], lo[K];
       io.load_bits(kParam, hi);
       io.load_bits(kRemainder, lo);
-      for (int k = 0; k < K; ++k) p[k] = join_remainder(hi[k], lo[k]);
+      for (int k = 0; k < io.lanes(); ++k) p[k] = join_remainder(hi[k], lo[k]);
     } else {
       io.load(kParam, p);
     }
@@ -103,31 +123,34 @@ struct AdamOp {
     io.load(kExpAvg, m);
     io.load(kExpAvgSq, v);
     io.load(kMaxExpAvgSq, vmax);
-    for (int k = 0; k < K; ++k) {
+    for (int k = 0; k < io.lanes(); ++k) {
       p[k] *= s.unscale[kScaledMaster];
       m[k] *= s.unscale[kScaledExpAvg];
       v[k] *= s.unscale[kScaledExpAvgSq];
       adam_element(p[k], g[k], m[k], v[k], vmax[k], has_max, s.c);
     }
     if (a.phase == AdamPhase::Measure) {
-      for (int k = 0; k < io.count(); ++k) {
-        s.amax[kScaledMaster] = nan_max(s.amax[kScaledMaster], fabsf(p[k]));
-        s.amax[kScaledExpAvg] = nan_max(s.amax[kScaledExpAvg], fabsf(m[k]));
-        s.amax[kScaledExpAvgSq] = nan_max(s.amax[kScaledExpAvgSq], fabsf(v[k]));
+      // A fixed trip count with a select (not k < count()) keeps the tile in
+      // GPU registers; lanes past count() hold padding and must not count.
+      const int n = io.count();
+      for (int k = 0; k < io.lanes(); ++k) {
+        s.amax[kScaledMaster] = nan_max(s.amax[kScaledMaster], k < n ? fabsf(p[k]) : 0.0f);
+        s.amax[kScaledExpAvg] = nan_max(s.amax[kScaledExpAvg], k < n ? fabsf(m[k]) : 0.0f);
+        s.amax[kScaledExpAvgSq] = nan_max(s.amax[kScaledExpAvgSq], k < n ? fabsf(v[k]) : 0.0f);
       }
       return;
     }
     io.store(kParamOut, p);  // true values, before the master is rescaled
     if (has_rem) {
       uint16_t hi[K], lo[K];
-      for (int k = 0; k < K; ++k) split_remainder(p[k], hi[k], lo[k]);
+      for (int k = 0; k < io.lanes(); ++k) split_remainder(p[k], hi[k], lo[k]);
       io.store_bits(kParam, hi);
       io.store_bits(kRemainder, lo);
     } else {
-      for (int k = 0; k < K; ++k) p[k] *= s.rescale[kScaledMaster];
+      for (int k = 0; k < io.lanes(); ++k) p[k] *= s.rescale[kScaledMaster];
       io.store(kParam, p);
     }
-    for (int k = 0; k < K; ++k) {
+    for (int k = 0; k < io.lanes(); ++k) {
       m[k] *= s.rescale[kScaledExpAvg];
       v[k] *= s.rescale[kScaledExpAvgSq];
     }
@@ -158,9 +181,12 @@ struct ScaleOp {
     bool nonfinite;
   };
 
+  using GroupState = float;  // the scale factor
+  SHARDADAM_HD GroupState group_state(uint32_t) const { return float(scale.read()); }
+
   template <int K>
-  SHARDADAM_HD State<K> begin(const ChunkCtx&) const {
-    return State<K>{float(scale.read()), false};
+  SHARDADAM_HD State<K> begin(const ChunkCtx&, const GroupState& factor) const {
+    return State<K>{factor, false};
   }
 
   template <int K, class IO>
@@ -168,7 +194,7 @@ struct ScaleOp {
     float x[K];
     io.load(0, x);
     bool bad = false;
-    for (int k = 0; k < K; ++k) {
+    for (int k = 0; k < io.lanes(); ++k) {
       bad |= !is_finite(x[k]);  // padding lanes load as 0, which is finite
       x[k] *= s.factor;
     }
@@ -197,8 +223,11 @@ struct SumSqOp {
     bool bad;
   };
 
+  struct GroupState {};
+  SHARDADAM_HD GroupState group_state(uint32_t) const { return {}; }
+
   template <int K>
-  SHARDADAM_HD State<K> begin(const ChunkCtx&) const {
+  SHARDADAM_HD State<K> begin(const ChunkCtx&, const GroupState&) const {
     State<K> s;
     for (int k = 0; k < K; ++k) s.acc[k] = 0.0f;
     s.bad = false;
@@ -210,7 +239,7 @@ struct SumSqOp {
     float x[K];
     io.load(0, x);
     bool bad = false;
-    for (int k = 0; k < K; ++k) {
+    for (int k = 0; k < io.lanes(); ++k) {
       bad |= !is_finite(x[k]);
       s.acc[k] += x[k] * x[k];
     }
@@ -220,9 +249,7 @@ struct SumSqOp {
   template <int K, class R>
   SHARDADAM_HD void finish(const ChunkCtx& ctx, State<K>& s, R& red) const {
     // Pairwise sum of the lanes, then across threads inside the reducer.
-    for (int w = K / 2; w > 0; w /= 2)
-      for (int k = 0; k < w; ++k) s.acc[k] += s.acc[k + w];
-    red.sum_to(&partials[ctx.chunk], s.acc[0]);
+    red.sum_to(&partials[ctx.chunk], pairwise_sum<K>(s.acc));
     if (nonfinite) red.flag_if(nonfinite, s.bad);
   }
 };

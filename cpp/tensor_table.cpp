@@ -27,9 +27,9 @@ size_t append(std::vector<uint8_t>& blob, const std::vector<T>& v) {
 }  // namespace
 
 TensorTable::TensorTable(std::vector<ListSpec> lists, std::vector<uint32_t> groups,
-                         int64_t chunk_size, int alias_list)
-    : lists_(std::move(lists)), groups_(std::move(groups)), chunk_size_(chunk_size),
-      alias_list_(alias_list) {
+                         int64_t num_groups, int64_t chunk_size, int alias_list)
+    : lists_(std::move(lists)), groups_(std::move(groups)), num_groups_(num_groups),
+      chunk_size_(chunk_size), alias_list_(alias_list) {
   SHARDADAM_CHECK(!lists_.empty() && !lists_[0].ptrs.empty(), "the first tensor list must be given");
   SHARDADAM_CHECK(chunk_size_ > 0 && chunk_size_ % kVecElems == 0 && chunk_size_ <= (int64_t(1) << 30),
                   "chunk_size must be a positive multiple of 4, at most 2^30");
@@ -57,7 +57,8 @@ TensorTable::TensorTable(std::vector<ListSpec> lists, std::vector<uint32_t> grou
   SHARDADAM_CHECK(int64_t(groups_.size()) == num_tensors_, "groups must give one group index per tensor");
   for (int64_t t = 1; t < num_tensors_; ++t)
     SHARDADAM_CHECK(groups_[t] >= groups_[t - 1], "tensors must be ordered by group index");
-  num_groups_ = num_tensors_ ? int64_t(groups_.back()) + 1 : 1;
+  SHARDADAM_CHECK(num_groups_ >= 1 && (num_tensors_ == 0 || int64_t(groups_.back()) < num_groups_),
+                  "num_groups must be at least 1 and exceed every group index");
 
   validate_overlap();
 
@@ -83,19 +84,30 @@ void TensorTable::validate_overlap() const {
   // Sweep the address ranges in order: a range overlaps an earlier one iff it
   // starts before the furthest end seen so far. Written ranges may not overlap
   // anything; read-only ranges may share memory with each other.
+  auto bytes_of = [](const ListSpec& spec, int64_t t) {
+    return uint64_t(spec.numels[t]) * uint64_t(dtype_size(DType(spec.dtypes[t])));
+  };
+  // A written tensor that is exactly its own input (in-place) counts once, as
+  // a written range: it may not overlap anything else, itself given twice included.
+  std::vector<int> in_place_of(size_t(num_tensors_), -1);  // written list aliasing the input
+  if (alias_list_ >= 0 && has_list(alias_list_)) {
+    const ListSpec& a = lists_[alias_list_];
+    for (int l = 0; l < num_lists(); ++l) {
+      const ListSpec& spec = lists_[l];
+      if (l == alias_list_ || !spec.written || spec.ptrs.empty()) continue;
+      for (int64_t t = 0; t < num_tensors_; ++t)
+        if (a.ptrs[t] == spec.ptrs[t] && bytes_of(a, t) == bytes_of(spec, t)) in_place_of[t] = l;
+    }
+  }
   std::vector<Range> ranges;
   for (int l = 0; l < num_lists(); ++l) {
     const ListSpec& spec = lists_[l];
     if (spec.ptrs.empty()) continue;
     for (int64_t t = 0; t < num_tensors_; ++t) {
-      const uint64_t bytes = uint64_t(spec.numels[t]) * uint64_t(dtype_size(DType(spec.dtypes[t])));
-      if (bytes == 0) continue;
-      if (spec.written && alias_list_ >= 0 && l != alias_list_) {
-        const ListSpec& a = lists_[alias_list_];
-        const uint64_t a_bytes = uint64_t(a.numels[t]) * uint64_t(dtype_size(DType(a.dtypes[t])));
-        if (a.ptrs[t] == spec.ptrs[t] && a_bytes == bytes) continue;  // exact in-place alias
-      }
-      ranges.push_back(Range{spec.ptrs[t], spec.ptrs[t] + bytes, l, t, spec.written});
+      const uint64_t bytes = bytes_of(spec, t);
+      if (bytes == 0 || in_place_of[t] == l) continue;
+      const bool written = spec.written || (l == alias_list_ && in_place_of[t] >= 0);
+      ranges.push_back(Range{spec.ptrs[t], spec.ptrs[t] + bytes, l, t, written});
     }
   }
   std::sort(ranges.begin(), ranges.end(),

@@ -52,7 +52,9 @@ class TensorTable {
  public:
   // `alias_ok`: a written list may be exactly the same memory as the list
   // at index `alias_ok` for the same tensor (in-place scale). -1: never.
-  TensorTable(std::vector<ListSpec> lists, std::vector<uint32_t> groups,
+  // `groups`: a non-decreasing group index per tensor (empty: all in group 0);
+  // `num_groups`: how many groups there are, trailing empty ones included.
+  TensorTable(std::vector<ListSpec> lists, std::vector<uint32_t> groups, int64_t num_groups,
               int64_t chunk_size, int alias_list);
 
   int num_lists() const { return int(lists_.size()); }

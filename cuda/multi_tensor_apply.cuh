@@ -13,7 +13,22 @@
 
 namespace shardadam {
 
-constexpr int kBlock = 512;
+// Threads per block; overridable at build time for tuning experiments
+// (CMAKE_CUDA_FLAGS=-DSHARDADAM_CUDA_BLOCK=256).
+#ifndef SHARDADAM_CUDA_BLOCK
+#define SHARDADAM_CUDA_BLOCK 512
+#endif
+constexpr int kBlock = SHARDADAM_CUDA_BLOCK;
+#ifndef SHARDADAM_CUDA_TILE
+#define SHARDADAM_CUDA_TILE 4
+#endif
+#ifndef SHARDADAM_CUDA_MIN_BLOCKS
+#define SHARDADAM_CUDA_MIN_BLOCKS (1024 / SHARDADAM_CUDA_BLOCK)
+#endif
+// Elements per thread per step: a multiple of kVecElems (one vector access
+// per list each).
+constexpr int kTile = SHARDADAM_CUDA_TILE;
+static_assert(kTile % kVecElems == 0, "the CUDA tile is made of whole vector accesses");
 constexpr int64_t kMaxGrid = 0x7fffffff;
 
 template <class T, int K>
@@ -38,6 +53,7 @@ class CudaIO {
   }
   __device__ DType dtype(int l) const { return dtype_[l]; }
   __device__ int count() const { return count_; }
+  __device__ constexpr int lanes() const { return K; }
 
   __device__ void load(int l, float (&out)[K]) const {
     switch (dtype_[l]) {
@@ -107,9 +123,12 @@ class CudaIO {
   template <class T>
   __device__ void load_raw(const T* src, T (&r)[K]) const {
     if (vec_ && count_ == K) {
-      const Pack<T, K> p = *reinterpret_cast<const Pack<T, K>*>(src);
 #pragma unroll
-      for (int k = 0; k < K; ++k) r[k] = p.v[k];
+      for (int j = 0; j < K; j += kVecElems) {
+        const Pack<T, kVecElems> p = *reinterpret_cast<const Pack<T, kVecElems>*>(src + j);
+#pragma unroll
+        for (int k = 0; k < kVecElems; ++k) r[j + k] = p.v[k];
+      }
     } else {
 #pragma unroll
       for (int k = 0; k < K; ++k) r[k] = k < count_ ? src[k] : T(0);
@@ -118,10 +137,13 @@ class CudaIO {
   template <class T>
   __device__ void store_raw(T* dst, const T (&r)[K]) const {
     if (vec_ && count_ == K) {
-      Pack<T, K> p;
 #pragma unroll
-      for (int k = 0; k < K; ++k) p.v[k] = r[k];
-      *reinterpret_cast<Pack<T, K>*>(dst) = p;
+      for (int j = 0; j < K; j += kVecElems) {
+        Pack<T, kVecElems> p;
+#pragma unroll
+        for (int k = 0; k < kVecElems; ++k) p.v[k] = r[j + k];
+        *reinterpret_cast<Pack<T, kVecElems>*>(dst + j) = p;
+      }
     } else {
 #pragma unroll
       for (int k = 0; k < K; ++k)
@@ -141,12 +163,13 @@ class CudaIO {
 class CudaReducer {
  public:
   __device__ void max_to(float* addr, float v) {
-    const float m = reduce(v, [](float a, float b) { return nan_max(a, b); });
+    // Identity 0: the values reduced are absolute values.
+    const float m = reduce(v, 0.0f, [](float a, float b) { return nan_max(a, b); });
     // Non-negative floats order like their bit patterns (NaN above infinity).
     if (threadIdx.x == 0) atomicMax(reinterpret_cast<unsigned int*>(addr), __float_as_uint(m));
   }
   __device__ void sum_to(float* addr, float v) {
-    const float s = reduce(v, [](float a, float b) { return a + b; });
+    const float s = reduce(v, 0.0f, [](float a, float b) { return a + b; });
     if (threadIdx.x == 0) *addr = s;
   }
   __device__ void flag_if(float* addr, bool v) {
@@ -155,14 +178,14 @@ class CudaReducer {
 
  private:
   template <class F>
-  __device__ float reduce(float v, F f) {
+  __device__ float reduce(float v, float identity, F f) {
     __shared__ float partial[kBlock / 32];
     for (int o = 16; o > 0; o /= 2) v = f(v, __shfl_down_sync(0xffffffffu, v, o));
     __syncthreads();  // partial may still be read by a previous reduction
     if ((threadIdx.x & 31) == 0) partial[threadIdx.x / 32] = v;
     __syncthreads();
     if (threadIdx.x < 32) {
-      v = threadIdx.x < blockDim.x / 32 ? partial[threadIdx.x] : partial[0];
+      v = threadIdx.x < blockDim.x / 32 ? partial[threadIdx.x] : identity;
       for (int o = 16; o > 0; o /= 2) v = f(v, __shfl_down_sync(0xffffffffu, v, o));
     }
     return v;  // valid in thread 0
@@ -170,16 +193,16 @@ class CudaReducer {
 };
 
 template <class Op>
-__global__ void __launch_bounds__(kBlock)
+__global__ void __launch_bounds__(kBlock, SHARDADAM_CUDA_MIN_BLOCKS)
     multi_tensor_kernel(const TableView tv, const int64_t chunk_begin, const __grid_constant__ Op op,
                         const float* skip_if) {
-  constexpr int K = kVecElems;
+  constexpr int K = kTile;
   if (flag_is_set(skip_if)) return;  // the same answer for every block
   const int64_t c = chunk_begin + blockIdx.x;
   const Chunk ch = tv.chunks[c];
   const ChunkCtx ctx{ch.tensor, tv.groups[ch.tensor], c};
   CudaIO<Op::kLists, K> io(tv, ch.tensor);
-  auto state = op.template begin<K>(ctx);
+  auto state = op.template begin<K>(ctx, op.group_state(ctx.group));
   const int64_t end = ch.start + ch.len;
   for (int64_t i = ch.start + int64_t(threadIdx.x) * K; i < end; i += int64_t(kBlock) * K) {
     io.at(i, end - i < K ? int(end - i) : K);

@@ -21,7 +21,8 @@ class TensorPlan:
     ``set_()``) while the plan is used.
     """
 
-    def __init__(self, kind: str, lists: dict, *, groups: list[int] | None = None, alias_list: int = -1):
+    def __init__(self, kind: str, lists: dict, *, groups: list[int] | None = None, num_groups: int = 1,
+                 alias_list: int = -1):
         names = list(lists)
         tensor_lists = [lists[n][0] for n in names]
         self.kind = kind
@@ -33,7 +34,7 @@ class TensorPlan:
         if ref is None:
             raise ValueError(f"{kind}: {ref_name} must be given")
         specs = [spec(n, lists[n][0], lists[n][1], ref, ref_name, self.device, lists[n][2]) for n in names]
-        self.table = _core.TensorTable(specs, groups or [], CHUNK_SIZE, alias_list)
+        self.table = _core.TensorTable(specs, groups or [], num_groups, CHUNK_SIZE, alias_list)
         self.lists = dict(zip(names, tensor_lists))
         self.num_tensors = len(ref)
         self._device_index = device_index(self.device)

@@ -54,7 +54,8 @@ class AdamPlan(TensorPlan):
             if lists[name][0] is None:
                 raise ValueError(f"adam: {name} must be given")
         n = len(lists["params"][0] or [])
-        super().__init__("adam", lists, groups=_group_index(group_sizes, n))
+        super().__init__("adam", lists, groups=_group_index(group_sizes, n),
+                         num_groups=len(group_sizes) if group_sizes is not None else 1)
         self._scale_tensors = (master_scales, exp_avg_scales, exp_avg_sq_scales)
         self.scale_ptrs = (
             per_tensor_ptr("master_scales", master_scales, n, self.device),
@@ -93,7 +94,7 @@ def _group_index(group_sizes, n: int) -> list[int]:
     if group_sizes is None:
         return []
     sizes = list(group_sizes)
-    if any((not isinstance(s, int)) or s < 0 for s in sizes) or sum(sizes) != n:
+    if not sizes or any((not isinstance(s, int)) or s < 0 for s in sizes) or sum(sizes) != n:
         raise ValueError(f"group_sizes must be non-negative ints adding up to the number of tensors ({n}), "
                          f"got {sizes}")
     return [g for g, size in enumerate(sizes) for _ in range(size)]

@@ -1,0 +1,333 @@
+#!/usr/bin/env python
+"""shardadam's fused AdamW kernel against torch's AdamW, side by side in one run.
+
+Effective bandwidth = bytes the update must move / time. Both cases move 28 B per
+element: fp32 AdamW reads p, g, m, v and writes p, m, v (7 x 4 B); the mixed
+precision update reads fp32 p, m, v and a bf16 grad and writes fp32 p, m, v and a
+bf16 params_out (4+2+4+4 + 4+4+4+2 B). torch's foreach path and torch's mixed
+precision path (fused fp32 step + a separate copy to bf16) move more than that;
+the same 28 B count is used for them, so bandwidth ratios equal time ratios.
+"Copy" is a large device-to-device copy_ (fixed size, beyond the caches),
+counting bytes read + written. On a CPU the copy also reads every destination
+line before writing it (write-allocate) while an in-place update does not, so
+an optimizer there can pass 100% of copy.
+
+    python benchmarks/bench_kernels.py --device cuda --out bench.json --plot bench.png
+    python benchmarks/bench_kernels.py --device cpu
+    python benchmarks/bench_kernels.py --device all --quick      # smoke run
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import itertools
+import json
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+import shardadam
+from shardadam import kernels
+
+LR, WD, BYTES_PER_ELEM = 1e-3, 1e-2, 28
+TORCH_FUSED, TORCH_FOREACH, SHARD, COPY = "torch fused", "torch foreach", "shardadam", "copy"
+TORCH_FUSED_COPY = "torch fused + copy"  # the mixed precision case: fp32 step, then a copy to bf16
+
+
+# ---------------------------------------------------------------- timing helpers
+
+def sync(dev: str) -> None:
+    if dev == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_steps(fn, dev: str, reps: int, warmup: int) -> list[float]:
+    """Milliseconds of each of `reps` calls after `warmup` calls: CUDA events on
+    the GPU, the host clock on the CPU (where the call returns when done)."""
+    for _ in range(warmup):
+        fn()
+    sync(dev)
+    times = []
+    for _ in range(reps):
+        if dev == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            times.append((start, end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    sync(dev)
+    return [s.elapsed_time(e) for s, e in times] if dev == "cuda" else times
+
+
+def time_wall_and_host(fn, dev: str, reps: int, warmup: int) -> tuple[float, float]:
+    """(wall ms per step over `reps` back-to-back steps with a sync around them,
+    median ms for the Python call to return, from an idle device, no sync)."""
+    for _ in range(warmup):
+        fn()
+    sync(dev)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    sync(dev)
+    wall = (time.perf_counter() - t0) * 1e3 / reps
+    host = []
+    for _ in range(reps):
+        sync(dev)
+        t0 = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - t0) * 1e3)
+    sync(dev)
+    return wall, statistics.median(host)
+
+
+def free(dev: str) -> None:
+    gc.collect()
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------- data and steps
+
+def split(total: int, n: int) -> list[int]:
+    """n tensor sizes adding up to total exactly."""
+    return [total // n + (i < total % n) for i in range(n)]
+
+
+def pow2(n: int) -> str:
+    return f"2^{n.bit_length() - 1}" if n & (n - 1) == 0 else str(n)
+
+
+def rand(sizes, dev, dtype=torch.float32, positive=False) -> list[torch.Tensor]:
+    """Random tensors (never zeros): normal, or uniform in [0.01, 1) when positive."""
+    out = [torch.empty(n, device=dev, dtype=dtype) for n in sizes]
+    for t in out:
+        t.uniform_(0.01, 1.0) if positive else t.normal_()
+    return out
+
+
+def torch_step(params, grads, **flags):
+    """optimizer.step of a torch AdamW with the grads preassigned. torch makes its
+    own m and v (zeros) on the first step; warm-up steps make them random-like."""
+    for p, g in zip(params, grads):
+        p.grad = g
+    return torch.optim.AdamW(params, lr=LR, weight_decay=WD, **flags).step
+
+
+def torch_step_then_copy(params, grads, params_out):
+    """torch's mixed precision path: fused fp32 AdamW, then a copy to the bf16 params."""
+    step = torch_step(params, grads, fused=True)
+
+    @torch.no_grad()
+    def fn():
+        step()
+        torch._foreach_copy_(params_out, params)
+    return fn
+
+
+def shard_step(params, grads, params_out=None):
+    """kernels.adam on a plan built once, with its own random m and v."""
+    sizes = [p.numel() for p in params]
+    dev = params[0].device
+    plan = kernels.AdamPlan(params, grads, rand(sizes, dev), rand(sizes, dev, positive=True),
+                            params_out=params_out)
+    steps = itertools.count(1)
+    return lambda: kernels.adam(plan, lr=LR, step=next(steps), weight_decay=WD)
+
+
+def check(dev: str) -> float:
+    """Relative error of shardadam against torch fused AdamW after 3 steps with
+    fresh random grads, and every bf16 params_out element written (poisoned first)."""
+    sizes = [1000, 4097, 70001]
+    params = rand(sizes, dev)
+    ref = [p.clone() for p in params]
+    out = [torch.full_like(p, float("nan"), dtype=torch.bfloat16) for p in params]
+    grads = rand(sizes, dev)
+    zeros = [torch.zeros_like(p) for p in params]  # torch's initial state, for an equal start
+    plan = kernels.AdamPlan(params, grads, zeros, [z.clone() for z in zeros], params_out=out)
+    ref_step = torch_step(ref, [g.clone() for g in grads], fused=True)
+    for step in (1, 2, 3):
+        kernels.adam(plan, lr=LR, step=step, weight_decay=WD)
+        ref_step()
+        for g, r in zip(grads, ref):
+            g.normal_()
+            r.grad.copy_(g)
+    err = (torch.cat(params) - torch.cat(ref)).norm() / torch.cat(ref).norm()
+    if not all(torch.equal(o, p.to(torch.bfloat16)) for o, p in zip(out, params)):
+        raise SystemExit(f"{dev}: params_out is not params in bf16")
+    if not err < 1e-5:
+        raise SystemExit(f"{dev}: shardadam differs from torch fused AdamW: rel err {err:.2e}")
+    return err.item()
+
+
+def copy_gbs(dev: str, numel: int, reps: int, warmup: int) -> float:
+    src = torch.randn(numel, device=dev)
+    ms = statistics.median(time_steps(functools.partial(torch.empty_like(src).copy_, src), dev, reps, warmup))
+    return 2 * numel * 4 / ms / 1e6
+
+
+# ---------------------------------------------------------------- cases
+
+def compare(case: str, dev: str, impls: dict, elems: int, cfg, copy: float, host: bool = False) -> dict:
+    """Time each implementation (freeing its state after), with bandwidth and ratios."""
+    rows = []
+    for name, make in impls.items():
+        fn = make()
+        if host:
+            ms, host_ms = time_wall_and_host(fn, dev, cfg.reps, cfg.warmup)
+            row = {"ms": ms, "host_ms": host_ms}
+        else:
+            times = time_steps(fn, dev, cfg.reps, cfg.warmup)
+            row = {"ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times)}
+        del fn
+        free(dev)
+        gbs = elems * BYTES_PER_ELEM / row["ms"] / 1e6
+        rows.append({"impl": name, **row, "gbs": gbs, "pct_copy": 100 * gbs / copy})
+        print(f"  {case}: {name}: {row['ms']:.3f} ms", file=sys.stderr)
+    base = rows[0]["ms"]
+    for row in rows:
+        row["speedup_vs_torch"] = base / row["ms"]
+    floor_ms = elems * BYTES_PER_ELEM / copy / 1e6
+    shard = next(r for r in rows if r["impl"] == SHARD)
+    return {"case": case, "device": dev, "elements": elems, "bytes_per_elem": BYTES_PER_ELEM,
+            "copy_gbs": copy, "floor_ms": floor_ms, "shardadam_over_floor": shard["ms"] / floor_ms,
+            "rows": rows}
+
+
+def case_fp32(dev, n_tensors, elems, cfg, copy, foreach=True):
+    sizes = split(elems, n_tensors)
+    params, grads = rand(sizes, dev), rand(sizes, dev)
+    impls = {TORCH_FUSED: lambda: torch_step(params, grads, fused=True)}
+    if foreach:
+        impls[TORCH_FOREACH] = lambda: torch_step(params, grads, foreach=True)
+    impls[SHARD] = lambda: shard_step(params, grads)
+    return compare(f"{dev} fp32, {pow2(elems)} el in {n_tensors} t", dev, impls, elems, cfg, copy)
+
+
+def case_mixed(dev, n_tensors, elems, cfg, copy):
+    sizes = split(elems, n_tensors)
+    params, grads = rand(sizes, dev), rand(sizes, dev)
+    grads_bf16 = [g.to(torch.bfloat16) for g in grads]
+    params_out = [p.to(torch.bfloat16) for p in params]
+    impls = {TORCH_FUSED_COPY: lambda: torch_step_then_copy(params, grads, params_out),
+             SHARD: lambda: shard_step(params, grads_bf16, params_out)}
+    return compare(f"{dev} fp32 master + bf16, {pow2(elems)} el in {n_tensors} t", dev, impls, elems, cfg, copy)
+
+
+def case_many(dev, n_tensors, numel, cfg, copy):
+    sizes = [numel] * n_tensors
+    params, grads = rand(sizes, dev), rand(sizes, dev)
+    impls = {TORCH_FUSED: lambda: torch_step(params, grads, fused=True),
+             SHARD: lambda: shard_step(params, grads)}
+    return compare(f"{dev} fp32, {n_tensors} x {numel} el", dev, impls, n_tensors * numel, cfg, copy,
+                   host=dev == "cuda")
+
+
+class Cfg:
+    def __init__(self, reps, warmup):
+        self.reps, self.warmup = reps, warmup
+
+
+def run_cuda(quick: bool) -> list[dict]:
+    big, many = (1 << 22, 2000) if quick else (1 << 30, 20000)
+    cfg = Cfg(reps=10 if quick else 20, warmup=3)
+    copy = copy_gbs("cuda", 1 << 28, reps=50, warmup=5)
+    return [case_fp32("cuda", 200, big, cfg, copy),
+            case_mixed("cuda", 200, big, cfg, copy),
+            case_many("cuda", many, 12800, cfg, copy)]
+
+
+def run_cpu(quick: bool) -> list[dict]:
+    big, many = (1 << 22, 2000) if quick else (1 << 25, 20000)
+    cfg = Cfg(reps=10, warmup=2)
+    copy = copy_gbs("cpu", 1 << 25, reps=10, warmup=2)
+    return [case_fp32("cpu", 64, big, cfg, copy, foreach=False),
+            case_many("cpu", many, 1000, cfg, copy)]
+
+
+# ---------------------------------------------------------------- report
+
+def markdown(cases: list[dict]) -> str:
+    lines = ["| case | impl | ms/step | host ms | GB/s (28 B/el) | % of copy | speedup vs torch |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for c in cases:
+        for r in c["rows"]:
+            host = f"{r['host_ms']:.3f}" if "host_ms" in r else ""
+            lines.append(f"| {c['case']} | {r['impl']} | {r['ms']:.3f} | {host} | {r['gbs']:.1f} | "
+                         f"{r['pct_copy']:.1f} | {r['speedup_vs_torch']:.2f}x |")
+    lines += ["", "GB/s: 28 B per element / ms (the same count for every impl). Rows with a host ms: ms is the"
+              " wall time per step of back-to-back steps, host ms the median time for the call to return.", ""]
+    for c in cases:
+        lines.append(f"- {c['case']}: copy {c['copy_gbs']:.1f} GB/s, bandwidth floor {c['floor_ms']:.3f} ms, "
+                     f"shardadam {c['shardadam_over_floor']:.2f}x the floor")
+    return "\n".join(lines)
+
+
+def plot(cases: list[dict], path: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not installed: no plot written to {path}", file=sys.stderr)
+        return
+    colors = {TORCH_FUSED: "tab:blue", TORCH_FUSED_COPY: "tab:cyan", TORCH_FOREACH: "tab:orange",
+              SHARD: "tab:green", COPY: "tab:gray"}
+    gbs = [{r["impl"]: r["gbs"] for r in c["rows"]} | {COPY: c["copy_gbs"]} for c in cases]
+    impls = [impl for impl in colors if any(impl in g for g in gbs)]
+    width = 0.8 / len(impls)
+    fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(cases)), 4.5))
+    for k, impl in enumerate(impls):
+        xs = [i + (k - (len(impls) - 1) / 2) * width for i, g in enumerate(gbs) if impl in g]
+        ax.bar(xs, [g[impl] for g in gbs if impl in g], width, label=impl, color=colors[impl])
+    ax.set_xticks(range(len(cases)), [c["case"].replace(", ", "\n") for c in cases], fontsize=8)
+    ax.set_ylabel("effective GB/s (28 B/element; copy: read + write)")
+    ax.set_title(f"shardadam {shardadam.__version__} vs torch {torch.__version__} AdamW")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot written to {path}", file=sys.stderr)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=["cpu", "cuda", "all"], default="all")
+    ap.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
+    ap.add_argument("--out", help="write all figures as JSON here")
+    ap.add_argument("--plot", help="write a bandwidth bar chart (PNG) here")
+    args = ap.parse_args()
+    devices = ["cpu", "cuda"] if args.device == "all" else [args.device]
+    if "cuda" in devices and not torch.cuda.is_available():
+        if args.device == "cuda":
+            raise SystemExit("--device cuda: torch sees no CUDA device")
+        devices.remove("cuda")
+        print("no CUDA device: running the CPU cases only", file=sys.stderr)
+
+    torch.manual_seed(0)
+    meta = {"torch": torch.__version__, "shardadam": shardadam.__version__, "python": platform.python_version(),
+            "cpu_threads": torch.get_num_threads(), "quick": args.quick,
+            "gpu": torch.cuda.get_device_name() if "cuda" in devices else None, "check_rel_err": {}}
+    cases = []
+    for dev in devices:
+        meta["check_rel_err"][dev] = check(dev)
+        cases += run_cuda(args.quick) if dev == "cuda" else run_cpu(args.quick)
+
+    print(f"torch {meta['torch']}, shardadam {meta['shardadam']}, {meta['cpu_threads']} CPU threads"
+          + (f", {meta['gpu']}" if meta["gpu"] else "") + f"; rel err vs torch: {meta['check_rel_err']}\n")
+    print(markdown(cases))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "cases": cases}, f, indent=2)
+    if args.plot:
+        plot(cases, args.plot)
+
+
+if __name__ == "__main__":
+    main()
