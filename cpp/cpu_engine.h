@@ -4,6 +4,8 @@
 // compiler vectorises over the tile), and converted back.
 #pragma once
 
+#include <algorithm>
+
 #include "ops.h"
 #include "parallel.h"
 
@@ -139,6 +141,24 @@ void cpu_run_tiles(const CpuTensor<Op::kLists>& tensor, const Chunk& ch, const O
   if (i < end) op.template tile<K>(CpuIO<Op::kLists, K, false, F32Only>(tensor, i, int(end - i)), state);
 }
 
+// Small tensors are separate allocations: the hardware prefetchers, which stop
+// at page boundaries, cannot run ahead into the next one. Touching the next
+// chunk's first lines while this chunk is computed hides that latency; past
+// the first lines the prefetchers keep up on their own.
+constexpr int64_t kCpuPrefetchBytes = 8192;
+
+template <int L>
+void prefetch_chunk(const TableView& tv, const Chunk& ch) {
+  for (int l = 0; l < L; ++l) {
+    const int64_t slot = int64_t(l) * tv.num_tensors + ch.tensor;
+    const int64_t size = dtype_size(DType(tv.dtypes[slot]));
+    if (size == 0) continue;
+    const char* base = reinterpret_cast<const char*>(tv.ptrs[slot]) + ch.start * size;
+    const int64_t bytes = std::min<int64_t>(int64_t(ch.len) * size, kCpuPrefetchBytes);
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(base + b, 1);
+  }
+}
+
 template <class Op>
 void cpu_run_chunks(const TableView& tv, int64_t chunk_begin, int64_t chunk_end, const Op& op) {
   constexpr int K = kCpuTile;
@@ -146,6 +166,7 @@ void cpu_run_chunks(const TableView& tv, int64_t chunk_begin, int64_t chunk_end,
   int64_t current_group = -1;
   for (int64_t c = chunk_begin; c < chunk_end; ++c) {
     const Chunk ch = tv.chunks[c];
+    if (c + 1 < chunk_end) prefetch_chunk<Op::kLists>(tv, tv.chunks[c + 1]);
     const ChunkCtx ctx{ch.tensor, tv.groups[ch.tensor], c};
     if (int64_t(ctx.group) != current_group) {  // chunks come ordered by group
       group_state = op.group_state(ctx.group);

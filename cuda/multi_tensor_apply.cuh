@@ -19,16 +19,13 @@ namespace shardadam {
 #define SHARDADAM_CUDA_BLOCK 512
 #endif
 constexpr int kBlock = SHARDADAM_CUDA_BLOCK;
-#ifndef SHARDADAM_CUDA_TILE
-#define SHARDADAM_CUDA_TILE 4
-#endif
-#ifndef SHARDADAM_CUDA_MIN_BLOCKS
-#define SHARDADAM_CUDA_MIN_BLOCKS (1024 / SHARDADAM_CUDA_BLOCK)
-#endif
 // Elements per thread per step: a multiple of kVecElems (one vector access
-// per list each).
-constexpr int kTile = SHARDADAM_CUDA_TILE;
-static_assert(kTile % kVecElems == 0, "the CUDA tile is made of whole vector accesses");
+// per list each). Measured on an H200 (benchmarks/RESULTS.md): tiles of 8,
+// blocks of 256 or 1024, L2 prefetch of the next tile, streaming cache hints,
+// smaller chunks and a persistent grid-stride walk were all no faster.
+constexpr int kTile = kVecElems;
+// At least 1024 threads per multiprocessor: caps registers at 64 per thread.
+constexpr int kMinBlocks = 1024 / kBlock > 0 ? 1024 / kBlock : 1;
 constexpr int64_t kMaxGrid = 0x7fffffff;
 
 template <class T, int K>
@@ -193,7 +190,7 @@ class CudaReducer {
 };
 
 template <class Op>
-__global__ void __launch_bounds__(kBlock, SHARDADAM_CUDA_MIN_BLOCKS)
+__global__ void __launch_bounds__(kBlock, kMinBlocks)
     multi_tensor_kernel(const TableView tv, const int64_t chunk_begin, const __grid_constant__ Op op,
                         const float* skip_if) {
   constexpr int K = kTile;
