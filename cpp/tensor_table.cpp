@@ -186,3 +186,31 @@ void TensorTable::set_list_ptrs(int l, const std::vector<uint64_t>& ptrs) {
 }
 
 }  // namespace shardadam
+
+namespace shardadam {
+
+bool TensorTable::refresh_read_list(int l, const std::vector<uint64_t>& ptrs) {
+  SHARDADAM_CHECK(l >= 0 && l < num_lists() && has_list(l), "refresh_read_list: no such list in the table");
+  ListSpec& spec = lists_[l];
+  SHARDADAM_CHECK(!spec.written, "refresh_read_list: " + spec.name + " is written; use set_list_ptrs");
+  SHARDADAM_CHECK(int64_t(ptrs.size()) == num_tensors_,
+                  "refresh_read_list: " + spec.name + " needs " + std::to_string(num_tensors_) + " addresses");
+  for (int64_t t = 0; t < num_tensors_; ++t)
+    SHARDADAM_CHECK(spec.numels[t] == 0 || ptrs[t] != 0,
+                    spec.name + "[" + std::to_string(t) + "] has a null data pointer");
+  uint64_t* column = reinterpret_cast<uint64_t*>(blob_.data() + ptrs_offset(l));
+  uint8_t* aligned = blob_.data() + off_aligned_;
+  bool alignment_changed = false;
+  for (int64_t t = 0; t < num_tensors_; ++t) {
+    spec.ptrs[t] = ptrs[t];
+    column[t] = ptrs[t];
+    const uint64_t vec_bytes = uint64_t(kVecElems * dtype_size(DType(spec.dtypes[t])));
+    if (ptrs[t] % vec_bytes != 0 && aligned[t]) {  // never re-enabled: other lists may need it off
+      aligned[t] = 0;
+      alignment_changed = true;
+    }
+  }
+  return alignment_changed;
+}
+
+}  // namespace shardadam

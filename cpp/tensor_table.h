@@ -77,6 +77,17 @@ class TensorTable {
   // every other property. Revalidates alignment and overlap.
   void set_list_ptrs(int l, const std::vector<uint64_t>& ptrs);
 
+  // The per-step path for a read-only list (gradients re-created by autograd):
+  // writes the new addresses into the blob in place, O(n) with no sort. The
+  // caller guarantees the new tensors have the validated sizes and dtypes;
+  // addresses are checked for null and alignment only. Returns true when a
+  // tensor lost vector alignment (its aligned flag changed too), false when
+  // only the list's address column (ptrs_offset) changed: a device copy of
+  // the blob then needs just that column patched.
+  bool refresh_read_list(int l, const std::vector<uint64_t>& ptrs);
+  // Byte offset of list l's address column in the blob.
+  int64_t ptrs_offset(int l) const { return int64_t(off_ptrs_) + int64_t(l) * num_tensors_ * 8; }
+
  private:
   void validate_overlap() const;
   void build_blob();

@@ -46,6 +46,21 @@ class TensorPlan:
             self._blob = raw.to(self.device)
         self._blob_ptr = self._blob.data_ptr() if self._blob is not None else 0
 
+    def refresh_read_list(self, index: int, tensors: list[torch.Tensor]) -> None:
+        """Point a read-only list (gradients) at new tensors of the validated
+        sizes and dtypes: O(n), patching only that column of the device table."""
+        ptrs = [t.data_ptr() for t in tensors]
+        if self.table.refresh_read_list(index, ptrs) or self._blob is None:
+            if self._blob is not None:  # an alignment flag changed too: copy the whole table
+                raw = torch.frombuffer(bytearray(self.table.blob()), dtype=torch.uint8)
+                self._blob.copy_(raw)
+            return
+        offset = self.table.ptrs_offset(index)
+        column = torch.tensor(ptrs, dtype=torch.int64).view(torch.uint8)
+        # Pageable source: the copy is staged before this returns, in stream
+        # order after earlier launches that read the old column.
+        self._blob[offset:offset + column.numel()].copy_(column, non_blocking=True)
+
     def target(self) -> tuple[int, int, int, int]:
         """(device, stream, blob, threads) for a core call, on the current stream."""
         return (self._device_index, stream_of(self.device), self._blob_ptr, torch.get_num_threads())

@@ -1,0 +1,155 @@
+"""FusedAdam checkpoints: per-parameter fp32 state, whatever the storage.
+
+Saved: for every parameter with state, ``exp_avg`` and ``exp_avg_sq`` (and
+``max_exp_avg_sq`` with AMSGrad) as true fp32 values (fp16 states unscaled),
+and ``master_param`` as the exact fp32 master (remainders joined with the bf16
+param; fp16 masters unscaled) where the parameter has a separate master.
+Groups carry their hyperparameters and step counter as plain numbers. So a
+checkpoint loads into any choice of state dtypes, master weights or remainders.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._fused_buckets import MASTER, REMAINDER
+
+STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+
+def pow2_scale_for(amax: float, old_scale: float = 1.0) -> float:
+    """The scale the kernels choose (cpp/adam_math.h): amax * scale just under 2^15."""
+    if not amax > 0.0 or not math.isfinite(amax):
+        return old_scale
+    _, e = math.frexp(amax)
+    return math.ldexp(1.0, max(-126, min(126, 15 - e)))
+
+
+def join_remainders(param_bf16: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
+    """The fp32 masters that bf16 params and int16 remainders represent."""
+    hi = param_bf16.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
+    lo = remainder.contiguous().to(torch.int64) & 0xFFFF
+    hi = (hi - (lo >= 0x8000).to(torch.int64)) & 0xFFFF  # the split rounded the high half up
+    bits = (hi << 16) | lo
+    bits = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
+    return bits.view(torch.float32).reshape(param_bf16.shape)
+
+
+def split_remainders(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bf16 param rounded to nearest, int16 remainder) of fp32 masters."""
+    bits = master.detach().contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    lo = bits & 0xFFFF
+    hi = ((bits >> 16) + (lo >= 0x8000).to(torch.int64)) & 0xFFFF
+    as16 = lambda x: torch.where(x >= 0x8000, x - 0x10000, x).to(torch.int16)  # noqa: E731
+    return as16(hi).view(torch.bfloat16).reshape(master.shape), as16(lo).reshape(master.shape)
+
+
+def _fp32(view: torch.Tensor, scale) -> torch.Tensor:
+    value = view.to(torch.float32)
+    return value / float(scale) if scale is not None else value.clone()
+
+
+def _bucket_state(b, j: int) -> dict:
+    v = b.views[j]
+    out = {k: _fp32(v[k], v.get(k + "_scale")) for k in STATE_KEYS if k in v}
+    if b.kind == MASTER:
+        out["master_param"] = _fp32(v["master_param"], v.get("master_scale"))
+    elif b.kind == REMAINDER:
+        out["master_param"] = join_remainders(b.params[j].detach(), v["param_remainder"])
+    return out
+
+
+def _plain(x):
+    if isinstance(x, torch.Tensor):
+        value = x.item()
+        return int(value) if float(value).is_integer() else value
+    return x
+
+
+def pack_state(opt, buckets) -> dict:
+    index, groups, i = {}, [], 0
+    for g in opt.param_groups:
+        packed = {k: _plain(v) for k, v in g.items() if k != "params"}
+        packed["params"] = list(range(i, i + len(g["params"])))
+        for p in g["params"]:
+            index[id(p)] = i
+            i += 1
+        groups.append(packed)
+    state = {index[id(p)]: _bucket_state(b, j) for b in buckets for j, p in enumerate(b.params)}
+    return {"state": state, "param_groups": groups}
+
+
+def _check(opt, state_dict: dict) -> list:
+    """Every mismatch is found before anything is written. Returns (param, saved state) pairs."""
+    if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+        raise ValueError("not an optimizer state dict: it needs 'state' and 'param_groups'")
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(opt.param_groups):
+        raise ValueError(f"the state dict has {len(saved_groups)} parameter groups, the optimizer "
+                         f"{len(opt.param_groups)}")
+    pairs = []
+    for gi, (saved, group) in enumerate(zip(saved_groups, opt.param_groups)):
+        if len(saved["params"]) != len(group["params"]):
+            raise ValueError(f"group {gi} has {len(saved['params'])} parameters in the state dict and "
+                             f"{len(group['params'])} in the optimizer")
+        for pi, (key, p) in enumerate(zip(saved["params"], group["params"])):
+            entry = state_dict["state"].get(key)
+            if entry is None:
+                continue
+            for name, value in entry.items():
+                if name not in STATE_KEYS + ("master_param", "step"):
+                    raise ValueError(f"group {gi} parameter {pi}: unknown state '{name}'")
+                if name != "step" and (not isinstance(value, torch.Tensor) or value.shape != p.shape):
+                    shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                    raise ValueError(f"group {gi} parameter {pi}: state '{name}' has shape {shape}, "
+                                     f"the parameter {tuple(p.shape)}")
+            pairs.append((p, entry))
+    return pairs
+
+
+def _store(view: torch.Tensor, value: torch.Tensor, scale_view) -> None:
+    """Write true values into a (possibly scaled) state view."""
+    value = value.to(device=view.device, dtype=torch.float32)
+    if scale_view is not None:
+        scale = pow2_scale_for(float(value.abs().max()) if value.numel() else 0.0)
+        scale_view.fill_(scale)
+        value = value * scale
+    view.copy_(value)
+
+
+def load_buckets_state(opt, buckets, state_dict: dict) -> None:
+    pairs = _check(opt, state_dict)
+    where = {id(p): (b, j) for b in buckets for j, p in enumerate(b.params)}
+    capturable = opt._opts["capturable"]
+    with torch.no_grad():
+        for saved, group in zip(state_dict["param_groups"], opt.param_groups):
+            for k, v in saved.items():
+                if k == "params":
+                    continue
+                if capturable and k in ("lr", "step"):
+                    group[k].fill_(float(v))
+                else:
+                    group[k] = tuple(v) if k == "betas" else v
+        for p, entry in pairs:
+            if id(p) not in where:
+                continue  # frozen: no state
+            b, j = where[id(p)]
+            views = b.views[j]
+            for k in STATE_KEYS:
+                if k in entry and k in views:
+                    _store(views[k], entry[k], views.get(k + "_scale"))
+            master = entry.get("master_param")
+            if master is None:
+                if b.kind == MASTER:
+                    _store(views["master_param"], p.detach(), views.get("master_scale"))
+                continue
+            if b.kind == MASTER:
+                _store(views["master_param"], master, views.get("master_scale"))
+                p.copy_(master)
+            elif b.kind == REMAINDER:
+                hi, lo = split_remainders(master.to(device=p.device, dtype=torch.float32))
+                p.copy_(hi)
+                views["param_remainder"].copy_(lo)
+            else:
+                p.copy_(master)

@@ -1,0 +1,232 @@
+"""FusedAdam: a torch.optim.Optimizer on the shardadam kernels.
+
+A drop-in replacement for TransformerEngine's and apex's FusedAdam, on CPU and
+CUDA: master weights, fp32/bf16/fp16 states (fp16 with per-tensor scales),
+bf16 params with int16 remainders, AMSGrad, CUDA-graph capturable steps. State
+lives in flat buffers (see _fused_buckets.py); a step is one kernel launch per
+(device, storage kind) whatever the number of parameters.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from ._fused_buckets import Bucket, storage_kind
+from ._state_dict import load_buckets_state, pack_state
+from ._torch import check_tensor
+from .kernels import FLOATS
+
+__all__ = ["FusedAdam"]
+
+_STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Parameters whose gradient views are re-checked per step with flat_grads.
+_FLAT_GRAD_CHECK_WINDOW = 256
+
+
+class FusedAdam(torch.optim.Optimizer):
+    """Adam / AdamW with fused multi-tensor kernels.
+
+    adam_w_mode=True is torch.optim.AdamW (decoupled weight decay), False is
+    torch.optim.Adam with L2 weight decay. Per-group options: lr, betas, eps,
+    weight_decay, bias_correction, maximize. The step counter is
+    ``param_groups[i]["step"]``: an int that advances on every step() for every
+    group (empty groups too), or with ``capturable=True`` a float32 device tensor
+    advanced on the device only when the step was applied.
+
+    master_weights: fp16/bf16 params get a master copy in master_weight_dtype
+    (fp32, or fp16 kept with a per-tensor scale) in ``state[p]["master_param"]``;
+    the param is the master rounded to nearest. store_param_remainders: bf16
+    params + int16 remainders instead of an fp32 master (2 bytes per element).
+    exp_avg_dtype / exp_avg_sq_dtype: fp32, bf16, or fp16 (per-tensor scales).
+
+    flat_grads=True: gradients live in the optimizer's flat buffers (``p.grad``
+    are views into them from the first step); backward accumulates in place,
+    zero_grad() zeroes the buffers (set_to_none is ignored) and step() does no
+    per-parameter work. Every parameter then takes a step, with a zero gradient
+    if backward gave it none; do not reset gradients by other means
+    (model.zero_grad() is detected and raises).
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
+                 bias_correction=True, adam_w_mode=True, capturable=False, master_weights=False,
+                 master_weight_dtype=torch.float32, exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32,
+                 store_param_remainders=False, maximize=False, flat_grads=False):
+        for name, dtype, allowed in (("master_weight_dtype", master_weight_dtype, (torch.float32, torch.float16)),
+                                     ("exp_avg_dtype", exp_avg_dtype, _STATE_DTYPES),
+                                     ("exp_avg_sq_dtype", exp_avg_sq_dtype, _STATE_DTYPES)):
+            if dtype not in allowed:
+                raise ValueError(f"{name} must be one of {[str(a) for a in allowed]}, got {dtype}")
+        if store_param_remainders and master_weight_dtype != torch.float32:
+            raise ValueError("store_param_remainders makes bf16 params exact fp32 masters: it needs "
+                             "master_weight_dtype=torch.float32")
+        self._opts = dict(adam_w_mode=adam_w_mode, amsgrad=amsgrad, capturable=capturable,
+                          master_weights=master_weights, master_weight_dtype=master_weight_dtype,
+                          exp_avg_dtype=exp_avg_dtype, exp_avg_sq_dtype=exp_avg_sq_dtype,
+                          store_param_remainders=store_param_remainders, flat_grads=flat_grads)
+        self._buckets: list[Bucket] | None = None
+        self._structure = None
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        bias_correction=bias_correction, maximize=maximize)
+        _check_group_values(defaults)
+        super().__init__(params, defaults)
+        # GradScaler hands its scale and found-inf to the step (no host sync)
+        # when the step counters live on the device.
+        self._step_supports_amp_scaling = capturable
+
+    # ------------------------------------------------------------ groups
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        _check_group_values(group)
+        seen = {id(p) for g in self.param_groups[:-1] for p in g["params"]}
+        devices = set()
+        for i, p in enumerate(group["params"]):
+            if id(p) in seen:
+                raise ValueError("a parameter appears in two parameter groups; give each parameter one group")
+            check_tensor(f"param_groups[{len(self.param_groups) - 1}]['params'][{i}]", p, p.device, FLOATS)
+            devices.add(p.device)
+        if len(devices) > 1:
+            raise ValueError(f"parameters of one group are on several devices ({sorted(map(str, devices))}): "
+                             "make one group per device")
+        if self._opts["capturable"]:
+            if any(d.type != "cuda" for d in devices):
+                raise ValueError("capturable=True needs CUDA parameters (a CPU step cannot be captured)")
+            device = next(iter(devices)) if devices else self._default_device()
+            group["lr"] = _as_device_scalar(group["lr"], device)
+            group.setdefault("step", torch.zeros((), dtype=torch.float32, device=device))
+        else:
+            group.setdefault("step", 0)
+        self._structure = None  # the layout is rebuilt at the next step
+
+    def _default_device(self) -> torch.device:
+        for g in self.param_groups:
+            if g["params"]:
+                return g["params"][0].device
+        return torch.device("cuda", torch.cuda.current_device())
+
+    def _structure_key(self) -> tuple:
+        """Changes whenever groups or their parameter lists change: O(groups)."""
+        return (id(self.param_groups), len(self.param_groups),
+                tuple((id(g["params"]), len(g["params"])) for g in self.param_groups))
+
+    def _layout(self) -> list[Bucket]:
+        """The buckets, rebuilt when the groups changed (detected by _structure_key);
+        state of parameters that were already there is carried over."""
+        key = self._structure_key()
+        if self._buckets is not None and key == self._structure:
+            return self._buckets
+        old = {id(p): views for b in (self._buckets or []) for p, views in zip(b.params, b.views)}
+        o = self._opts
+        members = defaultdict(lambda: ([], []))
+        for gi, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                if p.requires_grad:  # frozen parameters are never touched
+                    kind = storage_kind(p, o["master_weights"], o["store_param_remainders"])
+                    ps, gs = members[(p.device, kind)]
+                    ps.append(p)
+                    gs.append(gi)
+        self._buckets = [Bucket(kind, ps, gs, len(self.param_groups), o) for (_, kind), (ps, gs) in members.items()]
+        for b in self._buckets:
+            for p, views in zip(b.params, b.views):
+                for name, view in views.items():
+                    if id(p) in old:
+                        view.copy_(old[id(p)][name])
+                self.state[p].update(views)
+            if o["flat_grads"]:
+                b.use_flat_grads()
+        self._structure = key
+        return self._buckets
+
+    # ------------------------------------------------------------ step
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        buckets = self._layout()
+        # Set by torch.amp.GradScaler.step (capturable only): the scale the
+        # gradients still carry and the device flag of inf/NaN gradients.
+        scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        if self._opts["capturable"]:
+            for group in self.param_groups:
+                group["step"] += 1 if found_inf is None else 1 - found_inf.to(group["step"].device)
+        else:
+            for group in self.param_groups:
+                group["step"] += 1
+        hyper = self._hyper()
+        for b in buckets:
+            if self._opts["flat_grads"]:
+                b.check_flat_grads(_FLAT_GRAD_CHECK_WINDOW)
+            # The kernels multiply gradients by grad_scale: pass 1 / scale.
+            inv_scale = 1.0 if scale is None else torch.reciprocal(scale.to(b.device, torch.float32))
+            b.step(hyper, inv_scale, None if found_inf is None else found_inf.to(b.device, torch.float32))
+        return loss
+
+    def _hyper(self) -> dict:
+        groups = self.param_groups
+        return dict(lr=[g["lr"] for g in groups], step=[g["step"] for g in groups],
+                    beta1=[g["betas"][0] for g in groups], beta2=[g["betas"][1] for g in groups],
+                    eps=[g["eps"] for g in groups], weight_decay=[g["weight_decay"] for g in groups],
+                    bias_correction=[g["bias_correction"] for g in groups],
+                    maximize=[g["maximize"] for g in groups], adam_w_mode=self._opts["adam_w_mode"])
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._opts["flat_grads"] and self._buckets is not None:
+            for b in self._buckets:
+                b.zero_flat_grads()
+            return
+        super().zero_grad(set_to_none=set_to_none)
+
+    # ------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict:
+        """Per-parameter fp32 state (unscaled; masters as true fp32 values) and
+        the groups' hyperparameters and step counters, independent of the state
+        dtypes chosen here."""
+        return pack_state(self, self._buckets or [])
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restores states and hyperparameters; the caller's dict is not modified."""
+        load_buckets_state(self, self._layout(), state_dict)
+
+    def __repr__(self) -> str:
+        lines = [f"{type(self).__name__} ("]
+        for i, g in enumerate(self.param_groups):
+            lines.append(f"  group {i}: {len(g['params'])} params, lr={_plain(g['lr'])}, betas={g['betas']}, "
+                         f"eps={g['eps']}, weight_decay={g['weight_decay']}, "
+                         f"bias_correction={g['bias_correction']}, maximize={g['maximize']}, "
+                         f"step={_plain(g['step'])}")
+        opts = ", ".join(f"{k}={str(v).replace('torch.', '')}" for k, v in self._opts.items())
+        lines.append(f"  options: {opts}")
+        lines.append(")")
+        return "\n".join(lines)
+
+
+def _plain(x):
+    return x.item() if isinstance(x, torch.Tensor) else x
+
+
+def _as_device_scalar(value, device: torch.device) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError("lr must be a number or a one-element tensor")
+        return value.to(device=device, dtype=torch.float32).reshape(())
+    return torch.tensor(float(value), dtype=torch.float32, device=device)
+
+
+def _check_group_values(g: dict) -> None:
+    lr = g["lr"]
+    if not isinstance(lr, torch.Tensor) and not lr >= 0.0:
+        raise ValueError(f"lr must be >= 0, got {lr}")
+    betas = g["betas"]
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"betas must be two values in [0, 1), got {betas}")
+    if not g["eps"] >= 0.0:
+        raise ValueError(f"eps must be >= 0, got {g['eps']}")
+    if not g["weight_decay"] >= 0.0:
+        raise ValueError(f"weight_decay must be >= 0, got {g['weight_decay']}")
