@@ -20,78 +20,21 @@ from __future__ import annotations
 
 import argparse
 import functools
-import gc
 import itertools
 import json
 import platform
 import statistics
 import sys
-import time
 
 import torch
 
 import shardadam
 from shardadam import kernels
+from timing import free, time_steps, time_wall_and_host
 
 LR, WD, BYTES_PER_ELEM = 1e-3, 1e-2, 28
 TORCH_FUSED, TORCH_FOREACH, SHARD, COPY = "torch fused", "torch foreach", "shardadam", "copy"
 TORCH_FUSED_COPY = "torch fused + copy"  # the mixed precision case: fp32 step, then a copy to bf16
-
-
-# ---------------------------------------------------------------- timing helpers
-
-def sync(dev: str) -> None:
-    if dev == "cuda":
-        torch.cuda.synchronize()
-
-
-def time_steps(fn, dev: str, reps: int, warmup: int) -> list[float]:
-    """Milliseconds of each of `reps` calls after `warmup` calls: CUDA events on
-    the GPU, the host clock on the CPU (where the call returns when done)."""
-    for _ in range(warmup):
-        fn()
-    sync(dev)
-    times = []
-    for _ in range(reps):
-        if dev == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            times.append((start, end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    sync(dev)
-    return [s.elapsed_time(e) for s, e in times] if dev == "cuda" else times
-
-
-def time_wall_and_host(fn, dev: str, reps: int, warmup: int) -> tuple[float, float]:
-    """(wall ms per step over `reps` back-to-back steps with a sync around them,
-    median ms for the Python call to return, from an idle device, no sync)."""
-    for _ in range(warmup):
-        fn()
-    sync(dev)
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    sync(dev)
-    wall = (time.perf_counter() - t0) * 1e3 / reps
-    host = []
-    for _ in range(reps):
-        sync(dev)
-        t0 = time.perf_counter()
-        fn()
-        host.append((time.perf_counter() - t0) * 1e3)
-    sync(dev)
-    return wall, statistics.median(host)
-
-
-def free(dev: str) -> None:
-    gc.collect()
-    if dev == "cuda":
-        torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------- data and steps

@@ -16,6 +16,9 @@ number of parameters.
 """
 from __future__ import annotations
 
+import itertools
+import operator
+
 import torch
 
 from . import kernels
@@ -79,6 +82,7 @@ class Bucket:
         for i, p in enumerate(params):
             if self.master is not None:
                 self.views[i]["master_param"].copy_(p.detach())
+        self._strides = [p.stride() for p in params]
         self.flat_grads = None
         self._flat_views: list | None = None  # set by use_flat_grads
         self._plan = None
@@ -142,14 +146,18 @@ class Bucket:
         new ones; None when some parameter has no gradient this step."""
         grads = [p.grad for p in self.params]
         cached = self._grads
-        if cached is not None and all(map(lambda a, b: a is b, grads, cached)):
+        if cached is not None and all(map(operator.is_, grads, cached)):
             return grads
-        if any(g is None for g in grads):
+        if any(map(operator.is_, grads, itertools.repeat(None))):
             return None
-        for i, (g, p) in enumerate(zip(grads, self.params)):
-            if cached is None or g is not cached[i]:
+        # torch keeps a gradient's shape, dtype and device equal to its
+        # parameter's; what can differ is the layout and the memory order.
+        strided = torch.strided
+        for i, (g, stride) in enumerate(zip(grads, self._strides)):
+            if (cached is None or g is not cached[i]) and (g.layout is not strided or g.stride() != stride):
+                p = self.params[i]
                 check_tensor(f"params[{i}].grad", g, self.device, kernels.FLOATS)
-                if g.stride() != p.stride() and not (g.is_contiguous() and p.is_contiguous()):
+                if not (g.is_contiguous() and p.is_contiguous()):
                     raise ValueError(f"the gradient of a parameter of shape {tuple(p.shape)} has strides "
                                      f"{g.stride()} but the parameter {p.stride()}: element orders differ")
         if self._plan is not None:

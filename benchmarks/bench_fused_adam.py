@@ -1,0 +1,153 @@
+#!/usr/bin/env python
+"""FusedAdam.step() against torch.optim.AdamW(fused=True), side by side in one run.
+
+Two parameter sets: 20,000 parameters of 12,800 elements, and the parameter
+shapes of GPT-2 medium (355M elements). For each: wall time per step (steps back
+to back, synchronised around them) and host time per step (median time for
+step() to return, from an idle device), for
+
+- torch fused AdamW (fp32 params)
+- FusedAdam, fp32, gradients kept between steps (zero_grad(set_to_none=False))
+- FusedAdam, fp32, new gradient tensors every step (what set_to_none=True gives)
+- FusedAdam, fp32, flat_grads=True (gradients live in the optimizer's buffers)
+- master weights, TE style: bf16 model params with fp32 masters. torch: fused
+  AdamW on fp32 masters, then a copy into the bf16 params; FusedAdam:
+  master_weights=True (one launch writes both).
+
+    python benchmarks/bench_fused_adam.py --device cuda --out fused.json
+    python benchmarks/bench_fused_adam.py --device cpu --quick
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+
+import torch
+
+import shardadam
+from timing import free, time_wall_and_host
+
+LR, WD = 1e-3, 1e-2
+
+
+def gpt2_medium_shapes() -> list[tuple[int, ...]]:
+    d, layers, vocab, ctx = 1024, 24, 50257, 1024
+    shapes = [(vocab, d), (ctx, d)]
+    for _ in range(layers):
+        shapes += [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,), (d,), (d,), (d, 4 * d), (4 * d,), (4 * d, d), (d,)]
+    return shapes + [(d,), (d,)]
+
+
+def make_params(shapes, dev, dtype=torch.float32) -> list[torch.nn.Parameter]:
+    return [torch.nn.Parameter(torch.randn(s, device=dev, dtype=dtype) * 0.02) for s in shapes]
+
+
+def fresh_grads(params) -> list[torch.Tensor]:
+    return [torch.randn_like(p) * 1e-3 for p in params]
+
+
+def torch_fused(shapes, dev):
+    params = make_params(shapes, dev)
+    for p, g in zip(params, fresh_grads(params)):
+        p.grad = g
+    return torch.optim.AdamW(params, lr=LR, weight_decay=WD, fused=True).step
+
+
+def shard_fp32(shapes, dev, new_grads_each_step=False, flat_grads=False):
+    params = make_params(shapes, dev)
+    grad_sets = [fresh_grads(params), fresh_grads(params)]
+    for p, g in zip(params, grad_sets[0]):
+        p.grad = g
+    opt = shardadam.FusedAdam(params, lr=LR, weight_decay=WD, flat_grads=flat_grads)
+    turn = [0]
+
+    def step():
+        if new_grads_each_step:  # autograd's fresh tensors after zero_grad(set_to_none=True)
+            turn[0] ^= 1
+            for p, g in zip(params, grad_sets[turn[0]]):
+                p.grad = g
+        opt.step()
+    return step
+
+
+def torch_master(shapes, dev):
+    model = make_params(shapes, dev, torch.bfloat16)
+    masters = [torch.nn.Parameter(p.detach().float()) for p in model]
+    for m, g in zip(masters, fresh_grads(masters)):
+        m.grad = g
+    opt = torch.optim.AdamW(masters, lr=LR, weight_decay=WD, fused=True)
+    model_data = [p.data for p in model]
+
+    @torch.no_grad()
+    def step():
+        opt.step()
+        torch._foreach_copy_(model_data, masters)
+    return step
+
+
+def shard_master(shapes, dev):
+    model = make_params(shapes, dev, torch.bfloat16)
+    for p, g in zip(model, fresh_grads(model)):
+        p.grad = g
+    return shardadam.FusedAdam(model, lr=LR, weight_decay=WD, master_weights=True).step
+
+
+IMPLS = {
+    "torch fused AdamW": torch_fused,
+    "FusedAdam": shard_fp32,
+    "FusedAdam, new grads each step": lambda s, d: shard_fp32(s, d, new_grads_each_step=True),
+    "FusedAdam flat_grads": lambda s, d: shard_fp32(s, d, flat_grads=True),
+    "torch fused AdamW on fp32 masters + copy to bf16": torch_master,
+    "FusedAdam master_weights (bf16 params)": shard_master,
+}
+
+
+def run_case(name: str, shapes, dev: str, reps: int, warmup: int) -> dict:
+    elems = sum(torch.Size(s).numel() for s in shapes)
+    rows = []
+    for impl, make in IMPLS.items():
+        step = make(shapes, dev)
+        wall, host = time_wall_and_host(step, dev, reps, warmup)
+        rows.append(dict(impl=impl, wall_ms=wall, host_ms=host))
+        print(f"  {name}: {impl}: wall {wall:.3f} ms, host {host:.3f} ms", flush=True)
+        del step
+        free(dev)
+    return dict(case=name, device=dev, params=len(shapes), elements=elems, rows=rows)
+
+
+def markdown(cases: list[dict]) -> str:
+    out = ["| case | impl | wall ms/step | host ms/step | host vs torch fused |", "|---|---|---:|---:|---:|"]
+    for c in cases:
+        torch_host = c["rows"][0]["host_ms"]
+        for r in c["rows"]:
+            out.append(f"| {c['case']} | {r['impl']} | {r['wall_ms']:.3f} | {r['host_ms']:.3f} | "
+                       f"{torch_host / r['host_ms']:.1f}x below |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--quick", action="store_true", help="2,000 parameters of 1,280 elements, no GPT-2 set")
+    ap.add_argument("--out", help="write the figures as JSON here")
+    args = ap.parse_args()
+    dev = args.device
+    many = [(1280,)] * 2000 if args.quick else [(12800,)] * 20000
+    reps, warmup = (20, 3) if dev == "cuda" else (3, 1)
+    cases = [run_case(f"{dev}, {len(many)} params x {many[0][0]}", many, dev, reps, warmup)]
+    if not args.quick:
+        cases.append(run_case(f"{dev}, GPT-2 medium shapes", gpt2_medium_shapes(), dev, reps, warmup))
+    meta = dict(torch=torch.__version__, shardadam=shardadam.__version__, python=platform.python_version(),
+                cpu_threads=torch.get_num_threads(),
+                gpu=torch.cuda.get_device_name() if dev == "cuda" else None)
+    print(f"\ntorch {meta['torch']}, shardadam {meta['shardadam']}, {meta['cpu_threads']} CPU threads"
+          + (f", {meta['gpu']}" if meta["gpu"] else "") + "\n")
+    print(markdown(cases))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(meta=meta, cases=cases), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
