@@ -36,11 +36,11 @@ GRAD_LIST = 1  # index of grads in an Adam table
 
 
 def storage_kind(p: torch.Tensor, master_weights: bool, store_param_remainders: bool) -> str:
-    if p.dtype == torch.float32 or not (master_weights or store_param_remainders):
-        return PLAIN
     if store_param_remainders and p.dtype == torch.bfloat16:
         return REMAINDER
-    return MASTER
+    if master_weights and p.dtype in (torch.float16, torch.bfloat16):
+        return MASTER
+    return PLAIN
 
 
 def _dense_view(flat: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
@@ -66,8 +66,10 @@ class Bucket:
         scaled_states = opts["exp_avg_dtype"] == torch.float16, opts["exp_avg_sq_dtype"] == torch.float16
         self.exp_avg = torch.zeros(total, dtype=opts["exp_avg_dtype"], device=dev)
         self.exp_avg_sq = torch.zeros(total, dtype=opts["exp_avg_sq_dtype"], device=dev)
-        self.max_exp_avg_sq = (torch.zeros(total, dtype=opts["exp_avg_sq_dtype"], device=dev)
-                               if opts["amsgrad"] else None)
+        # The AMSGrad maximum has no scale of its own: kept in fp32 when
+        # exp_avg_sq is fp16 (small values would underflow), else alike.
+        max_dtype = torch.float32 if opts["exp_avg_sq_dtype"] == torch.float16 else opts["exp_avg_sq_dtype"]
+        self.max_exp_avg_sq = torch.zeros(total, dtype=max_dtype, device=dev) if opts["amsgrad"] else None
         # fp16 states keep per-tensor power-of-two scales (stored = true * scale).
         self.exp_avg_scales = torch.ones(n, device=dev) if scaled_states[0] else None
         self.exp_avg_sq_scales = torch.ones(n, device=dev) if scaled_states[1] else None
