@@ -2,10 +2,12 @@
 // passes addresses, sizes and dtype codes once (TensorTable), then each call
 // passes the table, a few scalars and the stream.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/map.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include "bucket_layout.h"
 #include "cuda_api.h"
 #include "kernels_cpu.h"
 
@@ -133,6 +135,49 @@ NB_MODULE(_core, m) {
       },
       "table"_a, "partials"_a, "per_tensor"_a, "total"_a, "nonfinite"_a, "device"_a, "stream"_a,
       "blob"_a, "threads"_a, nb::call_guard<nb::gil_scoped_release>());
+
+  // Layout results cross as plain tuples: one conversion per call, no bound
+  // object per fragment; python/shardadam/distributed/layout.py names the fields.
+  nb::class_<BucketLayout>(m, "BucketLayout",
+                           "ZeRO-2 bucket layout and shard math: pure integer math, no tensors.")
+      .def(nb::init<const std::vector<int64_t>&, const std::vector<int>&, int64_t, int64_t,
+                    const std::map<int, int64_t>&, int64_t>(),
+           "numels"_a, "keys"_a, "world_size"_a, "bucket_cap_bytes"_a, "elem_sizes"_a, "alignment"_a = 128,
+           "numels, keys: size and dtype-group key of each parameter, in packing order. "
+           "elem_sizes: {key: bytes per element}. bucket_cap_bytes: target bucket size, rounded up "
+           "so each of the world_size shards is a whole number of alignment bytes.")
+      .def_prop_ro("num_params", &BucketLayout::num_params)
+      .def_prop_ro("world_size", &BucketLayout::world_size)
+      .def_prop_ro("alignment", &BucketLayout::alignment)
+      .def_prop_ro("total_numel", &BucketLayout::total_numel)
+      .def("shard_size", &BucketLayout::shard_size, "key"_a, "Elements per rank in every bucket of this key.")
+      .def("bucket_size", &BucketLayout::bucket_size, "key"_a, "shard_size(key) * world_size.")
+      .def("align_elems", &BucketLayout::align_elems, "key"_a, "The alignment in elements of this key.")
+      .def("buckets",
+           [](const BucketLayout& l) {
+             std::vector<std::tuple<int, int64_t, int64_t>> out;
+             out.reserve(l.buckets().size());
+             for (const LayoutBucket& b : l.buckets()) out.emplace_back(b.key, b.index, b.used);
+             return out;
+           },
+           "(key, index within key, used) per bucket, in creation order.")
+      .def("fragments",
+           [](const BucketLayout& l) {
+             std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>> out;
+             out.reserve(l.fragments().size());
+             for (const LayoutFragment& f : l.fragments())
+               out.emplace_back(f.param, f.param_start, f.param_end, f.bucket, f.bucket_start);
+             return out;
+           },
+           "(param, param_start, param_end, bucket, bucket_start) per fragment, in parameter order.")
+      .def("shard_fragments",
+           [](const BucketLayout& l, int64_t rank) {
+             std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>> out;
+             for (const LayoutShardFragment& f : l.shard_fragments(rank))
+               out.emplace_back(f.param, f.param_start, f.param_end, f.bucket, f.shard_start);
+             return out;
+           },
+           "rank"_a, "(param, param_start, param_end, bucket, shard_start) of each non-empty piece rank owns.");
 
   m.def("build_info", []() {
     nb::dict d;
