@@ -188,21 +188,20 @@ class Bucket:
             lists[name] = None if scales is None else (scales if full else scales[idx].clone())
         return lists
 
-    def step(self, hyper: dict, grad_scale, found_inf) -> None:
+    def prepare(self) -> tuple | None:
+        """Everything a step needs that can fail (gradient checks, plans), done
+        before the optimizer changes anything: (plan, subset indices or None),
+        or None when no parameter of the bucket has a gradient."""
         grads = self._flat_views if self._flat_views is not None else self._current_grads()
         if grads is not None:
             if self._plan is None:
                 self._plan = _adam_plan(self._lists(list(range(len(self.params))), grads), self.group_sizes)
-            kernels.adam(self._plan, grad_scale=grad_scale, found_inf=found_inf, **hyper)
-            return
-        self._step_subset(hyper, grad_scale, found_inf)
-
-    def _step_subset(self, hyper: dict, grad_scale, found_inf) -> None:
-        """Some parameters have no gradient this step: update the others only
-        (like torch.optim), through a one-off plan."""
+            return self._plan, None
+        # Some parameters have no gradient this step: update the others only
+        # (like torch.optim), through a one-off plan.
         idx = [i for i, p in enumerate(self.params) if p.grad is not None]
         if not idx:
-            return
+            return None
         grads = [None] * len(self.params)
         for i in idx:
             grads[i] = self.params[i].grad
@@ -212,12 +211,18 @@ class Bucket:
         bounds = [sum(self.group_sizes[:g + 1]) for g in range(len(self.group_sizes))]
         for i in idx:
             sizes[next(g for g, b in enumerate(bounds) if i < b)] += 1
-        kernels.adam(_adam_plan(lists, sizes), grad_scale=grad_scale, found_inf=found_inf, **hyper)
-        for name, scales in (("exp_avg_scales", self.exp_avg_scales), ("exp_avg_sq_scales", self.exp_avg_sq_scales),
-                             ("master_scales", self.master_scales)):
-            if scales is not None:  # the kernel chose new scales for the subset's copy
-                scales[idx] = lists[name]
+        plan = _adam_plan(lists, sizes)
+        plan.subset_scales = {name: lists[name] for name, _ in SCALES}
+        return plan, idx
 
+    def launch(self, prepared: tuple, hyper: dict, grad_scale, found_inf) -> None:
+        plan, idx = prepared
+        kernels.adam(plan, grad_scale=grad_scale, found_inf=found_inf, **hyper)
+        if idx is not None:
+            for name, _ in SCALES:  # the kernel chose new scales for the subset's copy
+                scales = getattr(self, name)
+                if scales is not None:
+                    scales[idx] = plan.subset_scales[name]
 
 def _adam_plan(lists: dict, group_sizes: list[int]) -> kernels.AdamPlan:
     rest = dict(lists)

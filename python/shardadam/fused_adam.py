@@ -66,6 +66,7 @@ class FusedAdam(torch.optim.Optimizer):
                           store_param_remainders=store_param_remainders, flat_grads=flat_grads)
         self._buckets: list[Bucket] | None = None
         self._structure = None
+        self._frozen: list = []
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, maximize=maximize)
         _check_group_values(defaults)
@@ -78,7 +79,14 @@ class FusedAdam(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
+        try:
+            self._check_new_group(self.param_groups[-1])
+        except (ValueError, TypeError):
+            self.param_groups.pop()  # a rejected group leaves the optimizer as it was
+            raise
+        self._structure = None  # the layout is rebuilt at the next step
+
+    def _check_new_group(self, group: dict) -> None:
         _check_group_values(group)
         seen = {id(p) for g in self.param_groups[:-1] for p in g["params"]}
         devices = set()
@@ -98,7 +106,6 @@ class FusedAdam(torch.optim.Optimizer):
             group.setdefault("step", torch.zeros((), dtype=torch.float32, device=device))
         else:
             group.setdefault("step", 0)
-        self._structure = None  # the layout is rebuilt at the next step
 
     def _default_device(self) -> torch.device:
         for g in self.param_groups:
@@ -120,13 +127,16 @@ class FusedAdam(torch.optim.Optimizer):
         old = {id(p): views for b in (self._buckets or []) for p, views in zip(b.params, b.views)}
         o = self._opts
         members = defaultdict(lambda: ([], []))
+        self._frozen = []  # never touched, and given no state, unless they get gradients later
         for gi, group in enumerate(self.param_groups):
             for p in group["params"]:
-                if p.requires_grad:  # frozen parameters are never touched
-                    kind = storage_kind(p, o["master_weights"], o["store_param_remainders"])
-                    ps, gs = members[(p.device, kind)]
-                    ps.append(p)
-                    gs.append(gi)
+                if not p.requires_grad:
+                    self._frozen.append(p)
+                    continue
+                kind = storage_kind(p, o["master_weights"], o["store_param_remainders"])
+                ps, gs = members[(p.device, kind)]
+                ps.append(p)
+                gs.append(gi)
         self._buckets = [Bucket(kind, ps, gs, len(self.param_groups), o) for (_, kind), (ps, gs) in members.items()]
         for b in self._buckets:
             for p, views in zip(b.params, b.views):
@@ -147,7 +157,15 @@ class FusedAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if any(p.grad is not None for p in self._frozen):  # unfrozen since the layout was built
+            self._structure = None
         buckets = self._layout()
+        # What can fail (gradient checks, plans) happens before anything changes.
+        prepared = []
+        for b in buckets:
+            if self._opts["flat_grads"]:
+                b.check_flat_grads(_FLAT_GRAD_CHECK_WINDOW)
+            prepared.append(b.prepare())
         # Set by torch.amp.GradScaler.step (capturable only): the scale the
         # gradients still carry and the device flag of inf/NaN gradients.
         scale = getattr(self, "grad_scale", None)
@@ -159,12 +177,12 @@ class FusedAdam(torch.optim.Optimizer):
             for group in self.param_groups:
                 group["step"] += 1
         hyper = self._hyper()
-        for b in buckets:
-            if self._opts["flat_grads"]:
-                b.check_flat_grads(_FLAT_GRAD_CHECK_WINDOW)
+        for b, ready in zip(buckets, prepared):
+            if ready is None:
+                continue
             # The kernels multiply gradients by grad_scale: pass 1 / scale.
             inv_scale = 1.0 if scale is None else torch.reciprocal(scale.to(b.device, torch.float32))
-            b.step(hyper, inv_scale, None if found_inf is None else found_inf.to(b.device, torch.float32))
+            b.launch(ready, hyper, inv_scale, None if found_inf is None else found_inf.to(b.device, torch.float32))
         return loss
 
     def _hyper(self) -> dict:
