@@ -92,7 +92,9 @@ class FusedAdam(torch.optim.Optimizer):
         devices = set()
         for i, p in enumerate(group["params"]):
             if id(p) in seen:
-                raise ValueError("a parameter appears in two parameter groups; give each parameter one group")
+                raise ValueError("a parameter appears twice (in two parameter groups, or twice in one); "
+                                 "give each parameter to one group once")
+            seen.add(id(p))
             check_tensor(f"param_groups[{len(self.param_groups) - 1}]['params'][{i}]", p, p.device, FLOATS)
             devices.add(p.device)
         if len(devices) > 1:
