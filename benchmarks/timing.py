@@ -35,19 +35,33 @@ def time_steps(fn, dev: str, reps: int, warmup: int) -> list[float]:
     return [s.elapsed_time(e) for s, e in times] if dev == "cuda" else times
 
 
-def time_wall_and_host(fn, dev: str, reps: int, warmup: int) -> tuple[float, float]:
+def time_wall_and_host(fn, dev: str, reps: int, warmup: int, setup=None) -> tuple[float, float]:
     """(wall ms per step over `reps` back-to-back steps with a sync around them,
-    median ms for the Python call to return, from an idle device, no sync)."""
-    for _ in range(warmup):
-        fn()
+    median ms for the Python call to return, from an idle device, no sync).
+    `setup`, if given, runs before every call and is not counted: its own
+    back-to-back time is subtracted from the wall figure."""
+    def run(n, with_fn=True):
+        for _ in range(n):
+            if setup is not None:
+                setup()
+            if with_fn:
+                fn()
+
+    run(warmup)
     sync(dev)
     t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
+    run(reps)
     sync(dev)
     wall = (time.perf_counter() - t0) * 1e3 / reps
+    if setup is not None:
+        t0 = time.perf_counter()
+        run(reps, with_fn=False)
+        sync(dev)
+        wall -= (time.perf_counter() - t0) * 1e3 / reps
     host = []
     for _ in range(reps):
+        if setup is not None:
+            setup()
         sync(dev)
         t0 = time.perf_counter()
         fn()
