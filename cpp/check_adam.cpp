@@ -9,6 +9,7 @@ bool is_float(DType d) { return d == DType::F32 || d == DType::F16 || d == DType
 
 void check_adam_table(const TensorTable& t, bool scaled_master) {
   SHARDADAM_CHECK(t.num_lists() == kAdamLists, "adam: a table needs the 7 Adam lists");
+  if (t.num_tensors() == 0) return;  // nothing to update: every list is empty
   for (int l : {int(kParam), int(kGrad), int(kExpAvg), int(kExpAvgSq)})
     SHARDADAM_CHECK(t.has_list(l), "adam: " + t.list(l).name + " must be given");
   const bool rem = t.has_list(kRemainder);

@@ -30,7 +30,9 @@ TensorTable::TensorTable(std::vector<ListSpec> lists, std::vector<uint32_t> grou
                          int64_t num_groups, int64_t chunk_size, int alias_list)
     : lists_(std::move(lists)), groups_(std::move(groups)), num_groups_(num_groups),
       chunk_size_(chunk_size), alias_list_(alias_list) {
-  SHARDADAM_CHECK(!lists_.empty() && !lists_[0].ptrs.empty(), "the first tensor list must be given");
+  // An empty first list is a table of no tensors (a rank whose shard holds
+  // nothing, say): valid, and every operation on it launches nothing.
+  SHARDADAM_CHECK(!lists_.empty(), "a table needs at least one list");
   SHARDADAM_CHECK(chunk_size_ > 0 && chunk_size_ % kVecElems == 0 && chunk_size_ <= (int64_t(1) << 30),
                   "chunk_size must be a positive multiple of 4, at most 2^30");
   const ListSpec& first = lists_[0];

@@ -1,5 +1,6 @@
 """shardadam: distributed fused Adam for PyTorch on a compiled C++/CUDA core."""
 from . import _core, kernels
+from .distributed import DistributedFusedAdam
 from .fused_adam import FusedAdam
 
 __version__ = _core.build_info()["version"]
@@ -10,4 +11,4 @@ def build_info() -> dict:
     return _core.build_info()
 
 
-__all__ = ["FusedAdam", "build_info", "kernels", "__version__"]
+__all__ = ["DistributedFusedAdam", "FusedAdam", "build_info", "kernels", "__version__"]

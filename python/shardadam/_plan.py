@@ -22,11 +22,13 @@ class TensorPlan:
     """
 
     def __init__(self, kind: str, lists: dict, *, groups: list[int] | None = None, num_groups: int = 1,
-                 alias_list: int = -1):
+                 alias_list: int = -1, device: torch.device | None = None):
         names = list(lists)
         tensor_lists = [lists[n][0] for n in names]
         self.kind = kind
-        self.device = first_device(tensor_lists)
+        # `device` matters for a plan of no tensors (it launches nothing, but its
+        # scalars are checked against it); otherwise the tensors decide.
+        self.device = first_device(tensor_lists) if any(tensor_lists) or device is None else torch.device(device)
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"build the {kind} plan before CUDA graph capture starts, then launch it inside")
         ref_name = names[0]

@@ -35,12 +35,13 @@ class AdamPlan(TensorPlan):
     master_scales: float32 [len(params)] per-tensor scales of low-precision states
     (stored = true * scale, powers of two; start them at 1); the kernel picks new
     scales every step. group_sizes: split the tensors, in order, into groups with
-    their own hyperparameters.
+    their own hyperparameters. device: where a plan of no tensors runs (a rank
+    whose shard is empty); otherwise taken from the tensors.
     """
 
     def __init__(self, params, grads, exp_avgs, exp_avg_sqs, *, max_exp_avg_sqs=None, params_out=None,
                  param_remainders=None, exp_avg_scales=None, exp_avg_sq_scales=None, master_scales=None,
-                 group_sizes: Sequence[int] | None = None):
+                 group_sizes: Sequence[int] | None = None, device=None):
         lists = {
             "params": (as_list("params", params), True, FLOATS),
             "grads": (as_list("grads", grads), False, FLOATS),
@@ -55,7 +56,7 @@ class AdamPlan(TensorPlan):
                 raise ValueError(f"adam: {name} must be given")
         n = len(lists["params"][0] or [])
         super().__init__("adam", lists, groups=_group_index(group_sizes, n),
-                         num_groups=len(group_sizes) if group_sizes is not None else 1)
+                         num_groups=len(group_sizes) if group_sizes is not None else 1, device=device)
         self._scale_tensors = (master_scales, exp_avg_scales, exp_avg_sq_scales)
         self.scale_ptrs = (
             per_tensor_ptr("master_scales", master_scales, n, self.device),

@@ -1,0 +1,208 @@
+"""DistributedFusedAdam: ZeRO-2 Adam over torch.distributed (first version).
+
+Optimizer state and reduced gradients are sharded across the ranks of the
+process group; parameters stay replicated. A step:
+
+1. gradients are packed into flat buckets (bucket layout from the core, in
+   grad_sync_dtype) and reduce-scattered: each rank receives the sum of its
+   shard of every bucket;
+2. one fused Adam launch updates the rank's shard of every bucket (fp32
+   master, exp_avg, exp_avg_sq; per-fragment group hyperparameters) and writes
+   the new parameter values, in the parameters' dtype, into a shard of the
+   parameter buckets;
+3. the parameter buckets are all-gathered and copied back into the parameters.
+
+With average_grad_sync=True the result equals DDP + torch.optim.AdamW (Adam
+with adam_w_mode=False) on the same global batch. This first version runs the
+communication after backward, not overlapped with it; the options for overlap,
+contiguous buffers, redundant groups, remainders, scaled states and CUDA graphs
+are accepted only at their non-default values' absence and raise otherwise.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .. import kernels
+from .._torch import check_tensor
+from .layout import BucketLayout
+
+__all__ = ["DistributedFusedAdam"]
+
+_GRAD_KEY = 0  # every gradient is synchronised in grad_sync_dtype: one bucket key
+
+# torch 2.13 renamed the flat-tensor collectives; older releases have only the old names.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _memory_flat(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D view of a dense tensor in memory order (channels_last included):
+    the order the layout flattens parameters, gradients and states in."""
+    return t.as_strided((t.numel(),), (1,), t.storage_offset())
+
+
+def _flat_like(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """grad flattened in param's memory order (a copy only if their layouts differ)."""
+    if grad.stride() != param.stride():
+        grad = torch.empty_like(param, dtype=grad.dtype).copy_(grad)
+    return _memory_flat(grad)
+
+
+class DistributedFusedAdam(torch.optim.Optimizer):
+    """ZeRO-2 Adam/AdamW with sharded state, on NCCL (GPU) or gloo (CPU).
+
+    Every rank builds the same model and passes the same parameters; they are
+    broadcast from rank 0 of ``process_group`` here. A trainable parameter that
+    received no gradient on a rank contributes zeros to the reduction, and every
+    trainable parameter is updated every step (weight decay and moments apply),
+    as in apex; frozen parameters (requires_grad=False) are never touched.
+    """
+
+    def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,
+                 weight_decay=0.0, amsgrad=False, dtype=torch.float32, grad_sync_dtype=None, param_sync_dtype=None,
+                 device=None, process_group=None, distributed_process_group=None, redundant_process_group=None,
+                 average_grad_sync=True, overlap_grad_sync=True, overlap_param_sync=False, bucket_cap_mb=100,
+                 pipeline_size=2, contiguous_param_buffer=False, contiguous_grad_buffer=False, store_params=True,
+                 store_param_remainders=False, with_scaled_states=False, capturable=False):
+        unsupported = dict(overlap_param_sync=overlap_param_sync, contiguous_param_buffer=contiguous_param_buffer,
+                           contiguous_grad_buffer=contiguous_grad_buffer, store_param_remainders=store_param_remainders,
+                           with_scaled_states=with_scaled_states, capturable=capturable,
+                           redundant_process_group=redundant_process_group is not None,
+                           distributed_process_group=distributed_process_group is not None,
+                           amsgrad=amsgrad, store_params=not store_params)
+        for name, on in unsupported.items():
+            if on:
+                raise NotImplementedError(f"DistributedFusedAdam: {name} is not supported yet in this version; "
+                                          "leave it at its default")
+        if dtype != torch.float32:
+            raise NotImplementedError("DistributedFusedAdam: only dtype=torch.float32 state is supported yet")
+        if not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        bias_correction=bias_correction)
+        super().__init__(params, defaults)
+        for g in self.param_groups:
+            g.setdefault("step", 0)
+        self.group = process_group if process_group is not None else dist.group.WORLD
+        self.world_size = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        self.adam_w_mode = adam_w_mode
+        self.average_grad_sync = average_grad_sync
+        # Overlap is the default in apex's signature; this version synchronises
+        # after backward whatever overlap_grad_sync says, with the same result.
+        self.overlap_grad_sync = overlap_grad_sync
+        self.pipeline_size = pipeline_size
+        self.bucket_cap_mb = bucket_cap_mb
+        self._build(grad_sync_dtype, param_sync_dtype, device)
+
+    # ------------------------------------------------------------ layout
+
+    def _build(self, grad_sync_dtype, param_sync_dtype, device) -> None:
+        params, groups = [], []
+        for gi, g in enumerate(self.param_groups):
+            for i, p in enumerate(g["params"]):
+                check_tensor(f"param_groups[{gi}]['params'][{i}]", p, p.device, kernels.FLOATS)
+                if p.requires_grad:
+                    params.append(p)
+                    groups.append(gi)
+        if not params:
+            raise ValueError("DistributedFusedAdam needs at least one parameter with requires_grad=True")
+        self.device = torch.device(device) if device is not None else params[0].device
+        dtypes = {p.dtype for p in params}
+        if any(p.device != self.device for p in params):
+            raise ValueError(f"every parameter must be on {self.device}")
+        if param_sync_dtype is None and len(dtypes) > 1:
+            raise ValueError("parameters of several dtypes need an explicit param_sync_dtype")
+        self.param_sync_dtype = param_sync_dtype or next(iter(dtypes))
+        self.grad_sync_dtype = grad_sync_dtype or self.param_sync_dtype
+        for g in self.param_groups:  # every rank starts from rank 0's values, frozen ones included
+            for p in g["params"]:
+                dist.broadcast(p.data, src=dist.get_global_rank(self.group, 0), group=self.group)
+        # Buckets fill from the last parameter: backward produces gradients in
+        # roughly that order, which is what overlapping communication needs.
+        order = list(range(len(params)))[::-1]
+        self.params = [params[i] for i in order]
+        self.param_groups_of = [groups[i] for i in order]
+        elem = torch.empty((), dtype=self.grad_sync_dtype).element_size()
+        self.layout = BucketLayout([p.numel() for p in self.params], [_GRAD_KEY] * len(self.params),
+                                   self.world_size, self.bucket_cap_mb, {_GRAD_KEY: elem})
+        self.shard_size = self.layout.shard_size(_GRAD_KEY)
+        bucket_size = self.layout.bucket_size(_GRAD_KEY)
+        n_buckets = len(self.layout.buckets)
+        dev = self.device
+        self.grad_buckets = torch.zeros(n_buckets, bucket_size, dtype=self.grad_sync_dtype, device=dev)
+        self.grad_shards = torch.zeros(n_buckets, self.shard_size, dtype=self.grad_sync_dtype, device=dev)
+        self.param_buckets = torch.zeros(n_buckets, bucket_size, dtype=self.param_sync_dtype, device=dev)
+        self.master = torch.zeros(n_buckets, self.shard_size, dtype=torch.float32, device=dev)
+        self.exp_avg = torch.zeros_like(self.master)
+        self.exp_avg_sq = torch.zeros_like(self.master)
+        self.fragments = self.layout.fragments
+        # This rank's pieces, ordered by group so that one launch covers them all.
+        shard = sorted(self.layout.shard_fragments(self.rank), key=lambda f: self.param_groups_of[f.param])
+        with torch.no_grad():
+            for f in shard:
+                flat = _memory_flat(self.params[f.param].detach())
+                self.master[f.bucket, f.shard_start:f.shard_end].copy_(flat[f.param_start:f.param_end])
+        sizes = [0] * len(self.param_groups)
+        for f in shard:
+            sizes[self.param_groups_of[f.param]] += 1
+        own = self.rank * self.shard_size
+        pieces = [(f.bucket, f.shard_start, f.shard_end) for f in shard]
+        self.plan = kernels.AdamPlan(
+            [self.master[b, s:e] for b, s, e in pieces], [self.grad_shards[b, s:e] for b, s, e in pieces],
+            [self.exp_avg[b, s:e] for b, s, e in pieces], [self.exp_avg_sq[b, s:e] for b, s, e in pieces],
+            params_out=[self.param_buckets[b, own + s:own + e] for b, s, e in pieces], group_sizes=sizes,
+            device=dev)
+
+    # ------------------------------------------------------------ step
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.grad_sync()
+        for g in self.param_groups:  # every rank, every group, empty ones too
+            g["step"] += 1
+        groups = self.param_groups
+        kernels.adam(self.plan, lr=[g["lr"] for g in groups], step=[g["step"] for g in groups],
+                     beta1=[g["betas"][0] for g in groups], beta2=[g["betas"][1] for g in groups],
+                     eps=[g["eps"] for g in groups], weight_decay=[g["weight_decay"] for g in groups],
+                     bias_correction=[g["bias_correction"] for g in groups], adam_w_mode=self.adam_w_mode,
+                     grad_scale=1.0 / self.world_size if self.average_grad_sync else 1.0)
+        self.param_sync()
+        return loss
+
+    def grad_sync(self) -> None:
+        """Pack the gradients into the buckets and reduce-scatter them."""
+        self.grad_buckets.zero_()
+        for f in self.fragments:
+            grad = self.params[f.param].grad
+            if grad is not None:
+                check_tensor("a parameter's gradient", grad, self.device, kernels.FLOATS)
+                self.grad_buckets[f.bucket, f.bucket_start:f.bucket_end].copy_(
+                    _flat_like(grad, self.params[f.param])[f.param_start:f.param_end])
+        for b in range(self.grad_buckets.shape[0]):
+            _reduce_scatter(self.grad_shards[b], self.grad_buckets[b], group=self.group)
+
+    def param_sync(self) -> None:
+        """All-gather the updated shards and copy them into the parameters."""
+        own = self.rank * self.shard_size
+        for b in range(self.param_buckets.shape[0]):
+            _all_gather(self.param_buckets[b], self.param_buckets[b, own:own + self.shard_size], group=self.group)
+        for f in self.fragments:
+            _memory_flat(self.params[f.param].data)[f.param_start:f.param_end].copy_(
+                self.param_buckets[f.bucket, f.bucket_start:f.bucket_end])
+
+    def __repr__(self) -> str:
+        lines = [f"{type(self).__name__} (world_size={self.world_size}, rank={self.rank}, "
+                 f"process_group size={self.world_size} id={id(self.group)}, buckets={len(self.layout.buckets)}, "
+                 f"shard_size={self.shard_size}, grad_sync_dtype={self.grad_sync_dtype}, "
+                 f"param_sync_dtype={self.param_sync_dtype}, average_grad_sync={self.average_grad_sync}, "
+                 f"adam_w_mode={self.adam_w_mode}"]
+        for i, g in enumerate(self.param_groups):
+            lines.append(f"  group {i}: {len(g['params'])} params, lr={g['lr']}, betas={g['betas']}, eps={g['eps']}, "
+                         f"weight_decay={g['weight_decay']}, bias_correction={g['bias_correction']}, step={g['step']}")
+        return "\n".join(lines + [")"])
