@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import socket
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 
 import shardadam
 
-STEPS, LOCAL_BATCH = 5, 4
+STEPS, GLOBAL_BATCH = 5, 12  # 12 splits evenly over 1, 2, 3 and 4 ranks
 
 
 def _model() -> nn.Module:
@@ -31,11 +32,19 @@ def _groups(model: nn.Module, frozen: nn.Parameter) -> list[dict]:
             dict(params=[], lr=5e-3), dict(params=[frozen])]
 
 
-def _data(world: int):
+def _data():
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(STEPS, world * LOCAL_BATCH, 3, 6, 6, generator=g)
-    y = torch.randn(STEPS, world * LOCAL_BATCH, 3, generator=g)
-    return x, y
+    return torch.randn(STEPS, GLOBAL_BATCH, 3, 6, 6, generator=g), torch.randn(STEPS, GLOBAL_BATCH, 3, generator=g)
+
+
+def _train(model, opt, rank: int, world: int, steps) -> None:
+    x, y = _data()
+    local = GLOBAL_BATCH // world
+    part = slice(rank * local, (rank + 1) * local)
+    for s in steps:
+        opt.zero_grad()
+        F.mse_loss(model(x[s, part]), y[s, part]).backward()
+        opt.step()
 
 
 def _worker(rank: int, world: int, port: int, adam_w_mode: bool, bucket_cap_mb: float, out) -> None:
@@ -52,12 +61,7 @@ def _worker(rank: int, world: int, port: int, adam_w_mode: bool, bucket_cap_mb: 
         frozen_before = frozen.detach().clone()
         opt = shardadam.DistributedFusedAdam(_groups(model, frozen), lr=1e-2, adam_w_mode=adam_w_mode,
                                              weight_decay=0.1, bucket_cap_mb=bucket_cap_mb)
-        x, y = _data(world)
-        part = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
-        for s in range(STEPS):
-            opt.zero_grad()
-            F.mse_loss(model(x[s, part]), y[s, part]).backward()
-            opt.step()
+        _train(model, opt, rank, world, range(STEPS))
         steps = [g["step"] for g in opt.param_groups]
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         gathered = [torch.empty_like(flat) for _ in range(world)]
@@ -85,43 +89,125 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _reference(world: int, adam_w_mode: bool) -> list[torch.Tensor]:
+def _reference(world: int, adam_w_mode: bool = True) -> list[torch.Tensor]:
     model = _model()
     frozen = model[-1].bias
     frozen.requires_grad_(False)
     cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
     opt = cls(_groups(model, frozen), lr=1e-2, weight_decay=0.1, foreach=False)
-    x, y = _data(world)
+    x, y = _data()
+    local = GLOBAL_BATCH // world
     for s in range(STEPS):
         opt.zero_grad()
         # The mean over ranks of each rank's mean loss: DDP's averaged gradient.
-        losses = [F.mse_loss(model(x[s, r * LOCAL_BATCH:(r + 1) * LOCAL_BATCH]),
-                             y[s, r * LOCAL_BATCH:(r + 1) * LOCAL_BATCH]) for r in range(world)]
+        losses = [F.mse_loss(model(x[s, r * local:(r + 1) * local]), y[s, r * local:(r + 1) * local])
+                  for r in range(world)]
         (sum(losses) / world).backward()
         opt.step()
     return [p.detach() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("adam_w_mode", [True, False], ids=["adamw", "adam-l2"])
-@pytest.mark.parametrize("bucket_cap_mb", [1e-4, 100.0], ids=["tiny-buckets", "one-bucket"])
-def test_matches_single_process_adam_on_the_global_batch(world, adam_w_mode, bucket_cap_mb):
+def _spawn(target, world: int, *args):
+    """Run target(rank, world, port, *args, queue) on `world` processes; rank 0's result."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, adam_w_mode, bucket_cap_mb, out)) for r in range(world)]
+    procs = [ctx.Process(target=target, args=(r, world, port, *args, out)) for r in range(world)]
     for p in procs:
         p.start()
     result = out.get(timeout=120)
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0, f"a rank failed (exit code {p.exitcode})"
+    return result
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("adam_w_mode", [True, False], ids=["adamw", "adam-l2"])
+@pytest.mark.parametrize("bucket_cap_mb", [1e-4, 100.0], ids=["tiny-buckets", "one-bucket"])
+def test_matches_single_process_adam_on_the_global_batch(world, adam_w_mode, bucket_cap_mb):
+    result = _spawn(_worker, world, adam_w_mode, bucket_cap_mb)
     assert result["same_on_all_ranks"], "ranks disagree on the parameters"
     assert result["frozen_unchanged"], "a frozen parameter was modified"
     assert result["steps"] == [STEPS] * 4, f"step counters {result['steps']} (the empty group must count too)"
     if bucket_cap_mb < 1:
         assert result["buckets"] > 3, "tiny buckets must split the parameters over several buckets"
     for i, (got, want) in enumerate(zip(result["params"], _reference(world, adam_w_mode))):
+        torch.testing.assert_close(torch.from_numpy(got), want.contiguous(), rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"param {i}: {m}")
+
+
+def _numpy(obj):
+    """Tensors to numpy arrays, recursively (they cross process boundaries by value)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().numpy().copy()
+    if isinstance(obj, dict):
+        return {k: _numpy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_numpy(v) for v in obj)
+    return obj
+
+
+def _torch(obj):
+    if type(obj).__module__ == "numpy":
+        return torch.from_numpy(obj)
+    if isinstance(obj, dict):
+        return {k: _torch(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_torch(v) for v in obj)
+    return obj
+
+
+def _checkpoint_worker(rank: int, world: int, port: int, bucket_cap_mb: float, saved, out) -> None:
+    """Without `saved`: train steps 0-2 and return model and optimizer state.
+    With it: load both, train steps 3-4, return the parameters."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        model = _model()
+        frozen = model[-1].bias
+        frozen.requires_grad_(False)
+        if saved is not None:
+            model.load_state_dict(_torch(saved["model"]))
+        opt = shardadam.DistributedFusedAdam(_groups(model, frozen), lr=1e-2, weight_decay=0.1,
+                                             bucket_cap_mb=bucket_cap_mb)
+        if saved is None:
+            _train(model, opt, rank, world, range(3))
+            result = dict(model=_numpy(model.state_dict()), opt=_numpy(opt.state_dict()))
+        else:
+            sd = _torch(saved["opt"])
+            before = _numpy(sd)
+            opt.load_state_dict(sd)
+            unchanged = all(bool(np.all(a == b)) for a, b in zip(_leaves(before), _leaves(_numpy(sd))))
+            _train(model, opt, rank, world, range(3, STEPS))
+            result = dict(params=[p.detach().numpy().copy() for p in model.parameters()], dict_unchanged=unchanged)
+        if rank == 0:
+            out.put(result)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+        out.close()
+        out.join_thread()
+    os._exit(0)
+
+
+def _leaves(obj):
+    if isinstance(obj, dict):
+        return [x for v in obj.values() for x in _leaves(v)]
+    if isinstance(obj, (list, tuple)):
+        return [x for v in obj for x in _leaves(v)]
+    return [obj]
+
+
+@pytest.mark.parametrize("save_world,load_world,load_cap", [(2, 2, 1e-4), (2, 3, 1e-4), (3, 2, 100.0)],
+                         ids=["2-to-2", "2-to-3", "3-to-2-other-buckets"])
+def test_checkpoint_loads_on_another_world_size(save_world, load_world, load_cap):
+    saved = _spawn(_checkpoint_worker, save_world, 1e-4, None)
+    result = _spawn(_checkpoint_worker, load_world, load_cap, saved)
+    assert result["dict_unchanged"], "load_state_dict modified the dict it was given"
+    # The reference trains all steps on the same global batches, so the split
+    # over ranks does not matter up to fp32 reduction order.
+    for i, (got, want) in enumerate(zip(result["params"], _reference(save_world))):
         torch.testing.assert_close(torch.from_numpy(got), want.contiguous(), rtol=1e-5, atol=1e-6,
                                    msg=lambda m: f"param {i}: {m}")
 

@@ -42,11 +42,19 @@ def _memory_flat(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided((t.numel(),), (1,), t.storage_offset())
 
 
-def _flat_like(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """grad flattened in param's memory order (a copy only if their layouts differ)."""
-    if grad.stride() != param.stride():
-        grad = torch.empty_like(param, dtype=grad.dtype).copy_(grad)
-    return _memory_flat(grad)
+def _flat_like(t: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """t (param's shape) flattened in param's memory order, on param's device
+    (a copy only if their layouts or devices differ)."""
+    if t.stride() != param.stride() or t.device != param.device:
+        t = torch.empty_like(param, dtype=t.dtype).copy_(t)
+    return _memory_flat(t)
+
+
+def _unflatten(flat: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """The inverse of _flat_like: an fp32 CPU tensor shaped (and laid out) like param."""
+    t = torch.empty_like(param, dtype=torch.float32, device="cpu")
+    _memory_flat(t).copy_(flat)
+    return t
 
 
 class DistributedFusedAdam(torch.optim.Optimizer):
@@ -195,6 +203,75 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         for f in self.fragments:
             _memory_flat(self.params[f.param].data)[f.param_start:f.param_end].copy_(
                 self.param_buckets[f.bucket, f.bucket_start:f.bucket_end])
+
+    # ------------------------------------------------------------ checkpoints
+
+    _STATES = ("master", "exp_avg", "exp_avg_sq")
+
+    def state_dict(self) -> dict:
+        """Portable state: per parameter (index in param_groups order) the fp32
+        ``param`` master, ``exp_avg`` and ``exp_avg_sq`` as full tensors, plus the
+        groups' hyperparameters and steps. Independent of world size and bucket
+        size: it loads on any number of ranks. Every rank gets the whole dict;
+        the shards are gathered one bucket at a time."""
+        index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        full = {name: [torch.zeros(p.numel(), dtype=torch.float32) for p in self.params] for name in self._STATES}
+        gathered = torch.empty(self.grad_buckets.shape[1], dtype=torch.float32, device=self.device)
+        for b in range(self.master.shape[0]):
+            for name in self._STATES:
+                _all_gather(gathered, getattr(self, name)[b], group=self.group)
+                for f in self.fragments:
+                    if f.bucket != b:
+                        continue
+                    full[name][f.param][f.param_start:f.param_end] = gathered[f.bucket_start:f.bucket_end].cpu()
+        state = {}
+        for k, p in enumerate(self.params):
+            state[index[id(p)]] = {("param" if name == "master" else name): _unflatten(full[name][k], p)
+                                   for name in self._STATES}
+        groups, i = [], 0
+        for g in self.param_groups:
+            packed = {k: v for k, v in g.items() if k != "params"}
+            packed["params"] = list(range(i, i + len(g["params"])))
+            i += len(g["params"])
+            groups.append(packed)
+        return {"state": state, "param_groups": groups}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Loads a state_dict() saved on any world size and bucket size: each rank
+        takes its own pieces, no communication. Checks everything before writing;
+        the caller's dict is not modified."""
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"the state dict has {len(saved_groups)} parameter groups, the optimizer "
+                             f"{len(self.param_groups)}")
+        by_param = {}
+        for gi, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(f"group {gi} has {len(saved['params'])} parameters in the state dict and "
+                                 f"{len(group['params'])} in the optimizer")
+            for key, p in zip(saved["params"], group["params"]):
+                entry = state_dict["state"].get(key)
+                if entry is None:
+                    continue
+                for name in ("param", "exp_avg", "exp_avg_sq"):
+                    if name not in entry or tuple(entry[name].shape) != tuple(p.shape):
+                        raise ValueError(f"group {gi}: state '{name}' is missing or has another shape than "
+                                         f"the parameter {tuple(p.shape)}")
+                by_param[id(p)] = entry
+        for saved, group in zip(saved_groups, self.param_groups):
+            group.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items() if k != "params"})
+        for f in self.layout.shard_fragments(self.rank):
+            entry = by_param.get(id(self.params[f.param]))
+            if entry is None:
+                continue
+            for name in self._STATES:
+                value = _flat_like(entry["param" if name == "master" else name], self.params[f.param])
+                getattr(self, name)[f.bucket, f.shard_start:f.shard_end].copy_(value[f.param_start:f.param_end])
+        for p in self.params:  # the model's values are the loaded masters
+            entry = by_param.get(id(p))
+            if entry is not None:
+                p.copy_(entry["param"])
 
     def __repr__(self) -> str:
         lines = [f"{type(self).__name__} (world_size={self.world_size}, rank={self.rank}, "
