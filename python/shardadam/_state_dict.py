@@ -14,6 +14,7 @@ import math
 import torch
 
 from ._fused_buckets import MASTER, REMAINDER
+from ._groups import pack_groups
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
@@ -68,14 +69,7 @@ def _plain(x):
 
 
 def pack_state(opt, buckets) -> dict:
-    index, groups, i = {}, [], 0
-    for g in opt.param_groups:
-        packed = {k: _plain(v) for k, v in g.items() if k != "params"}
-        packed["params"] = list(range(i, i + len(g["params"])))
-        for p in g["params"]:
-            index[id(p)] = i
-            i += 1
-        groups.append(packed)
+    groups, index = pack_groups(opt.param_groups, _plain)
     state = {index[id(p)]: _bucket_state(b, j) for b in buckets for j, p in enumerate(b.params)}
     return {"state": state, "param_groups": groups}
 

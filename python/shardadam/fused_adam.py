@@ -13,6 +13,7 @@ from collections import defaultdict
 import torch
 
 from ._fused_buckets import Bucket, storage_kind
+from ._groups import adam_hyper
 from ._state_dict import load_buckets_state, pack_state
 from ._torch import check_tensor
 from .kernels import FLOATS
@@ -178,7 +179,7 @@ class FusedAdam(torch.optim.Optimizer):
         else:
             for group in self.param_groups:
                 group["step"] += 1
-        hyper = self._hyper()
+        hyper = adam_hyper(self.param_groups, self._opts["adam_w_mode"])
         for b, ready in zip(buckets, prepared):
             if ready is None:
                 continue
@@ -186,14 +187,6 @@ class FusedAdam(torch.optim.Optimizer):
             inv_scale = 1.0 if scale is None else torch.reciprocal(scale.to(b.device, torch.float32))
             b.launch(ready, hyper, inv_scale, None if found_inf is None else found_inf.to(b.device, torch.float32))
         return loss
-
-    def _hyper(self) -> dict:
-        groups = self.param_groups
-        return dict(lr=[g["lr"] for g in groups], step=[g["step"] for g in groups],
-                    beta1=[g["betas"][0] for g in groups], beta2=[g["betas"][1] for g in groups],
-                    eps=[g["eps"] for g in groups], weight_decay=[g["weight_decay"] for g in groups],
-                    bias_correction=[g["bias_correction"] for g in groups],
-                    maximize=[g["maximize"] for g in groups], adam_w_mode=self._opts["adam_w_mode"])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._opts["flat_grads"] and self._buckets is not None:

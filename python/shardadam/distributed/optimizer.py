@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .. import kernels
+from .._groups import adam_hyper, pack_groups
 from .._torch import check_tensor
 from .layout import BucketLayout
 
@@ -174,12 +175,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self.grad_sync()
         for g in self.param_groups:  # every rank, every group, empty ones too
             g["step"] += 1
-        groups = self.param_groups
-        kernels.adam(self.plan, lr=[g["lr"] for g in groups], step=[g["step"] for g in groups],
-                     beta1=[g["betas"][0] for g in groups], beta2=[g["betas"][1] for g in groups],
-                     eps=[g["eps"] for g in groups], weight_decay=[g["weight_decay"] for g in groups],
-                     bias_correction=[g["bias_correction"] for g in groups], adam_w_mode=self.adam_w_mode,
-                     grad_scale=1.0 / self.world_size if self.average_grad_sync else 1.0)
+        kernels.adam(self.plan, grad_scale=1.0 / self.world_size if self.average_grad_sync else 1.0,
+                     **adam_hyper(self.param_groups, self.adam_w_mode))
         self.param_sync()
         return loss
 
@@ -214,7 +211,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         groups' hyperparameters and steps. Independent of world size and bucket
         size: it loads on any number of ranks. Every rank gets the whole dict;
         the shards are gathered one bucket at a time."""
-        index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        groups, index = pack_groups(self.param_groups)
         full = {name: [torch.zeros(p.numel(), dtype=torch.float32) for p in self.params] for name in self._STATES}
         gathered = torch.empty(self.grad_buckets.shape[1], dtype=torch.float32, device=self.device)
         for b in range(self.master.shape[0]):
@@ -228,12 +225,6 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         for k, p in enumerate(self.params):
             state[index[id(p)]] = {("param" if name == "master" else name): _unflatten(full[name][k], p)
                                    for name in self._STATES}
-        groups, i = [], 0
-        for g in self.param_groups:
-            packed = {k: v for k, v in g.items() if k != "params"}
-            packed["params"] = list(range(i, i + len(g["params"])))
-            i += len(g["params"])
-            groups.append(packed)
         return {"state": state, "param_groups": groups}
 
     @torch.no_grad()

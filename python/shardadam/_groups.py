@@ -1,0 +1,26 @@
+"""Parameter-group helpers shared by FusedAdam and DistributedFusedAdam."""
+from __future__ import annotations
+
+
+def adam_hyper(param_groups: list[dict], adam_w_mode: bool) -> dict:
+    """kernels.adam's keyword arguments, one value per group."""
+    groups = param_groups
+    return dict(lr=[g["lr"] for g in groups], step=[g["step"] for g in groups],
+                beta1=[g["betas"][0] for g in groups], beta2=[g["betas"][1] for g in groups],
+                eps=[g["eps"] for g in groups], weight_decay=[g["weight_decay"] for g in groups],
+                bias_correction=[g["bias_correction"] for g in groups],
+                maximize=[g.get("maximize", False) for g in groups], adam_w_mode=adam_w_mode)
+
+
+def pack_groups(param_groups: list[dict], plain=lambda v: v) -> tuple[list[dict], dict]:
+    """State-dict groups (parameters as indices in param_groups order, other
+    values through `plain`) and the index of every parameter by id."""
+    index, groups = {}, []
+    for g in param_groups:
+        packed = {k: plain(v) for k, v in g.items() if k != "params"}
+        packed["params"] = []
+        for p in g["params"]:
+            index[id(p)] = len(index)
+            packed["params"].append(index[id(p)])
+        groups.append(packed)
+    return groups, index
