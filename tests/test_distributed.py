@@ -37,17 +37,22 @@ def _data():
     return torch.randn(STEPS, GLOBAL_BATCH, 3, 6, 6, generator=g), torch.randn(STEPS, GLOBAL_BATCH, 3, generator=g)
 
 
-def _train(model, opt, rank: int, world: int, steps) -> None:
+def _train(model, opt, rank: int, world: int, steps, clip: float | None = None) -> list[float]:
+    """Train on this rank's part of the global batches; the pre-clip norms when clipping."""
     x, y = _data()
     local = GLOBAL_BATCH // world
     part = slice(rank * local, (rank + 1) * local)
+    norms = []
     for s in steps:
         opt.zero_grad()
         F.mse_loss(model(x[s, part]), y[s, part]).backward()
+        if clip is not None:
+            norms.append(float(opt.clip_grad_norm(clip)))
         opt.step()
+    return norms
 
 
-def _worker(rank: int, world: int, port: int, adam_w_mode: bool, bucket_cap_mb: float, out) -> None:
+def _worker(rank: int, world: int, port: int, adam_w_mode: bool, bucket_cap_mb: float, clip, out) -> None:
     torch.set_num_threads(1)  # 3 ranks share 2 cores
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -61,7 +66,7 @@ def _worker(rank: int, world: int, port: int, adam_w_mode: bool, bucket_cap_mb: 
         frozen_before = frozen.detach().clone()
         opt = shardadam.DistributedFusedAdam(_groups(model, frozen), lr=1e-2, adam_w_mode=adam_w_mode,
                                              weight_decay=0.1, bucket_cap_mb=bucket_cap_mb)
-        _train(model, opt, rank, world, range(STEPS))
+        norms = _train(model, opt, rank, world, range(STEPS), clip)
         steps = [g["step"] for g in opt.param_groups]
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         gathered = [torch.empty_like(flat) for _ in range(world)]
@@ -71,7 +76,7 @@ def _worker(rank: int, world: int, port: int, adam_w_mode: bool, bucket_cap_mb: 
             out.put(dict(params=[p.detach().numpy().copy() for p in model.parameters()], steps=steps,
                          same_on_all_ranks=all(torch.equal(t, flat) for t in gathered),
                          frozen_unchanged=torch.equal(frozen.detach(), frozen_before),
-                         buckets=len(opt.layout.buckets)))
+                         buckets=len(opt.layout.buckets), norms=norms))
         dist.barrier()  # no rank tears down while another still talks to it
     finally:
         dist.destroy_process_group()
@@ -89,7 +94,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _reference(world: int, adam_w_mode: bool = True) -> list[torch.Tensor]:
+def _reference(world: int, adam_w_mode: bool = True, clip: float | None = None):
+    """Single-process Adam/AdamW on the global batches: (params, pre-clip norms)."""
     model = _model()
     frozen = model[-1].bias
     frozen.requires_grad_(False)
@@ -97,14 +103,18 @@ def _reference(world: int, adam_w_mode: bool = True) -> list[torch.Tensor]:
     opt = cls(_groups(model, frozen), lr=1e-2, weight_decay=0.1, foreach=False)
     x, y = _data()
     local = GLOBAL_BATCH // world
+    norms = []
     for s in range(STEPS):
         opt.zero_grad()
         # The mean over ranks of each rank's mean loss: DDP's averaged gradient.
         losses = [F.mse_loss(model(x[s, r * local:(r + 1) * local]), y[s, r * local:(r + 1) * local])
                   for r in range(world)]
         (sum(losses) / world).backward()
+        if clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad],
+                                                               clip)))
         opt.step()
-    return [p.detach() for p in model.parameters()]
+    return [p.detach() for p in model.parameters()], norms
 
 
 def _spawn(target, world: int, *args):
@@ -126,13 +136,25 @@ def _spawn(target, world: int, *args):
 @pytest.mark.parametrize("adam_w_mode", [True, False], ids=["adamw", "adam-l2"])
 @pytest.mark.parametrize("bucket_cap_mb", [1e-4, 100.0], ids=["tiny-buckets", "one-bucket"])
 def test_matches_single_process_adam_on_the_global_batch(world, adam_w_mode, bucket_cap_mb):
-    result = _spawn(_worker, world, adam_w_mode, bucket_cap_mb)
+    result = _spawn(_worker, world, adam_w_mode, bucket_cap_mb, None)
     assert result["same_on_all_ranks"], "ranks disagree on the parameters"
     assert result["frozen_unchanged"], "a frozen parameter was modified"
     assert result["steps"] == [STEPS] * 4, f"step counters {result['steps']} (the empty group must count too)"
     if bucket_cap_mb < 1:
         assert result["buckets"] > 3, "tiny buckets must split the parameters over several buckets"
-    for i, (got, want) in enumerate(zip(result["params"], _reference(world, adam_w_mode))):
+    for i, (got, want) in enumerate(zip(result["params"], _reference(world, adam_w_mode)[0])):
+        torch.testing.assert_close(torch.from_numpy(got), want.contiguous(), rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"param {i}: {m}")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_clip_grad_norm_matches_torch(world):
+    """A max_norm below the gradient norms, so every step clips."""
+    result = _spawn(_worker, world, True, 1e-4, 0.02)
+    want_params, want_norms = _reference(world, True, clip=0.02)
+    assert min(want_norms) > 0.02, "the test must clip"
+    np.testing.assert_allclose(result["norms"], want_norms, rtol=1e-5)
+    for i, (got, want) in enumerate(zip(result["params"], want_params)):
         torch.testing.assert_close(torch.from_numpy(got), want.contiguous(), rtol=1e-5, atol=1e-6,
                                    msg=lambda m: f"param {i}: {m}")
 
@@ -207,7 +229,7 @@ def test_checkpoint_loads_on_another_world_size(save_world, load_world, load_cap
     assert result["dict_unchanged"], "load_state_dict modified the dict it was given"
     # The reference trains all steps on the same global batches, so the split
     # over ranks does not matter up to fp32 reduction order.
-    for i, (got, want) in enumerate(zip(result["params"], _reference(save_world))):
+    for i, (got, want) in enumerate(zip(result["params"], _reference(save_world)[0])):
         torch.testing.assert_close(torch.from_numpy(got), want.contiguous(), rtol=1e-5, atol=1e-6,
                                    msg=lambda m: f"param {i}: {m}")
 

@@ -14,11 +14,13 @@ process group; parameters stay replicated. A step:
 
 With average_grad_sync=True the result equals DDP + torch.optim.AdamW (Adam
 with adam_w_mode=False) on the same global batch. This first version runs the
-communication after backward, not overlapped with it; the options for overlap,
-contiguous buffers, redundant groups, remainders, scaled states and CUDA graphs
-are accepted only at their non-default values' absence and raise otherwise.
+communication after backward, not overlapped with it; options for overlap of parameter sync, contiguous
+buffers, redundant groups, remainders, scaled states and CUDA graphs raise
+NotImplementedError when set.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -103,6 +105,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self.overlap_grad_sync = overlap_grad_sync
         self.pipeline_size = pipeline_size
         self.bucket_cap_mb = bucket_cap_mb
+        self._grads_synced = False  # this iteration's gradients are already reduce-scattered
+        self._clip_coef = None      # from clip_grad_norm, applied by the next step
         self._build(grad_sync_dtype, param_sync_dtype, device)
 
     # ------------------------------------------------------------ layout
@@ -172,13 +176,60 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.grad_sync()
+        if not self._grads_synced:
+            self.grad_sync()
         for g in self.param_groups:  # every rank, every group, empty ones too
             g["step"] += 1
-        kernels.adam(self.plan, grad_scale=1.0 / self.world_size if self.average_grad_sync else 1.0,
-                     **adam_hyper(self.param_groups, self.adam_w_mode))
+        # Averaging and clipping fold into the kernel's gradient scale: the
+        # reduced gradients are never rescaled in memory.
+        grad_scale = 1.0 / self.world_size if self.average_grad_sync else 1.0
+        if self._clip_coef is not None:
+            grad_scale = self._clip_coef * grad_scale
+        kernels.adam(self.plan, grad_scale=grad_scale, **adam_hyper(self.param_groups, self.adam_w_mode))
         self.param_sync()
+        self._grads_synced, self._clip_coef = False, None
         return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+        self._grads_synced, self._clip_coef = False, None
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradient accumulation over several backward passes. This version
+        synchronises gradients only inside step() (or grad_norm), so backward
+        passes accumulate into p.grad with no communication, inside this
+        context or not; it exists for code written against apex."""
+        yield
+
+    @torch.no_grad()
+    def grad_norm(self, parameters=None, norm_type: float = 2.0) -> torch.Tensor:
+        """The L2 norm of the synchronised (averaged, if average_grad_sync)
+        gradient of every parameter, as a 0-d tensor; synchronises the
+        gradients now if step() has not yet."""
+        if parameters is not None:
+            raise NotImplementedError("grad_norm of a subset of the parameters is not supported yet; "
+                                      "call it without `parameters`")
+        if norm_type != 2.0:
+            raise ValueError(f"norm_type must be 2.0 (the L2 norm), got {norm_type}")
+        if not self._grads_synced:
+            self.grad_sync()
+        # Shard padding holds zeros, so the whole shard buffer has the shard's norm.
+        local = kernels.l2_norm(self.grad_shards.reshape(-1)).total
+        sum_sq = local * local
+        dist.all_reduce(sum_sq, group=self.group)
+        norm = sum_sq.sqrt()
+        return norm / self.world_size if self.average_grad_sync else norm
+
+    def clip_grad_norm(self, max_norm: float, parameters=None, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale the gradients so their global L2 norm is at most max_norm (as
+        torch.nn.utils.clip_grad_norm_), applied inside the next step without
+        rewriting gradients. Returns the norm before clipping."""
+        if not max_norm > 0:
+            raise ValueError(f"max_norm must be > 0, got {max_norm}")
+        total = self.grad_norm(parameters, norm_type)
+        self._clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        return total
 
     def grad_sync(self) -> None:
         """Pack the gradients into the buckets and reduce-scatter them."""
@@ -191,6 +242,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                     _flat_like(grad, self.params[f.param])[f.param_start:f.param_end])
         for b in range(self.grad_buckets.shape[0]):
             _reduce_scatter(self.grad_shards[b], self.grad_buckets[b], group=self.group)
+        self._grads_synced = True
 
     def param_sync(self) -> None:
         """All-gather the updated shards and copy them into the parameters."""
