@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build for Hopper, run the tests (GPU ones
-# included) and the given benchmark commands, keeping logs under $OUT.
-# Usage: bash scripts/device_run.sh [pytest args] -- [benchmark args]
+# included) and bench_kernels.py with the given arguments, keeping logs under
+# $OUT. Usage: bash scripts/device_run.sh [pytest args] -- [bench_kernels args]
+# e.g. bash scripts/device_run.sh -q tests -- --device cuda --out $OUT/k.json
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/out}

@@ -22,12 +22,14 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda, id="cuda")]
 
 
 def pytest_collection_modifyitems(config, items):
-    if CUDA_OK:
-        return
-    skip = pytest.mark.skip(reason=CUDA_SKIP_REASON)
+    skip_cuda = pytest.mark.skip(reason=CUDA_SKIP_REASON)
+    skip_multi = pytest.mark.skip(reason=f"needs 2 CUDA GPUs for NCCL (torch sees {torch.cuda.device_count()}) "
+                                         "and a build with CUDA kernels")
     for item in items:
-        if "cuda" in item.keywords:
-            item.add_marker(skip)
+        if "cuda" in item.keywords and not CUDA_OK:
+            item.add_marker(skip_cuda)
+        if "multigpu" in item.keywords and not (CUDA_OK and torch.cuda.device_count() >= 2):
+            item.add_marker(skip_multi)
 
 
 @pytest.fixture(params=DEVICES)

@@ -40,23 +40,31 @@ def _data():
 def _train(model, opt, rank: int, world: int, steps, clip: float | None = None) -> list[float]:
     """Train on this rank's part of the global batches; the pre-clip norms when clipping."""
     x, y = _data()
+    dev = next(model.parameters()).device
     local = GLOBAL_BATCH // world
     part = slice(rank * local, (rank + 1) * local)
     norms = []
     for s in steps:
         opt.zero_grad()
-        F.mse_loss(model(x[s, part]), y[s, part]).backward()
+        F.mse_loss(model(x[s, part].to(dev)), y[s, part].to(dev)).backward()
         if clip is not None:
             norms.append(float(opt.clip_grad_norm(clip)))
         opt.step()
     return norms
 
 
-def _worker(rank: int, world: int, port: int, adam_w_mode: bool, bucket_cap_mb: float, clip, out) -> None:
+def _worker(rank: int, world: int, port: int, adam_w_mode: bool, bucket_cap_mb: float, clip, device: str,
+            out) -> None:
+    """One rank: gloo on the CPU, or NCCL with one GPU per rank."""
     torch.set_num_threads(1)  # 3 ranks share 2 cores
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world)
     try:
-        model = _model()
+        if device == "cuda":  # cuDNN's default convolutions are not deterministic
+            torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+        model = _model().to(device if device == "cpu" else f"cuda:{rank}")
         if rank != 0:  # the optimizer broadcasts rank 0's parameters
             with torch.no_grad():
                 for p in model.parameters():
@@ -73,7 +81,7 @@ def _worker(rank: int, world: int, port: int, adam_w_mode: bool, bucket_cap_mb: 
         dist.all_gather(gathered, flat)
         if rank == 0:
             # numpy arrays travel by value (tensors would pass file handles to a process that exits)
-            out.put(dict(params=[p.detach().numpy().copy() for p in model.parameters()], steps=steps,
+            out.put(dict(params=[p.detach().cpu().numpy().copy() for p in model.parameters()], steps=steps,
                          same_on_all_ranks=all(torch.equal(t, flat) for t in gathered),
                          frozen_unchanged=torch.equal(frozen.detach(), frozen_before),
                          buckets=len(opt.layout.buckets), norms=norms))
@@ -136,7 +144,7 @@ def _spawn(target, world: int, *args):
 @pytest.mark.parametrize("adam_w_mode", [True, False], ids=["adamw", "adam-l2"])
 @pytest.mark.parametrize("bucket_cap_mb", [1e-4, 100.0], ids=["tiny-buckets", "one-bucket"])
 def test_matches_single_process_adam_on_the_global_batch(world, adam_w_mode, bucket_cap_mb):
-    result = _spawn(_worker, world, adam_w_mode, bucket_cap_mb, None)
+    result = _spawn(_worker, world, adam_w_mode, bucket_cap_mb, None, "cpu")
     assert result["same_on_all_ranks"], "ranks disagree on the parameters"
     assert result["frozen_unchanged"], "a frozen parameter was modified"
     assert result["steps"] == [STEPS] * 4, f"step counters {result['steps']} (the empty group must count too)"
@@ -147,10 +155,12 @@ def test_matches_single_process_adam_on_the_global_batch(world, adam_w_mode, buc
                                    msg=lambda m: f"param {i}: {m}")
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_clip_grad_norm_matches_torch(world):
-    """A max_norm below the gradient norms, so every step clips."""
-    result = _spawn(_worker, world, True, 1e-4, 0.02)
+@pytest.mark.parametrize("world,device", [(2, "cpu"), (3, "cpu"), pytest.param(2, "cuda", marks=pytest.mark.multigpu)],
+                         ids=["gloo-2", "gloo-3", "nccl-2"])
+def test_clip_grad_norm_matches_torch(world, device):
+    """A max_norm below the gradient norms, so every step clips. On NCCL too
+    (one GPU per rank), against the same single-process CPU reference."""
+    result = _spawn(_worker, world, True, 1e-4, 0.02, device)
     want_params, want_norms = _reference(world, True, clip=0.02)
     assert min(want_norms) > 0.02, "the test must clip"
     np.testing.assert_allclose(result["norms"], want_norms, rtol=1e-5)

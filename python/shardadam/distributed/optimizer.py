@@ -107,6 +107,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self.bucket_cap_mb = bucket_cap_mb
         self._grads_synced = False  # this iteration's gradients are already reduce-scattered
         self._clip_coef = None      # from clip_grad_norm, applied by the next step
+        self._norm_plan = None
         self._build(grad_sync_dtype, param_sync_dtype, device)
 
     # ------------------------------------------------------------ layout
@@ -215,7 +216,9 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         if not self._grads_synced:
             self.grad_sync()
         # Shard padding holds zeros, so the whole shard buffer has the shard's norm.
-        local = kernels.l2_norm(self.grad_shards.reshape(-1)).total
+        if self._norm_plan is None:  # built once: the shard buffer never moves
+            self._norm_plan = kernels.NormPlan(self.grad_shards.reshape(-1))
+        local = kernels.l2_norm(self._norm_plan).total
         sum_sq = local * local
         dist.all_reduce(sum_sq, group=self.group)
         norm = sum_sq.sqrt()
