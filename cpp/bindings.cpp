@@ -97,7 +97,6 @@ NB_MODULE(_core, m) {
       .def_prop_ro("chunk_size", &TensorTable::chunk_size)
       .def("blob", [](const TensorTable& t) { return nb::bytes(t.blob().data(), t.blob().size()); },
            "The table as bytes, to be copied to the device once.")
-      .def("set_list_ptrs", &TensorTable::set_list_ptrs, "list"_a, "ptrs"_a)
       .def("refresh_read_list", &TensorTable::refresh_read_list, "list"_a, "ptrs"_a,
            "Per-step address update of a read-only list. True when a tensor lost vector "
            "alignment (re-copy the whole blob), else only the column at ptrs_offset changed.")

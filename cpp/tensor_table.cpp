@@ -172,20 +172,6 @@ TableView TensorTable::view(const void* base) const {
   return v;
 }
 
-void TensorTable::set_list_ptrs(int l, const std::vector<uint64_t>& ptrs) {
-  SHARDADAM_CHECK(l >= 0 && l < num_lists() && has_list(l), "set_list_ptrs: no such list in the table");
-  SHARDADAM_CHECK(int64_t(ptrs.size()) == num_tensors_,
-                  "set_list_ptrs: " + lists_[l].name + " needs " + std::to_string(num_tensors_) + " addresses");
-  std::vector<uint64_t> old = lists_[l].ptrs;
-  lists_[l].ptrs = ptrs;
-  try {
-    validate_overlap();
-  } catch (...) {
-    lists_[l].ptrs = std::move(old);  // leave the table usable and unchanged
-    throw;
-  }
-  build_blob();
-}
 
 }  // namespace shardadam
 
@@ -194,7 +180,7 @@ namespace shardadam {
 bool TensorTable::refresh_read_list(int l, const std::vector<uint64_t>& ptrs) {
   SHARDADAM_CHECK(l >= 0 && l < num_lists() && has_list(l), "refresh_read_list: no such list in the table");
   ListSpec& spec = lists_[l];
-  SHARDADAM_CHECK(!spec.written, "refresh_read_list: " + spec.name + " is written; use set_list_ptrs");
+  SHARDADAM_CHECK(!spec.written, "refresh_read_list: " + spec.name + " is written; its addresses are fixed when the table is built");
   SHARDADAM_CHECK(int64_t(ptrs.size()) == num_tensors_,
                   "refresh_read_list: " + spec.name + " needs " + std::to_string(num_tensors_) + " addresses");
   for (int64_t t = 0; t < num_tensors_; ++t)

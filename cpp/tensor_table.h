@@ -73,10 +73,6 @@ class TensorTable {
   TableView view(const void* base) const;
   TableView host_view() const { return view(blob_.data()); }
 
-  // Replace the addresses of one list (e.g. gradients that moved), keeping
-  // every other property. Revalidates alignment and overlap.
-  void set_list_ptrs(int l, const std::vector<uint64_t>& ptrs);
-
   // The per-step path for a read-only list (gradients re-created by autograd):
   // writes the new addresses into the blob in place, O(n) with no sort. The
   // caller guarantees the new tensors have the validated sizes and dtypes;

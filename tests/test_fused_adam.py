@@ -566,3 +566,25 @@ def test_repr_lists_groups_and_options():
         p.grad = randn(p.shape, torch.bfloat16)
     opt.step()
     assert "step=1" in next(line for line in repr(opt).splitlines() if "group 1" in line)
+
+
+def test_step_with_closure_matches_torch(device):
+    """step(closure) re-evaluates the loss with gradients enabled and returns it."""
+    models = [nn.Linear(5, 2).to(device) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    opts = [FusedAdam(models[0].parameters(), lr=1e-2), torch.optim.AdamW(models[1].parameters(), lr=1e-2,
+                                                                          weight_decay=0.0, foreach=False)]
+    x = randn((4, 5), device=device)
+    for _ in range(3):
+        losses = []
+        for m, o in zip(models, opts):
+            def closure(m=m, o=o):
+                o.zero_grad()
+                loss = m(x).pow(2).mean()
+                loss.backward()
+                return loss
+            with torch.no_grad():  # the closure must still get gradients
+                losses.append(o.step(closure))
+        torch.testing.assert_close(losses[0], losses[1])
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

@@ -1,6 +1,16 @@
 """Parameter-group helpers shared by FusedAdam and DistributedFusedAdam."""
 from __future__ import annotations
 
+import torch
+
+
+def run_closure(closure):
+    """torch.optim's contract: re-evaluate the loss with gradients enabled."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
 
 def adam_hyper(param_groups: list[dict], adam_w_mode: bool) -> dict:
     """kernels.adam's keyword arguments, one value per group."""

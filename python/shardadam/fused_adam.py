@@ -13,7 +13,7 @@ from collections import defaultdict
 import torch
 
 from ._fused_buckets import Bucket, storage_kind
-from ._groups import adam_hyper
+from ._groups import adam_hyper, run_closure
 from ._state_dict import load_buckets_state, pack_state
 from ._torch import check_tensor
 from .kernels import FLOATS
@@ -156,10 +156,7 @@ class FusedAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         if any(p.grad is not None for p in self._frozen):  # unfrozen since the layout was built
             self._structure = None
         buckets = self._layout()

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .. import kernels
-from .._groups import adam_hyper, pack_groups
+from .._groups import adam_hyper, pack_groups, run_closure
 from .._torch import check_tensor
 from .layout import BucketLayout
 
@@ -173,10 +173,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         if not self._grads_synced:
             self.grad_sync()
         for g in self.param_groups:  # every rank, every group, empty ones too
