@@ -156,6 +156,14 @@ void TensorTable::build_blob() {
   blob_.resize((blob_.size() + 15) & ~size_t(15));
 }
 
+bool TensorTable::list_dtype_is(int l, DType d) const {
+  const ListSpec& spec = lists_[l];
+  if (spec.ptrs.empty()) return d == DType::None;
+  for (uint8_t x : spec.dtypes)
+    if (x != uint8_t(d)) return false;
+  return true;
+}
+
 TableView TensorTable::view(const void* base) const {
   const uint8_t* b = static_cast<const uint8_t*>(base);
   TableView v;

@@ -19,6 +19,10 @@ namespace shardadam {
 // every list is aligned to this many elements so the engine can vectorise.
 constexpr int kVecElems = 4;
 
+// A tensor's chunks split its elements into equal shares of work. The CPU
+// engine walks each chunk's contiguous range; the CUDA engine keeps the count
+// but interleaves the shares (cuda/multi_tensor_apply.cuh). Per-chunk results
+// are only ever combined per tensor, so both are exact.
 struct Chunk {
   int64_t start;    // first element, within the tensor
   uint32_t tensor;  // index into the table
@@ -65,6 +69,9 @@ class TensorTable {
   int64_t chunk_size() const { return chunk_size_; }
   bool has_list(int l) const { return !lists_[l].ptrs.empty(); }
   const ListSpec& list(int l) const { return lists_[l]; }
+  // True when every tensor of list l has dtype d (DType::None: the list is
+  // absent). Lets an engine pick a kernel compiled for fixed dtypes.
+  bool list_dtype_is(int l, DType d) const;
   // First chunk of group g; group_chunk_begin(num_groups) == num_chunks.
   int64_t group_chunk_begin(int64_t g) const { return group_chunk_begin_[g]; }
 

@@ -3,6 +3,22 @@
 
 namespace shardadam {
 
+// Kernels with fixed dtypes for the common tables (lists: param, grad,
+// exp_avg, exp_avg_sq, max_exp_avg_sq, param_out, remainder); any other mix
+// runs the general kernel, correct but slower.
+template <>
+struct OpFastDtypes<AdamOp> {
+  static constexpr DType F32 = DType::F32, BF16 = DType::BF16, F16 = DType::F16, I16 = DType::I16,
+                         None = DType::None;
+  using type = DtypeList<
+      FixedDtypes<F32, F32, F32, F32, None, None, None>,    // fp32
+      FixedDtypes<F32, BF16, F32, F32, None, BF16, None>,   // fp32 master, bf16 model
+      FixedDtypes<F32, F16, F32, F32, None, F16, None>,     // fp32 master, fp16 model
+      FixedDtypes<F32, F32, F32, F32, None, BF16, None>,    // fp32 grads, bf16 param copy (sharded)
+      FixedDtypes<F32, F32, F32, F32, None, F32, None>,     // fp32 grads, fp32 param copy (sharded)
+      FixedDtypes<BF16, BF16, F32, F32, None, None, I16>>;  // bf16 params + remainders
+};
+
 void cuda_adam(const TensorTable& t, const CudaTarget& where, const std::vector<AdamGroup>& groups,
                const AdamExtras& x) {
   DeviceGuard guard(where.device);

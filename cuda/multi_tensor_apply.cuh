@@ -33,44 +33,87 @@ struct alignas(sizeof(T) * K) Pack {
   T v[K];
 };
 
-template <int L, int K>
-class CudaIO {
- public:
-  __device__ CudaIO(const TableView& tv, uint32_t tensor) {
+// Where a kernel takes its dtypes from. TableDtypes reads them from the table
+// (any mix, a switch per access). FixedDtypes<...> fixes one dtype per list at
+// compile time: the switches fold away and each tile's loads are issued back
+// to back. Through the switches the compiler funnelled every list's load into
+// the same registers, one memory round trip per list: 78% of copy bandwidth
+// on an H200 where the fixed kernel runs near copy speed (benchmarks/RESULTS.md).
+struct TableDtypes {
+  static constexpr bool kFixed = false;
+  __device__ static constexpr DType at(int) { return DType::None; }
+};
+template <DType... Ds>
+struct FixedDtypes {
+  static constexpr bool kFixed = true;
+  __host__ __device__ static constexpr DType at(int l) {
+    constexpr DType d[] = {Ds...};
+    return d[l];
+  }
+};
+
+// Which FixedDtypes an op gets kernels for: a list of them in OpFastDtypes<Op>
+// (specialised next to the op's launch). Tables matching none of them run the
+// TableDtypes kernel.
+template <class... Sigs>
+struct DtypeList {};
+template <class Op>
+struct OpFastDtypes {
+  using type = DtypeList<>;
+};
+
+// One tensor's addresses (and dtypes, when not fixed), read once per block.
+template <int L, class Dtypes>
+struct TensorRefs {
+  __device__ TensorRefs(const TableView& tv, uint32_t tensor) {
 #pragma unroll
     for (int l = 0; l < L; ++l) {
-      ptr_[l] = reinterpret_cast<char*>(tv.ptrs[int64_t(l) * tv.num_tensors + tensor]);
-      dtype_[l] = DType(tv.dtypes[int64_t(l) * tv.num_tensors + tensor]);
+      ptr[l] = reinterpret_cast<char*>(tv.ptrs[int64_t(l) * tv.num_tensors + tensor]);
+      if constexpr (!Dtypes::kFixed) dtype[l] = DType(tv.dtypes[int64_t(l) * tv.num_tensors + tensor]);
     }
-    vec_ = tv.aligned[tensor] != 0;
   }
-  __device__ void at(int64_t index, int count) {
-    index_ = index;
-    count_ = count;
+  __device__ DType dtype_of(int l) const {
+    if constexpr (Dtypes::kFixed) {
+      return Dtypes::at(l);
+    } else {
+      return dtype[l];
+    }
   }
-  __device__ DType dtype(int l) const { return dtype_[l]; }
+  char* ptr[L];
+  DType dtype[Dtypes::kFixed ? 1 : L];
+};
+
+// One tile of one tensor. kFull: K elements, every list aligned for vector
+// access (the steady state, with no per-access branch); otherwise element by
+// element with count() real elements (misaligned views, tails).
+template <int L, int K, class Dtypes, bool kFull>
+class CudaIO {
+ public:
+  __device__ CudaIO(const TensorRefs<L, Dtypes>& refs, int64_t index, int count)
+      : refs_(refs), index_(index), count_(kFull ? K : count) {}
+  __device__ DType dtype(int l) const { return refs_.dtype_of(l); }
   __device__ int count() const { return count_; }
   __device__ constexpr int lanes() const { return K; }
 
   __device__ void load(int l, float (&out)[K]) const {
-    switch (dtype_[l]) {
+    switch (dtype(l)) {
       case DType::F32: {
         float r[K];
-        load_raw(reinterpret_cast<const float*>(ptr_[l]) + index_, r);
+        load_raw(reinterpret_cast<const float*>(refs_.ptr[l]) + index_, r);
 #pragma unroll
         for (int k = 0; k < K; ++k) out[k] = r[k];
         break;
       }
       case DType::BF16: {
         uint16_t r[K];
-        load_raw(reinterpret_cast<const uint16_t*>(ptr_[l]) + index_, r);
+        load_raw(reinterpret_cast<const uint16_t*>(refs_.ptr[l]) + index_, r);
 #pragma unroll
         for (int k = 0; k < K; ++k) out[k] = bf16_to_float(r[k]);
         break;
       }
       case DType::F16: {
         uint16_t r[K];
-        load_raw(reinterpret_cast<const uint16_t*>(ptr_[l]) + index_, r);
+        load_raw(reinterpret_cast<const uint16_t*>(refs_.ptr[l]) + index_, r);
 #pragma unroll
         for (int k = 0; k < K; ++k) out[k] = f16_to_float(r[k]);
         break;
@@ -82,26 +125,26 @@ class CudaIO {
   }
 
   __device__ void store(int l, const float (&in)[K]) const {
-    switch (dtype_[l]) {
+    switch (dtype(l)) {
       case DType::F32: {
         float r[K];
 #pragma unroll
         for (int k = 0; k < K; ++k) r[k] = in[k];
-        store_raw(reinterpret_cast<float*>(ptr_[l]) + index_, r);
+        store_raw(reinterpret_cast<float*>(refs_.ptr[l]) + index_, r);
         break;
       }
       case DType::BF16: {
         uint16_t r[K];
 #pragma unroll
         for (int k = 0; k < K; ++k) r[k] = float_to_bf16(in[k]);
-        store_raw(reinterpret_cast<uint16_t*>(ptr_[l]) + index_, r);
+        store_raw(reinterpret_cast<uint16_t*>(refs_.ptr[l]) + index_, r);
         break;
       }
       case DType::F16: {
         uint16_t r[K];
 #pragma unroll
         for (int k = 0; k < K; ++k) r[k] = float_to_f16(in[k]);
-        store_raw(reinterpret_cast<uint16_t*>(ptr_[l]) + index_, r);
+        store_raw(reinterpret_cast<uint16_t*>(refs_.ptr[l]) + index_, r);
         break;
       }
       default:
@@ -110,16 +153,16 @@ class CudaIO {
   }
 
   __device__ void load_bits(int l, uint16_t (&out)[K]) const {
-    load_raw(reinterpret_cast<const uint16_t*>(ptr_[l]) + index_, out);
+    load_raw(reinterpret_cast<const uint16_t*>(refs_.ptr[l]) + index_, out);
   }
   __device__ void store_bits(int l, const uint16_t (&in)[K]) const {
-    store_raw(reinterpret_cast<uint16_t*>(ptr_[l]) + index_, in);
+    store_raw(reinterpret_cast<uint16_t*>(refs_.ptr[l]) + index_, in);
   }
 
  private:
   template <class T>
   __device__ void load_raw(const T* src, T (&r)[K]) const {
-    if (vec_ && count_ == K) {
+    if constexpr (kFull) {
 #pragma unroll
       for (int j = 0; j < K; j += kVecElems) {
         const Pack<T, kVecElems> p = *reinterpret_cast<const Pack<T, kVecElems>*>(src + j);
@@ -133,7 +176,7 @@ class CudaIO {
   }
   template <class T>
   __device__ void store_raw(T* dst, const T (&r)[K]) const {
-    if (vec_ && count_ == K) {
+    if constexpr (kFull) {
 #pragma unroll
       for (int j = 0; j < K; j += kVecElems) {
         Pack<T, kVecElems> p;
@@ -148,11 +191,9 @@ class CudaIO {
     }
   }
 
-  char* ptr_[L];
-  DType dtype_[L];
-  bool vec_;
-  int64_t index_ = 0;
-  int count_ = 0;
+  const TensorRefs<L, Dtypes>& refs_;
+  int64_t index_;
+  int count_;
 };
 
 // Block-wide reductions in a fixed order (deterministic), warp shuffles then
@@ -189,21 +230,36 @@ class CudaReducer {
   }
 };
 
-template <class Op>
+// Which elements a block handles: the C chunks of a tensor are C blocks that
+// deal the tensor out in sweeps of kBlock * K elements, block k taking sweeps
+// k, k + C, k + 2C, ... Blocks start in index order, so the resident blocks of
+// a tensor walk it side by side as one dense front. Giving each block its own
+// contiguous chunk instead keeps ~1,800 separate streams open on an H200 and
+// held Adam at 78% of copy bandwidth (benchmarks/RESULTS.md). Every launch
+// covers whole tensors (group ranges are tensor-aligned), so each element is
+// still handled exactly once; per-chunk partial results stay per-tensor exact.
+template <class Op, class Dtypes>
 __global__ void __launch_bounds__(kBlock, kMinBlocks)
     multi_tensor_kernel(const TableView tv, const int64_t chunk_begin, const __grid_constant__ Op op,
                         const float* skip_if) {
   constexpr int K = kTile;
+  constexpr int64_t kSweep = int64_t(kBlock) * K;
   if (flag_is_set(skip_if)) return;  // the same answer for every block
   const int64_t c = chunk_begin + blockIdx.x;
-  const Chunk ch = tv.chunks[c];
-  const ChunkCtx ctx{ch.tensor, tv.groups[ch.tensor], c};
-  CudaIO<Op::kLists, K> io(tv, ch.tensor);
+  const uint32_t tensor = tv.chunks[c].tensor;
+  const int64_t first_chunk = tv.tensor_chunks[tensor];
+  const int64_t sweep_stride = (tv.tensor_chunks[tensor + 1] - first_chunk) * kSweep;
+  const int64_t n = tv.numels[tensor];
+  const bool vector_ok = tv.aligned[tensor] != 0;
+  const ChunkCtx ctx{tensor, tv.groups[tensor], c};
+  const TensorRefs<Op::kLists, Dtypes> refs(tv, tensor);
   auto state = op.template begin<K>(ctx, op.group_state(ctx.group));
-  const int64_t end = ch.start + ch.len;
-  for (int64_t i = ch.start + int64_t(threadIdx.x) * K; i < end; i += int64_t(kBlock) * K) {
-    io.at(i, end - i < K ? int(end - i) : K);
-    op.template tile<K>(io, state);
+  for (int64_t i = (c - first_chunk) * kSweep + int64_t(threadIdx.x) * K; i < n; i += sweep_stride) {
+    if (vector_ok && n - i >= K) {
+      op.template tile<K>(CudaIO<Op::kLists, K, Dtypes, true>(refs, i, K), state);
+    } else {
+      op.template tile<K>(CudaIO<Op::kLists, K, Dtypes, false>(refs, i, int(n - i < K ? n - i : K)), state);
+    }
   }
   CudaReducer red;
   op.template finish<K>(ctx, state, red);
@@ -216,17 +272,41 @@ void launch_finalize_norm(const TableView& tv, const float* partials, float* per
                           float* total, cudaStream_t stream);
 
 struct CudaEngine {
+  const TensorTable& table;
   TableView tv;
   cudaStream_t stream;
 
   template <class Op>
   void apply(int64_t chunk_begin, int64_t chunk_end, const Op& op, const float* skip_if) const {
+    launch_first_match(typename OpFastDtypes<Op>::type{}, chunk_begin, chunk_end, op, skip_if);
+  }
+  // The kernel for the first FixedDtypes the whole table matches, else the
+  // TableDtypes one.
+  template <class Op, class Sig, class... Rest>
+  void launch_first_match(DtypeList<Sig, Rest...>, int64_t chunk_begin, int64_t chunk_end, const Op& op,
+                          const float* skip_if) const {
+    bool match = true;
+    for (int l = 0; l < Op::kLists; ++l) match = match && table.list_dtype_is(l, Sig::at(l));
+    if (match) {
+      launch<Op, Sig>(chunk_begin, chunk_end, op, skip_if);
+    } else {
+      launch_first_match(DtypeList<Rest...>{}, chunk_begin, chunk_end, op, skip_if);
+    }
+  }
+  template <class Op>
+  void launch_first_match(DtypeList<>, int64_t chunk_begin, int64_t chunk_end, const Op& op,
+                          const float* skip_if) const {
+    launch<Op, TableDtypes>(chunk_begin, chunk_end, op, skip_if);
+  }
+  template <class Op, class Dtypes>
+  void launch(int64_t chunk_begin, int64_t chunk_end, const Op& op, const float* skip_if) const {
     for (int64_t c = chunk_begin; c < chunk_end; c += kMaxGrid) {
       const int64_t n = chunk_end - c < kMaxGrid ? chunk_end - c : kMaxGrid;
-      multi_tensor_kernel<Op><<<unsigned(n), kBlock, 0, stream>>>(tv, c, op, skip_if);
+      multi_tensor_kernel<Op, Dtypes><<<unsigned(n), kBlock, 0, stream>>>(tv, c, op, skip_if);
       cuda_check(cudaGetLastError(), "multi_tensor_kernel launch");
     }
   }
+
   void zero(float* p, int64_t n) const {
     cuda_check(cudaMemsetAsync(p, 0, size_t(n) * sizeof(float), stream), "cudaMemsetAsync");
   }
@@ -239,7 +319,7 @@ struct CudaEngine {
 };
 
 inline CudaEngine make_engine(const TensorTable& t, const CudaTarget& where) {
-  return CudaEngine{t.view(reinterpret_cast<const void*>(where.blob)),
+  return CudaEngine{t, t.view(reinterpret_cast<const void*>(where.blob)),
                     reinterpret_cast<cudaStream_t>(where.stream)};
 }
 

@@ -155,21 +155,24 @@ def _ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def test_cpu_and_cuda_agree():
     sizes = [1, 7, 0, 70001]
     # Params away from zero, so an ulp of the param is large next to the
-    # update's own rounding.
+    # update's own rounding: from the same inputs, the two devices' updates
+    # differ far below half an ulp of the param (FMA contraction differs), so
+    # the rounded params may differ by at most one ulp. Each step restarts the
+    # GPU from the CPU's state, so differences cannot accumulate.
     p_cpu = [(1 + torch.rand(n)) * torch.sign(torch.randn(n)) for n in sizes]
     m_cpu = [randn(n, scale=0.1) for n in sizes]
     v_cpu = [rand_pos(n) for n in sizes]
-    cuda = [[t.cuda() for t in ts] for ts in (p_cpu, m_cpu, v_cpu)]
     for step in range(1, 11):
+        cuda = [[t.cuda() for t in ts] for ts in (p_cpu, m_cpu, v_cpu)]
         g = [randn(n) for n in sizes]
         kw = dict(lr=1e-3, step=step, weight_decay=0.01, beta1=0.9, beta2=0.999)
         kernels.adam(p_cpu, g, m_cpu, v_cpu, **kw)
         kernels.adam(cuda[0], [t.cuda() for t in g], cuda[1], cuda[2], **kw)
-    torch.cuda.synchronize()
-    for i, n in enumerate(sizes):
-        if not n:
-            continue
-        assert int(_ulp_distance(cuda[0][i], p_cpu[i]).max()) <= 2, f"params[{i}]"
-        for name, a, b in (("exp_avg", cuda[1][i], m_cpu[i]), ("exp_avg_sq", cuda[2][i], v_cpu[i])):
-            torch.testing.assert_close(a.cpu(), b, rtol=2 * 2.0 ** -23, atol=4 * 2.0 ** -23 * b.abs().max().item(),
-                                       msg=lambda s: f"{name}[{i}]: {s}")
+        torch.cuda.synchronize()
+        for i, n in enumerate(sizes):
+            if not n:
+                continue
+            assert int(_ulp_distance(cuda[0][i], p_cpu[i]).max()) <= 1, f"step {step}: params[{i}]"
+            for name, a, b in (("exp_avg", cuda[1][i], m_cpu[i]), ("exp_avg_sq", cuda[2][i], v_cpu[i])):
+                torch.testing.assert_close(a.cpu(), b, rtol=2 * 2.0 ** -23, atol=2 * 2.0 ** -23 * b.abs().max().item(),
+                                           msg=lambda s: f"step {step}: {name}[{i}]: {s}")
