@@ -85,6 +85,7 @@ class Bucket:
             if self.master is not None:
                 self.views[i]["master_param"].copy_(p.detach())
         self._strides = [p.stride() for p in params]
+        self._all_contiguous = all(p.is_contiguous() for p in params)
         self.flat_grads = None
         self._flat_views: list | None = None  # set by use_flat_grads
         self._plan = None
@@ -154,6 +155,19 @@ class Bucket:
             return None
         # torch keeps a gradient's shape, dtype and device equal to its
         # parameter's; what can differ is the layout and the memory order.
+        # All-contiguous buckets (the common case) take one C-level pass.
+        try:
+            fast_ok = self._all_contiguous and all(map(torch.Tensor.is_contiguous, grads))
+        except RuntimeError:  # sparse gradients have no is_contiguous: the checks below say so
+            fast_ok = False
+        if not fast_ok:
+            self._check_grad_layouts(grads, cached)
+        if self._plan is not None:
+            self._plan.refresh_read_list(GRAD_LIST, grads)
+        self._grads = grads
+        return grads
+
+    def _check_grad_layouts(self, grads: list, cached: list | None) -> None:
         strided = torch.strided
         for i, (g, stride) in enumerate(zip(grads, self._strides)):
             if (cached is None or g is not cached[i]) and (g.layout is not strided or g.stride() != stride):
@@ -162,10 +176,6 @@ class Bucket:
                 if not (g.is_contiguous() and p.is_contiguous()):
                     raise ValueError(f"the gradient of a parameter of shape {tuple(p.shape)} has strides "
                                      f"{g.stride()} but the parameter {p.stride()}: element orders differ")
-        if self._plan is not None:
-            self._plan.refresh_read_list(GRAD_LIST, grads)
-        self._grads = grads
-        return grads
 
     # ------------------------------------------------------------ the step
 

@@ -22,7 +22,7 @@ __all__ = ["FusedAdam"]
 
 _STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Parameters whose gradient views are re-checked per step with flat_grads.
-_FLAT_GRAD_CHECK_WINDOW = 256
+_FLAT_GRAD_CHECK_WINDOW = 64
 
 
 class FusedAdam(torch.optim.Optimizer):
