@@ -27,6 +27,17 @@ BucketLayout::BucketLayout(const std::vector<int64_t>& numels, const std::vector
                   "keys has " + std::to_string(keys.size()) + " entries but numels has " +
                       std::to_string(numels.size()) + ": give one key per parameter");
 
+  // Elements each key needs with every parameter aligned: a model smaller
+  // than one bucket gets one bucket of its own size, not bucket_cap_bytes.
+  // Saturates at kMax: the overflow check below then reports it.
+  std::map<int, int64_t> need;
+  for (size_t i = 0; i < numels.size() && i < keys.size(); ++i) {
+    auto it = elem_sizes.find(keys[i]);
+    if (it == elem_sizes.end() || it->second <= 0 || numels[i] <= 0) continue;
+    const int64_t align = std::max<int64_t>(alignment / it->second, 1);
+    int64_t& n = need[keys[i]];
+    n = numels[i] > kMax - align - n ? kMax : n + round_up(numels[i], align);
+  }
   for (const auto& [key, es] : elem_sizes) {
     const std::string name = "elem_sizes[" + std::to_string(key) + "]";
     SHARDADAM_CHECK(es > 0, name + " must be positive, got " + std::to_string(es));
@@ -38,7 +49,7 @@ BucketLayout::BucketLayout(const std::vector<int64_t>& numels, const std::vector
     k.align_elems = alignment / es;
     // Round the capacity up rather than down (apex rounds down): a tiny
     // capacity still gives one aligned unit per rank, never an empty shard.
-    const int64_t cap_elems = ceil_div(bucket_cap_bytes, es);
+    const int64_t cap_elems = std::max<int64_t>(std::min(ceil_div(bucket_cap_bytes, es), need[key]), 1);
     const int64_t per_rank = ceil_div(cap_elems, world_size);
     SHARDADAM_CHECK(per_rank <= kMax - k.align_elems && round_up(per_rank, k.align_elems) <= kMax / world_size,
                     "bucket_cap_bytes is too large: the bucket size of key " + std::to_string(key) +

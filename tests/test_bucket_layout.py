@@ -24,17 +24,28 @@ def cap_mb(nbytes: int) -> float:
     return nbytes / MIB
 
 
-def expected_shard_size(cap_bytes: int, world: int, elem: int, alignment: int) -> int:
+def expected_shard_size(cap_bytes: int, world: int, elem: int, alignment: int, need: int | None = None) -> int:
+    """need: elements the key's parameters take with aligned starts; a bucket
+    never gets bigger than that (None: no such limit)."""
     align = alignment // elem
-    per_rank = -(-(-(-cap_bytes // elem)) // world)  # ceil(ceil(cap / elem) / world)
+    cap = -(-cap_bytes // elem)
+    if need is not None:
+        cap = max(1, min(cap, need))
+    per_rank = -(-cap // world)
     return -(-per_rank // align) * align
+
+
+def aligned_need(numels, keys, key: int, elem: int, alignment: int) -> int:
+    align = alignment // elem
+    return sum(-(-n // align) * align for n, k in zip(numels, keys) if k == key)
 
 
 def reference_layout(numels, keys, world, cap_bytes, elem_sizes, alignment):
     """The packing rule written out plainly: (buckets, fragments) as tuples."""
     buckets, frags, last, count = [], [], {}, {}
     for i, (n, k) in enumerate(zip(numels, keys)):
-        size = expected_shard_size(cap_bytes, world, elem_sizes[k], alignment) * world
+        need = aligned_need(numels, keys, k, elem_sizes[k], alignment)
+        size = expected_shard_size(cap_bytes, world, elem_sizes[k], alignment, need) * world
         align = alignment // elem_sizes[k]
         done = 0
         while done < n:
@@ -107,7 +118,8 @@ def check_layout(numels, keys, world, cap_bytes, elem_sizes, alignment):
     layout = BucketLayout(numels, keys, world, cap_mb(cap_bytes), elem_sizes, alignment)
     numels_a = np.asarray(numels, np.int64).reshape(-1)
     keys_a = np.asarray(keys, np.int64).reshape(-1)
-    shard = {k: expected_shard_size(cap_bytes, world, e, alignment) for k, e in elem_sizes.items()}
+    shard = {k: expected_shard_size(cap_bytes, world, e, alignment, aligned_need(numels, keys, k, e, alignment))
+             for k, e in elem_sizes.items()}
     for k in elem_sizes:
         assert layout.shard_size(k) == shard[k]
         assert layout.bucket_size(k) == shard[k] * world
@@ -182,12 +194,21 @@ def test_layout_properties(case):
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.integers(0, 10**6), max_size=50), st.integers(1, 64), st.integers(1, 1 << 24))
 def test_world_size_only_changes_shards(numels, world, cap_bytes):
-    """With W ranks and capacity C, the layout equals W=1 with shard size W*shard."""
+    """With W ranks and capacity C, the layout equals W=1 with shard size W*shard
+    (smaller when the whole model fits in one bucket: the fragments stay the same)."""
     many = BucketLayout(numels, [0] * len(numels), world, cap_mb(cap_bytes), {0: 4})
     size = many.bucket_size(0)
     one = BucketLayout(numels, [0] * len(numels), 1, cap_mb(4 * size), {0: 4})
-    assert one.bucket_size(0) == size
+    assert one.bucket_size(0) == size or (one.bucket_size(0) < size and len(many.buckets) <= 1)
     assert one.fragments == many.fragments
+
+
+def test_model_smaller_than_a_bucket_gets_a_bucket_of_its_size():
+    # 100 MiB capacity, 3 fp32 params of 10, 200 and 5 elements, alignment 32
+    # elements: 32 + 224 + 32 = 288 needed; 2 shards of 144 rounded up to 160.
+    layout = BucketLayout([10, 200, 5], [0, 0, 0], 2, 100.0, {0: 4})
+    assert layout.bucket_size(0) == 320
+    assert [b.used for b in layout.buckets] == [32 + 224 + 5]
 
 
 # ---------------------------------------------------------------- examples
@@ -273,7 +294,7 @@ def test_elem_sizes_as_sequence_and_offsets_past_2_32():
     (dict(numels=[4, -1]), r"numels\[1\] is negative \(-1\)"),
     (dict(keys=[0, 9]), r"keys\[1\] = 9 has no entry in elem_sizes"),
     (dict(keys=[0]), r"keys has 1 entries but numels has 2"),
-    (dict(bucket_cap_bytes=(1 << 63) - 1, world_size=3, elem_sizes={0: 1}),
+    (dict(numels=[(1 << 63) - 1], keys=[0], bucket_cap_bytes=(1 << 63) - 1, world_size=3, elem_sizes={0: 1}),
      r"bucket_cap_bytes is too large"),
 ])
 def test_validation_errors(kwargs, match):

@@ -3,6 +3,7 @@ one process running torch.optim.AdamW (or Adam) on the global batch, which is
 what DDP + AdamW computes."""
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 
@@ -19,10 +20,27 @@ import shardadam
 STEPS, GLOBAL_BATCH = 5, 12  # 12 splits evenly over 1, 2, 3 and 4 ranks
 
 
-def _model() -> nn.Module:
+def _model(kind: str = "sequential") -> nn.Module:
     torch.manual_seed(0)
     m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 4 * 4, 8), nn.Tanh(), nn.Linear(8, 3))
-    return m.to(memory_format=torch.channels_last)
+    m = m.to(memory_format=torch.channels_last)
+    return m if kind == "sequential" else _Reordered(m)
+
+
+class _Reordered(nn.Module):
+    """The same network with its layers registered last-to-first, so forward
+    (and backward) order differs from parameter order (Megatron #950)."""
+
+    def __init__(self, seq: nn.Sequential):
+        super().__init__()
+        self.head, self.hidden, self.conv = seq[4], seq[2], seq[0]
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.hidden(self.conv(x).flatten(1))))
+
+
+def _frozen(model: nn.Module) -> nn.Parameter:
+    return model.head.bias if isinstance(model, _Reordered) else model[-1].bias
 
 
 def _groups(model: nn.Module, frozen: nn.Parameter) -> list[dict]:
@@ -37,25 +55,33 @@ def _data():
     return torch.randn(STEPS, GLOBAL_BATCH, 3, 6, 6, generator=g), torch.randn(STEPS, GLOBAL_BATCH, 3, generator=g)
 
 
-def _train(model, opt, rank: int, world: int, steps, clip: float | None = None) -> list[float]:
-    """Train on this rank's part of the global batches; the pre-clip norms when clipping."""
+def _train(model, opt, rank: int, world: int, steps, clip: float | None = None, micro: int = 1,
+           accumulate: str = "no_sync") -> list[float]:
+    """Train on this rank's part of the global batches, in `micro` equal
+    micro-batches (gradients accumulated inside no_sync(), or synchronised
+    after each one with accumulate="every"); the pre-clip norms when clipping.
+    Equal pieces make the result DDP's: the mean over pieces of their mean loss."""
     x, y = _data()
     dev = next(model.parameters()).device
     local = GLOBAL_BATCH // world
-    part = slice(rank * local, (rank + 1) * local)
+    piece = local // micro
     norms = []
     for s in steps:
         opt.zero_grad()
-        F.mse_loss(model(x[s, part].to(dev)), y[s, part].to(dev)).backward()
+        for i in range(micro):
+            part = slice(rank * local + i * piece, rank * local + (i + 1) * piece)
+            quiet = accumulate == "no_sync" and i < micro - 1
+            with opt.no_sync() if quiet else contextlib.nullcontext():
+                (F.mse_loss(model(x[s, part].to(dev)), y[s, part].to(dev)) / micro).backward()
         if clip is not None:
             norms.append(float(opt.clip_grad_norm(clip)))
         opt.step()
     return norms
 
 
-def _worker(rank: int, world: int, port: int, adam_w_mode: bool, bucket_cap_mb: float, clip, device: str,
-            out) -> None:
-    """One rank: gloo on the CPU, or NCCL with one GPU per rank."""
+def _worker(rank: int, world: int, port: int, cfg: dict, out) -> None:
+    """One rank: gloo on the CPU, or NCCL with one GPU per rank. cfg: see _config."""
+    device = cfg["device"]
     torch.set_num_threads(1)  # 3 ranks share 2 cores
     if device == "cuda":
         torch.cuda.set_device(rank)
@@ -64,17 +90,19 @@ def _worker(rank: int, world: int, port: int, adam_w_mode: bool, bucket_cap_mb: 
     try:
         if device == "cuda":  # cuDNN's default convolutions are not deterministic
             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
-        model = _model().to(device if device == "cpu" else f"cuda:{rank}")
+        model = _model(cfg["model"]).to(device if device == "cpu" else f"cuda:{rank}")
         if rank != 0:  # the optimizer broadcasts rank 0's parameters
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(1.0)
-        frozen = model[-1].bias
+        frozen = _frozen(model)
         frozen.requires_grad_(False)
         frozen_before = frozen.detach().clone()
-        opt = shardadam.DistributedFusedAdam(_groups(model, frozen), lr=1e-2, adam_w_mode=adam_w_mode,
-                                             weight_decay=0.1, bucket_cap_mb=bucket_cap_mb)
-        norms = _train(model, opt, rank, world, range(STEPS), clip)
+        opt = shardadam.DistributedFusedAdam(_groups(model, frozen), lr=1e-2, adam_w_mode=cfg["adam_w_mode"],
+                                             weight_decay=0.1, bucket_cap_mb=cfg["bucket_cap_mb"],
+                                             overlap_grad_sync=cfg["overlap"], grad_sync_dtype=cfg["grad_sync_dtype"],
+                                             pipeline_size=cfg["pipeline_size"])
+        norms = _train(model, opt, rank, world, range(STEPS), cfg["clip"], cfg["micro"], cfg["accumulate"])
         steps = [g["step"] for g in opt.param_groups]
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         gathered = [torch.empty_like(flat) for _ in range(world)]
@@ -102,10 +130,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _reference(world: int, adam_w_mode: bool = True, clip: float | None = None):
+def _config(**kw) -> dict:
+    cfg = dict(device="cpu", adam_w_mode=True, bucket_cap_mb=1e-4, clip=None, overlap=True, micro=1,
+               accumulate="no_sync", model="sequential", grad_sync_dtype=None, pipeline_size=2)
+    unknown = set(kw) - set(cfg)
+    assert not unknown, f"unknown config keys {unknown}"
+    cfg.update(kw)
+    return cfg
+
+
+def _reference(world: int, adam_w_mode: bool = True, clip: float | None = None, model_kind: str = "sequential"):
     """Single-process Adam/AdamW on the global batches: (params, pre-clip norms)."""
-    model = _model()
-    frozen = model[-1].bias
+    model = _model(model_kind)
+    frozen = _frozen(model)
     frozen.requires_grad_(False)
     cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
     opt = cls(_groups(model, frozen), lr=1e-2, weight_decay=0.1, foreach=False)
@@ -144,7 +181,7 @@ def _spawn(target, world: int, *args):
 @pytest.mark.parametrize("adam_w_mode", [True, False], ids=["adamw", "adam-l2"])
 @pytest.mark.parametrize("bucket_cap_mb", [1e-4, 100.0], ids=["tiny-buckets", "one-bucket"])
 def test_matches_single_process_adam_on_the_global_batch(world, adam_w_mode, bucket_cap_mb):
-    result = _spawn(_worker, world, adam_w_mode, bucket_cap_mb, None, "cpu")
+    result = _spawn(_worker, world, _config(adam_w_mode=adam_w_mode, bucket_cap_mb=bucket_cap_mb))
     assert result["same_on_all_ranks"], "ranks disagree on the parameters"
     assert result["frozen_unchanged"], "a frozen parameter was modified"
     assert result["steps"] == [STEPS] * 4, f"step counters {result['steps']} (the empty group must count too)"
@@ -155,12 +192,43 @@ def test_matches_single_process_adam_on_the_global_batch(world, adam_w_mode, buc
                                    msg=lambda m: f"param {i}: {m}")
 
 
+@pytest.mark.parametrize("world,kw", [
+    (1, {}),
+    (4, {}),
+    (2, dict(overlap=False)),
+    (2, dict(micro=3)),                            # no_sync accumulation
+    (3, dict(micro=2, accumulate="every")),       # a reduce-scatter round per micro-batch
+    (4, dict(micro=3, accumulate="every", pipeline_size=1)),
+    (2, dict(model="reordered")),                  # backward order differs from parameter order
+], ids=["world-1", "world-4", "no-overlap", "no_sync-3", "sync-every-2", "sync-every-3-pipeline-1", "reordered"])
+def test_sync_variants_match_single_process_adamw(world, kw):
+    cfg = _config(**kw)
+    result = _spawn(_worker, world, cfg)
+    assert result["same_on_all_ranks"], "ranks disagree on the parameters"
+    assert result["frozen_unchanged"], "a frozen parameter was modified"
+    assert result["steps"] == [STEPS] * 4
+    for i, (got, want) in enumerate(zip(result["params"], _reference(world, model_kind=cfg["model"])[0])):
+        torch.testing.assert_close(torch.from_numpy(got), want.contiguous(), rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"param {i}: {m}")
+
+
+def test_bf16_grad_sync_is_close_to_fp32():
+    """Gradients reduced in bf16: each carries a relative error of at most
+    2^-8, so parameters after 5 steps of lr 1e-2 stay within ~1e-3 of the fp32
+    result (a wrong reduction would be off by ~lr per step)."""
+    result = _spawn(_worker, 2, _config(grad_sync_dtype=torch.bfloat16))
+    assert result["same_on_all_ranks"]
+    for i, (got, want) in enumerate(zip(result["params"], _reference(2)[0])):
+        torch.testing.assert_close(torch.from_numpy(got), want.contiguous(), rtol=0, atol=2e-3,
+                                   msg=lambda m: f"param {i}: {m}")
+
+
 @pytest.mark.parametrize("world,device", [(2, "cpu"), (3, "cpu"), pytest.param(2, "cuda", marks=pytest.mark.multigpu)],
                          ids=["gloo-2", "gloo-3", "nccl-2"])
 def test_clip_grad_norm_matches_torch(world, device):
     """A max_norm below the gradient norms, so every step clips. On NCCL too
     (one GPU per rank), against the same single-process CPU reference."""
-    result = _spawn(_worker, world, True, 1e-4, 0.02, device)
+    result = _spawn(_worker, world, _config(clip=0.02, device=device))
     want_params, want_norms = _reference(world, True, clip=0.02)
     assert min(want_norms) > 0.02, "the test must clip"
     np.testing.assert_allclose(result["norms"], want_norms, rtol=1e-5)

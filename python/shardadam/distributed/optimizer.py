@@ -1,26 +1,30 @@
-"""DistributedFusedAdam: ZeRO-2 Adam over torch.distributed (first version).
+"""DistributedFusedAdam: ZeRO-2 Adam over torch.distributed.
 
 Optimizer state and reduced gradients are sharded across the ranks of the
-process group; parameters stay replicated. A step:
+process group; parameters stay replicated. An iteration:
 
-1. gradients are packed into flat buckets (bucket layout from the core, in
-   grad_sync_dtype) and reduce-scattered: each rank receives the sum of its
-   shard of every bucket;
-2. one fused Adam launch updates the rank's shard of every bucket (fp32
-   master, exp_avg, exp_avg_sq; per-fragment group hyperparameters) and writes
-   the new parameter values, in the parameters' dtype, into a shard of the
-   parameter buckets;
-3. the parameter buckets are all-gathered and copied back into the parameters.
+1. during backward, each parameter's gradient is copied into flat buckets (the
+   bucket layout comes from the core, in grad_sync_dtype) and released; each
+   complete bucket is reduce-scattered while backward goes on
+   (overlap_grad_sync; otherwise all of it happens in step()): each rank
+   receives the sum of its shard of every bucket (distributed/_sync.py);
+2. step(): one fused Adam launch updates the rank's shard of every bucket
+   (fp32 master, exp_avg, exp_avg_sq; per-fragment group hyperparameters) and
+   writes the new parameter values, in param_sync_dtype, into the rank's
+   parameter shards;
+3. the parameter shards are all-gathered bucket by bucket and copied into the
+   parameters.
 
 With average_grad_sync=True the result equals DDP + torch.optim.AdamW (Adam
-with adam_w_mode=False) on the same global batch. This first version runs the
-communication after backward, not overlapped with it; options for overlap of parameter sync, contiguous
-buffers, redundant groups, remainders, scaled states and CUDA graphs raise
+with adam_w_mode=False) on the same global batch. Options this version does
+not have yet (overlap of the parameter all-gather with forward, contiguous
+buffers, redundant groups, remainders, scaled states, CUDA graphs) raise
 NotImplementedError when set.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.distributed as dist
@@ -28,6 +32,7 @@ import torch.distributed as dist
 from .. import kernels
 from .._groups import adam_hyper, pack_groups, run_closure
 from .._torch import check_tensor
+from ._sync import GradSync, flat_like, memory_flat, param_sync
 from .layout import BucketLayout
 
 __all__ = ["DistributedFusedAdam"]
@@ -35,28 +40,13 @@ __all__ = ["DistributedFusedAdam"]
 _GRAD_KEY = 0  # every gradient is synchronised in grad_sync_dtype: one bucket key
 
 # torch 2.13 renamed the flat-tensor collectives; older releases have only the old names.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def _memory_flat(t: torch.Tensor) -> torch.Tensor:
-    """A 1-D view of a dense tensor in memory order (channels_last included):
-    the order the layout flattens parameters, gradients and states in."""
-    return t.as_strided((t.numel(),), (1,), t.storage_offset())
-
-
-def _flat_like(t: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """t (param's shape) flattened in param's memory order, on param's device
-    (a copy only if their layouts or devices differ)."""
-    if t.stride() != param.stride() or t.device != param.device:
-        t = torch.empty_like(param, dtype=t.dtype).copy_(t)
-    return _memory_flat(t)
-
-
 def _unflatten(flat: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """The inverse of _flat_like: an fp32 CPU tensor shaped (and laid out) like param."""
+    """The inverse of flat_like: an fp32 CPU tensor shaped (and laid out) like param."""
     t = torch.empty_like(param, dtype=torch.float32, device="cpu")
-    _memory_flat(t).copy_(flat)
+    memory_flat(t).copy_(flat)
     return t
 
 
@@ -68,6 +58,11 @@ class DistributedFusedAdam(torch.optim.Optimizer):
     received no gradient on a rank contributes zeros to the reduction, and every
     trainable parameter is updated every step (weight decay and moments apply),
     as in apex; frozen parameters (requires_grad=False) are never touched.
+
+    With overlap_grad_sync=True a parameter's ``.grad`` is handed to the
+    optimizer as soon as backward produces it and is then None: read
+    gradients through grad_norm() / clip_grad_norm(). Inside no_sync(),
+    gradients accumulate in ``.grad`` as usual.
     """
 
     def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,
@@ -76,6 +71,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                  average_grad_sync=True, overlap_grad_sync=True, overlap_param_sync=False, bucket_cap_mb=100,
                  pipeline_size=2, contiguous_param_buffer=False, contiguous_grad_buffer=False, store_params=True,
                  store_param_remainders=False, with_scaled_states=False, capturable=False):
+        if not (isinstance(pipeline_size, int) and pipeline_size >= 1):
+            raise ValueError(f"pipeline_size must be an int >= 1 (buckets in flight), got {pipeline_size!r}")
         unsupported = dict(overlap_param_sync=overlap_param_sync, contiguous_param_buffer=contiguous_param_buffer,
                            contiguous_grad_buffer=contiguous_grad_buffer, store_param_remainders=store_param_remainders,
                            with_scaled_states=with_scaled_states, capturable=capturable,
@@ -100,15 +97,17 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self.rank = dist.get_rank(self.group)
         self.adam_w_mode = adam_w_mode
         self.average_grad_sync = average_grad_sync
-        # Overlap is the default in apex's signature; this version synchronises
-        # after backward whatever overlap_grad_sync says, with the same result.
         self.overlap_grad_sync = overlap_grad_sync
+        self._sync_in_backward = overlap_grad_sync  # off inside no_sync()
         self.pipeline_size = pipeline_size
         self.bucket_cap_mb = bucket_cap_mb
         self._grads_synced = False  # this iteration's gradients are already reduce-scattered
         self._clip_coef = None      # from clip_grad_norm, applied by the next step
         self._norm_plan = None
         self._build(grad_sync_dtype, param_sync_dtype, device)
+        self._grad_sync = GradSync(self.params, self.layout, self.grad_shards, self.group, pipeline_size)
+        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, k))
+                       for k, p in enumerate(self.params)] if overlap_grad_sync else []
 
     # ------------------------------------------------------------ layout
 
@@ -142,12 +141,15 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self.layout = BucketLayout([p.numel() for p in self.params], [_GRAD_KEY] * len(self.params),
                                    self.world_size, self.bucket_cap_mb, {_GRAD_KEY: elem})
         self.shard_size = self.layout.shard_size(_GRAD_KEY)
-        bucket_size = self.layout.bucket_size(_GRAD_KEY)
         n_buckets = len(self.layout.buckets)
         dev = self.device
-        self.grad_buckets = torch.zeros(n_buckets, bucket_size, dtype=self.grad_sync_dtype, device=dev)
+        # Persistent: this rank's shards only. Full-size bucket buffers exist
+        # only while their collective runs (at most pipeline_size at a time).
         self.grad_shards = torch.zeros(n_buckets, self.shard_size, dtype=self.grad_sync_dtype, device=dev)
-        self.param_buckets = torch.zeros(n_buckets, bucket_size, dtype=self.param_sync_dtype, device=dev)
+        self.param_shards = torch.zeros(n_buckets, self.shard_size, dtype=self.param_sync_dtype, device=dev)
+        self.fragments_by_bucket = [[] for _ in range(n_buckets)]
+        for f in self.layout.fragments:
+            self.fragments_by_bucket[f.bucket].append(f)
         self.master = torch.zeros(n_buckets, self.shard_size, dtype=torch.float32, device=dev)
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
@@ -156,17 +158,16 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         shard = sorted(self.layout.shard_fragments(self.rank), key=lambda f: self.param_groups_of[f.param])
         with torch.no_grad():
             for f in shard:
-                flat = _memory_flat(self.params[f.param].detach())
+                flat = memory_flat(self.params[f.param].detach())
                 self.master[f.bucket, f.shard_start:f.shard_end].copy_(flat[f.param_start:f.param_end])
         sizes = [0] * len(self.param_groups)
         for f in shard:
             sizes[self.param_groups_of[f.param]] += 1
-        own = self.rank * self.shard_size
         pieces = [(f.bucket, f.shard_start, f.shard_end) for f in shard]
         self.plan = kernels.AdamPlan(
             [self.master[b, s:e] for b, s, e in pieces], [self.grad_shards[b, s:e] for b, s, e in pieces],
             [self.exp_avg[b, s:e] for b, s, e in pieces], [self.exp_avg_sq[b, s:e] for b, s, e in pieces],
-            params_out=[self.param_buckets[b, own + s:own + e] for b, s, e in pieces], group_sizes=sizes,
+            params_out=[self.param_shards[b, s:e] for b, s, e in pieces], group_sizes=sizes,
             device=dev)
 
     # ------------------------------------------------------------ step
@@ -185,20 +186,31 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             grad_scale = self._clip_coef * grad_scale
         kernels.adam(self.plan, grad_scale=grad_scale, **adam_hyper(self.param_groups, self.adam_w_mode))
         self.param_sync()
+        self._grad_sync.reset()
         self._grads_synced, self._clip_coef = False, None
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
+        self._grad_sync.reset()
         self._grads_synced, self._clip_coef = False, None
+
+    def _grad_ready(self, k: int, param: torch.Tensor) -> None:
+        """Post-accumulate-grad hook of parameter k: hand the gradient over."""
+        if self._sync_in_backward:
+            self._grad_sync.pack(k, param.grad)
+            param.grad = None
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Gradient accumulation over several backward passes. This version
-        synchronises gradients only inside step() (or grad_norm), so backward
-        passes accumulate into p.grad with no communication, inside this
-        context or not; it exists for code written against apex."""
-        yield
+        """Gradient accumulation: backward passes inside this context add into
+        ``p.grad`` with no communication; the first backward outside it (or
+        step()) synchronises the sum."""
+        before, self._sync_in_backward = self._sync_in_backward, False
+        try:
+            yield
+        finally:
+            self._sync_in_backward = before
 
     @torch.no_grad()
     def grad_norm(self, parameters=None, norm_type: float = 2.0) -> torch.Tensor:
@@ -232,26 +244,16 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         return total
 
     def grad_sync(self) -> None:
-        """Pack the gradients into the buckets and reduce-scatter them."""
-        self.grad_buckets.zero_()
-        for f in self.fragments:
-            grad = self.params[f.param].grad
-            if grad is not None:
-                check_tensor("a parameter's gradient", grad, self.device, kernels.FLOATS)
-                self.grad_buckets[f.bucket, f.bucket_start:f.bucket_end].copy_(
-                    _flat_like(grad, self.params[f.param])[f.param_start:f.param_end])
-        for b in range(self.grad_buckets.shape[0]):
-            _reduce_scatter(self.grad_shards[b], self.grad_buckets[b], group=self.group)
+        """Finish this iteration's gradient synchronisation: reduce-scatter
+        every bucket that backward has not started, and wait for all."""
+        self._grad_sync.finish()
+        for p in self.params:  # handed over: the reduced shards hold them now
+            p.grad = None
         self._grads_synced = True
 
     def param_sync(self) -> None:
         """All-gather the updated shards and copy them into the parameters."""
-        own = self.rank * self.shard_size
-        for b in range(self.param_buckets.shape[0]):
-            _all_gather(self.param_buckets[b], self.param_buckets[b, own:own + self.shard_size], group=self.group)
-        for f in self.fragments:
-            _memory_flat(self.params[f.param].data)[f.param_start:f.param_end].copy_(
-                self.param_buckets[f.bucket, f.bucket_start:f.bucket_end])
+        param_sync(self.params, self.fragments_by_bucket, self.param_shards, self.group, self.pipeline_size)
 
     # ------------------------------------------------------------ checkpoints
 
@@ -265,7 +267,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         the shards are gathered one bucket at a time."""
         groups, index = pack_groups(self.param_groups)
         full = {name: [torch.zeros(p.numel(), dtype=torch.float32) for p in self.params] for name in self._STATES}
-        gathered = torch.empty(self.grad_buckets.shape[1], dtype=torch.float32, device=self.device)
+        gathered = torch.empty(self.layout.bucket_size(_GRAD_KEY), dtype=torch.float32, device=self.device)
         for b in range(self.master.shape[0]):
             for name in self._STATES:
                 _all_gather(gathered, getattr(self, name)[b], group=self.group)
@@ -309,7 +311,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             if entry is None:
                 continue
             for name in self._STATES:
-                value = _flat_like(entry["param" if name == "master" else name], self.params[f.param])
+                value = flat_like(entry["param" if name == "master" else name], self.params[f.param])
                 getattr(self, name)[f.bucket, f.shard_start:f.shard_end].copy_(value[f.param_start:f.param_end])
         for p in self.params:  # the model's values are the loaded masters
             entry = by_param.get(id(p))
