@@ -36,6 +36,10 @@ ScalarSrc make_scalar(double value, uint64_t ptr, int dtype) {
 
 NB_MODULE(_core, m) {
   m.doc() = "shardadam compiled core: tensor tables, multi-tensor engine, Adam kernels (CPU and CUDA).";
+  // Optimizers hold tables and layouts, and autograd hooks on the model's
+  // parameters hold the optimizer: objects still reachable from module globals
+  // at interpreter exit are normal for a training script, not refcount bugs.
+  nb::set_leak_warnings(false);
 
   nb::enum_<DType>(m, "DType")
       .value("none", DType::None)

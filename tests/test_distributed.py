@@ -101,8 +101,11 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out) -> None:
         opt = shardadam.DistributedFusedAdam(_groups(model, frozen), lr=1e-2, adam_w_mode=cfg["adam_w_mode"],
                                              weight_decay=0.1, bucket_cap_mb=cfg["bucket_cap_mb"],
                                              overlap_grad_sync=cfg["overlap"], grad_sync_dtype=cfg["grad_sync_dtype"],
-                                             pipeline_size=cfg["pipeline_size"])
+                                             pipeline_size=cfg["pipeline_size"],
+                                             overlap_param_sync=cfg["overlap_param_sync"],
+                                             contiguous_param_buffer=cfg["contiguous_param_buffer"])
         norms = _train(model, opt, rank, world, range(STEPS), cfg["clip"], cfg["micro"], cfg["accumulate"])
+        opt.param_sync()  # with overlap_param_sync the last all-gathers may still be running
         steps = [g["step"] for g in opt.param_groups]
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         gathered = [torch.empty_like(flat) for _ in range(world)]
@@ -132,7 +135,8 @@ def _free_port() -> int:
 
 def _config(**kw) -> dict:
     cfg = dict(device="cpu", adam_w_mode=True, bucket_cap_mb=1e-4, clip=None, overlap=True, micro=1,
-               accumulate="no_sync", model="sequential", grad_sync_dtype=None, pipeline_size=2)
+               accumulate="no_sync", model="sequential", grad_sync_dtype=None, pipeline_size=2,
+               overlap_param_sync=False, contiguous_param_buffer=False)
     unknown = set(kw) - set(cfg)
     assert not unknown, f"unknown config keys {unknown}"
     cfg.update(kw)
@@ -200,7 +204,11 @@ def test_matches_single_process_adam_on_the_global_batch(world, adam_w_mode, buc
     (3, dict(micro=2, accumulate="every")),       # a reduce-scatter round per micro-batch
     (4, dict(micro=3, accumulate="every", pipeline_size=1)),
     (2, dict(model="reordered")),                  # backward order differs from parameter order
-], ids=["world-1", "world-4", "no-overlap", "no_sync-3", "sync-every-2", "sync-every-3-pipeline-1", "reordered"])
+    (2, dict(contiguous_param_buffer=True)),       # all-gathers land in the parameters
+    (3, dict(overlap_param_sync=True, model="reordered")),
+    (2, dict(overlap_param_sync=True, contiguous_param_buffer=True, model="reordered", pipeline_size=1)),
+], ids=["world-1", "world-4", "no-overlap", "no_sync-3", "sync-every-2", "sync-every-3-pipeline-1", "reordered",
+        "contiguous-params", "overlap-params-3", "overlap-contiguous-params"])
 def test_sync_variants_match_single_process_adamw(world, kw):
     cfg = _config(**kw)
     result = _spawn(_worker, world, cfg)
@@ -210,6 +218,42 @@ def test_sync_variants_match_single_process_adamw(world, kw):
     for i, (got, want) in enumerate(zip(result["params"], _reference(world, model_kind=cfg["model"])[0])):
         torch.testing.assert_close(torch.from_numpy(got), want.contiguous(), rtol=1e-5, atol=1e-6,
                                    msg=lambda m: f"param {i}: {m}")
+
+
+def _overlap_worker(rank: int, world: int, port: int, out) -> None:
+    """After a step with overlap_param_sync, which buckets are still gathering
+    once one module has run its forward."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        model = _model()
+        opt = shardadam.DistributedFusedAdam(model.parameters(), lr=1e-2, bucket_cap_mb=1e-4,
+                                             overlap_param_sync=True, contiguous_param_buffer=True)
+        x, y = _data()
+        F.mse_loss(model(x[0, :2]), y[0, :2]).backward()
+        opt.step()
+        sync = opt._param_sync
+        all_buckets = set(range(len(opt.layout.buckets)))
+        after_step = set(sync.pending)
+        conv = model[0]
+        conv_buckets = {b for p in conv.parameters() for b in sync.buckets_of[id(p)]}
+        conv(x[0, :2])
+        after_conv = set(sync.pending)
+        opt.param_sync()
+        if rank == 0:
+            out.put(dict(after_step=after_step == all_buckets, conv_waited=not (after_conv & conv_buckets),
+                         others_pending=after_conv == all_buckets - conv_buckets, drained=not sync.pending))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+        out.close()
+        out.join_thread()
+    os._exit(0)
+
+
+def test_overlap_param_sync_waits_for_exactly_the_modules_buckets():
+    result = _spawn(_overlap_worker, 2)
+    assert result == dict(after_step=True, conv_waited=True, others_pending=True, drained=True), result
 
 
 def test_bf16_grad_sync_is_close_to_fp32():
@@ -314,5 +358,5 @@ def test_checkpoint_loads_on_another_world_size(save_world, load_world, load_cap
 
 def test_unsupported_options_raise_clearly():
     model = nn.Linear(2, 2)
-    with pytest.raises(NotImplementedError, match="overlap_param_sync"):
-        shardadam.DistributedFusedAdam(model.parameters(), overlap_param_sync=True)
+    with pytest.raises(NotImplementedError, match="contiguous_grad_buffer"):
+        shardadam.DistributedFusedAdam(model.parameters(), contiguous_grad_buffer=True)

@@ -11,8 +11,11 @@ for a parameter in one iteration (a backward per micro-batch without
 no_sync()) starts a new round: the rest of the current round is flushed, and
 the new round's reduced shards are added to the first's.
 
-Parameters: each bucket's updated shards are all-gathered into a temporary
-full bucket and copied into the parameters.
+Parameters: each bucket's updated shards are all-gathered, in place when the
+parameters live in one contiguous buffer, else through a temporary full bucket
+copied into the parameters; with overlap_param_sync the all-gathers run while
+the next forward starts, each module waiting for the buckets of its own
+parameters.
 
 At most ``pipeline_size`` full-size bucket buffers are alive per direction:
 the oldest collective is waited for before another one starts. torch.distributed
@@ -155,21 +158,58 @@ class GradSync:
         self.pipeline.push(work, (buffer, scratch), lambda held, b=b: self.shards[b].add_(held[1]))
 
 
-def param_sync(params: list, fragments_by_bucket: list, param_shards: torch.Tensor, group,
-               pipeline_size: int) -> None:
-    """All-gather every bucket's updated shards (``param_shards`` [buckets,
-    shard], this rank's part) and copy the values into the parameters."""
-    shard = param_shards.shape[1]
-    world = dist.get_world_size(group)
-    pipeline = _Pipeline(pipeline_size)
-    for b in range(param_shards.shape[0]):
-        full = torch.empty(shard * world, dtype=param_shards.dtype, device=param_shards.device)
-        work = _all_gather(full, param_shards[b], group=group, async_op=True)
+class ParamSync:
+    """The all-gather of the updated parameter shards, bucket by bucket.
 
-        def copy_out(full, frags=fragments_by_bucket[b]):
-            for f in frags:
-                memory_flat(params[f.param].data)[f.param_start:f.param_end].copy_(
+    ``shards`` [buckets, shard] hold this rank's new values. With a contiguous
+    parameter buffer (``buffer`` [buckets, bucket], whose row b the parameters
+    of bucket b are views of, and of which ``shards`` is a slice) the all-gather
+    lands in place; otherwise each bucket goes through a temporary full buffer
+    that is copied into the parameters.
+
+    start() launches every bucket's all-gather, first-needed first (buckets
+    hold the parameters in reverse order, so forward needs the last bucket
+    first); wait_for(params) waits for just the buckets holding those
+    parameters (a module's forward-pre hook), finish() for all of them.
+    """
+
+    def __init__(self, params: list, layout, shards: torch.Tensor, buffer: torch.Tensor | None, group):
+        self.params = params
+        self.shards = shards
+        self.buffer = buffer
+        self.group = group
+        self.bucket_size = layout.bucket_size(0)
+        self.fragments_by_bucket = [[] for _ in layout.buckets]
+        self.buckets_of = {}
+        for f in layout.fragments:
+            self.fragments_by_bucket[f.bucket].append(f)
+            self.buckets_of.setdefault(id(params[f.param]), []).append(f.bucket)
+        self.pending: dict = {}  # bucket -> (work, full buffer)
+
+    def start(self, depth: int | None = None) -> None:
+        """Launch the all-gathers; with a depth, wait so that at most that many
+        temporary buffers are alive (no limit with a contiguous buffer)."""
+        for b in reversed(range(self.shards.shape[0])):
+            full = self.buffer[b] if self.buffer is not None else torch.empty(
+                self.bucket_size, dtype=self.shards.dtype, device=self.shards.device)
+            self.pending[b] = (_all_gather(full, self.shards[b], group=self.group, async_op=True), full)
+            if self.buffer is None and depth is not None and len(self.pending) > depth:
+                self._finish_bucket(next(iter(self.pending)))
+
+    def wait_for(self, params) -> None:
+        for p in params:
+            for b in self.buckets_of.get(id(p), ()):
+                if b in self.pending:
+                    self._finish_bucket(b)
+
+    def finish(self) -> None:
+        for b in list(self.pending):
+            self._finish_bucket(b)
+
+    def _finish_bucket(self, b: int) -> None:
+        work, full = self.pending.pop(b)
+        work.wait()
+        if self.buffer is None:
+            for f in self.fragments_by_bucket[b]:
+                memory_flat(self.params[f.param].data)[f.param_start:f.param_end].copy_(
                     full[f.bucket_start:f.bucket_end])
-
-        pipeline.push(work, full, copy_out)
-    pipeline.drain()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -32,7 +33,7 @@ import torch.distributed as dist
 from .. import kernels
 from .._groups import adam_hyper, pack_groups, run_closure
 from .._torch import check_tensor
-from ._sync import GradSync, flat_like, memory_flat, param_sync
+from ._sync import GradSync, ParamSync, flat_like, memory_flat
 from .layout import BucketLayout
 
 __all__ = ["DistributedFusedAdam"]
@@ -41,6 +42,21 @@ _GRAD_KEY = 0  # every gradient is synchronised in grad_sync_dtype: one bucket k
 
 # torch 2.13 renamed the flat-tensor collectives; older releases have only the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _grad_ready(optimizer: weakref.ref, k: int, param: torch.Tensor) -> None:
+    """Post-accumulate-grad hook of parameter k: hand the gradient over."""
+    opt = optimizer()
+    if opt is not None and opt._sync_in_backward:
+        opt._grad_sync.pack(k, param.grad)
+        param.grad = None
+
+
+def _wait_for_own_params(optimizer: weakref.ref, module: torch.nn.Module, args) -> None:
+    """Module forward-pre hook: wait for the all-gathers of this module's parameters."""
+    opt = optimizer()
+    if opt is not None and opt._param_sync.pending:
+        opt._param_sync.wait_for(module.parameters(recurse=False))
 
 
 def _unflatten(flat: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -73,8 +89,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                  store_param_remainders=False, with_scaled_states=False, capturable=False):
         if not (isinstance(pipeline_size, int) and pipeline_size >= 1):
             raise ValueError(f"pipeline_size must be an int >= 1 (buckets in flight), got {pipeline_size!r}")
-        unsupported = dict(overlap_param_sync=overlap_param_sync, contiguous_param_buffer=contiguous_param_buffer,
-                           contiguous_grad_buffer=contiguous_grad_buffer, store_param_remainders=store_param_remainders,
+        unsupported = dict(contiguous_grad_buffer=contiguous_grad_buffer, store_param_remainders=store_param_remainders,
                            with_scaled_states=with_scaled_states, capturable=capturable,
                            redundant_process_group=redundant_process_group is not None,
                            distributed_process_group=distributed_process_group is not None,
@@ -92,12 +107,17 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         super().__init__(params, defaults)
         for g in self.param_groups:
             g.setdefault("step", 0)
-        self.group = process_group if process_group is not None else dist.group.WORLD
+        # None stays None (the default group, looked up per call): holding the
+        # WORLD object would keep it alive past destroy_process_group(), and
+        # gloo can abort when it is torn down at interpreter exit.
+        self.group = process_group
         self.world_size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         self.adam_w_mode = adam_w_mode
         self.average_grad_sync = average_grad_sync
         self.overlap_grad_sync = overlap_grad_sync
+        self.overlap_param_sync = overlap_param_sync
+        self.contiguous_param_buffer = contiguous_param_buffer
         self._sync_in_backward = overlap_grad_sync  # off inside no_sync()
         self.pipeline_size = pipeline_size
         self.bucket_cap_mb = bucket_cap_mb
@@ -106,8 +126,24 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self._norm_plan = None
         self._build(grad_sync_dtype, param_sync_dtype, device)
         self._grad_sync = GradSync(self.params, self.layout, self.grad_shards, self.group, pipeline_size)
-        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, k))
+        self._param_sync = ParamSync(self.params, self.layout, self.param_shards, self.param_buffer, self.group)
+        # The hooks hold the optimizer weakly: no reference cycle through the
+        # model's parameters, so an optimizer that goes out of scope is freed
+        # at once, before the process group is destroyed (gloo can abort at
+        # exit otherwise), and takes its hooks with it (__del__).
+        this = weakref.ref(self)
+        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(_grad_ready, this, k))
                        for k, p in enumerate(self.params)] if overlap_grad_sync else []
+        # On every module's forward (as apex): the optimizer is not given the
+        # model, and each module waits only for the buckets of its own parameters.
+        self._forward_hook = torch.nn.modules.module.register_module_forward_pre_hook(
+            functools.partial(_wait_for_own_params, this)) if overlap_param_sync else None
+
+    def __del__(self):
+        for handle in getattr(self, "_hooks", []):
+            handle.remove()
+        if getattr(self, "_forward_hook", None) is not None:
+            self._forward_hook.remove()
 
     # ------------------------------------------------------------ layout
 
@@ -129,9 +165,15 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             raise ValueError("parameters of several dtypes need an explicit param_sync_dtype")
         self.param_sync_dtype = param_sync_dtype or next(iter(dtypes))
         self.grad_sync_dtype = grad_sync_dtype or self.param_sync_dtype
+        wrong = sorted({str(p.dtype) for p in params if p.dtype != self.param_sync_dtype})
+        if self.contiguous_param_buffer and wrong:  # the parameters become views of a param_sync_dtype buffer
+            raise ValueError(f"contiguous_param_buffer=True needs every trainable parameter in param_sync_dtype "
+                             f"({self.param_sync_dtype}), found {', '.join(wrong)}: convert the model or set "
+                             f"param_sync_dtype to the parameters' dtype")
+        src = 0 if self.group is None else dist.get_global_rank(self.group, 0)
         for g in self.param_groups:  # every rank starts from rank 0's values, frozen ones included
             for p in g["params"]:
-                dist.broadcast(p.data, src=dist.get_global_rank(self.group, 0), group=self.group)
+                dist.broadcast(p.data, src=src, group=self.group)
         # Buckets fill from the last parameter: backward produces gradients in
         # roughly that order, which is what overlapping communication needs.
         order = list(range(len(params)))[::-1]
@@ -146,10 +188,10 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         # Persistent: this rank's shards only. Full-size bucket buffers exist
         # only while their collective runs (at most pipeline_size at a time).
         self.grad_shards = torch.zeros(n_buckets, self.shard_size, dtype=self.grad_sync_dtype, device=dev)
-        self.param_shards = torch.zeros(n_buckets, self.shard_size, dtype=self.param_sync_dtype, device=dev)
-        self.fragments_by_bucket = [[] for _ in range(n_buckets)]
-        for f in self.layout.fragments:
-            self.fragments_by_bucket[f.bucket].append(f)
+        own = slice(self.rank * self.shard_size, (self.rank + 1) * self.shard_size)
+        self.param_buffer = self._contiguous_params() if self.contiguous_param_buffer else None
+        self.param_shards = (self.param_buffer[:, own] if self.param_buffer is not None else
+                             torch.zeros(n_buckets, self.shard_size, dtype=self.param_sync_dtype, device=dev))
         self.master = torch.zeros(n_buckets, self.shard_size, dtype=torch.float32, device=dev)
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
@@ -170,11 +212,31 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             params_out=[self.param_shards[b, s:e] for b, s, e in pieces], group_sizes=sizes,
             device=dev)
 
+    @torch.no_grad()
+    def _contiguous_params(self) -> torch.Tensor:
+        """Move the parameters into one [buckets, bucket] buffer laid out like
+        the buckets (each parameter's memory order, channels_last included,
+        kept): the all-gather then lands in the parameters themselves."""
+        size = self.layout.bucket_size(_GRAD_KEY)
+        buffer = torch.zeros(len(self.layout.buckets), size, dtype=self.param_sync_dtype, device=self.device)
+        flat = buffer.view(-1)
+        first = {}
+        for f in self.layout.fragments:  # a parameter's fragments follow each other in the flat buffer
+            first.setdefault(f.param, f.bucket * size + f.bucket_start)
+        for k, p in enumerate(self.params):
+            if p.numel() == 0:
+                continue
+            view = flat.as_strided(p.shape, p.stride(), first[k])
+            view.copy_(p.data)
+            p.data = view
+        return buffer
+
     # ------------------------------------------------------------ step
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = run_closure(closure)
+        self._param_sync.finish()  # the last all-gather reads the shards this step writes
         if not self._grads_synced:
             self.grad_sync()
         for g in self.param_groups:  # every rank, every group, empty ones too
@@ -185,7 +247,10 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         if self._clip_coef is not None:
             grad_scale = self._clip_coef * grad_scale
         kernels.adam(self.plan, grad_scale=grad_scale, **adam_hyper(self.param_groups, self.adam_w_mode))
-        self.param_sync()
+        if self.overlap_param_sync:
+            self._param_sync.start()  # each module's forward waits for its own buckets
+        else:
+            self.param_sync()
         self._grad_sync.reset()
         self._grads_synced, self._clip_coef = False, None
         return loss
@@ -194,12 +259,6 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         super().zero_grad(set_to_none=set_to_none)
         self._grad_sync.reset()
         self._grads_synced, self._clip_coef = False, None
-
-    def _grad_ready(self, k: int, param: torch.Tensor) -> None:
-        """Post-accumulate-grad hook of parameter k: hand the gradient over."""
-        if self._sync_in_backward:
-            self._grad_sync.pack(k, param.grad)
-            param.grad = None
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -252,8 +311,12 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self._grads_synced = True
 
     def param_sync(self) -> None:
-        """All-gather the updated shards and copy them into the parameters."""
-        param_sync(self.params, self.fragments_by_bucket, self.param_shards, self.group, self.pipeline_size)
+        """Bring every parameter up to date: finish the all-gathers that
+        overlap_param_sync left running (call this before reading parameters
+        outside a module's forward, e.g. to save the model), or run them now."""
+        if not self._param_sync.pending:
+            self._param_sync.start(depth=self.pipeline_size)
+        self._param_sync.finish()
 
     # ------------------------------------------------------------ checkpoints
 
@@ -286,6 +349,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         """Loads a state_dict() saved on any world size and bucket size: each rank
         takes its own pieces, no communication. Checks everything before writing;
         the caller's dict is not modified."""
+        self._param_sync.finish()
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(f"the state dict has {len(saved_groups)} parameter groups, the optimizer "
@@ -320,7 +384,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         lines = [f"{type(self).__name__} (world_size={self.world_size}, rank={self.rank}, "
-                 f"process_group size={self.world_size} id={id(self.group)}, buckets={len(self.layout.buckets)}, "
+                 f"process_group={'default' if self.group is None else id(self.group)}, buckets={len(self.layout.buckets)}, "
                  f"shard_size={self.shard_size}, grad_sync_dtype={self.grad_sync_dtype}, "
                  f"param_sync_dtype={self.param_sync_dtype}, average_grad_sync={self.average_grad_sync}, "
                  f"adam_w_mode={self.adam_w_mode}"]
