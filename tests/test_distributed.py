@@ -207,8 +207,10 @@ def test_matches_single_process_adam_on_the_global_batch(world, adam_w_mode, buc
     (2, dict(contiguous_param_buffer=True)),       # all-gathers land in the parameters
     (3, dict(overlap_param_sync=True, model="reordered")),
     (2, dict(overlap_param_sync=True, contiguous_param_buffer=True, model="reordered", pipeline_size=1)),
+    pytest.param(2, dict(device="cuda", overlap_param_sync=True, contiguous_param_buffer=True, model="reordered",
+                         micro=2, accumulate="every"), marks=pytest.mark.multigpu),
 ], ids=["world-1", "world-4", "no-overlap", "no_sync-3", "sync-every-2", "sync-every-3-pipeline-1", "reordered",
-        "contiguous-params", "overlap-params-3", "overlap-contiguous-params"])
+        "contiguous-params", "overlap-params-3", "overlap-contiguous-params", "nccl-2-overlap-everything"])
 def test_sync_variants_match_single_process_adamw(world, kw):
     cfg = _config(**kw)
     result = _spawn(_worker, world, cfg)
