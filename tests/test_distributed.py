@@ -91,19 +91,29 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out) -> None:
         if device == "cuda":  # cuDNN's default convolutions are not deterministic
             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
         model = _model(cfg["model"]).to(device if device == "cpu" else f"cuda:{rank}")
-        if rank != 0:  # the optimizer broadcasts rank 0's parameters
+        original = {k: v.clone() for k, v in model.state_dict().items()}
+        if rank != 0 or cfg["late_load"]:  # the optimizer broadcasts rank 0's parameters
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(1.0)
         frozen = _frozen(model)
         frozen.requires_grad_(False)
         frozen_before = frozen.detach().clone()
+        groups = {}
+        if cfg["redundant"]:  # 4 ranks: shards over {0, 1} and {2, 3}, each repeated over {0, 2} / {1, 3}
+            shard_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+            replica_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+            groups = dict(distributed_process_group=shard_groups[rank // 2],
+                          redundant_process_group=replica_groups[rank % 2])
         opt = shardadam.DistributedFusedAdam(_groups(model, frozen), lr=1e-2, adam_w_mode=cfg["adam_w_mode"],
                                              weight_decay=0.1, bucket_cap_mb=cfg["bucket_cap_mb"],
                                              overlap_grad_sync=cfg["overlap"], grad_sync_dtype=cfg["grad_sync_dtype"],
                                              pipeline_size=cfg["pipeline_size"],
                                              overlap_param_sync=cfg["overlap_param_sync"],
-                                             contiguous_param_buffer=cfg["contiguous_param_buffer"])
+                                             contiguous_param_buffer=cfg["contiguous_param_buffer"], **groups)
+        if cfg["late_load"]:  # weights loaded after the optimizer was built must be the ones trained
+            model.load_state_dict(original)
+            frozen_before = frozen.detach().clone()
         norms = _train(model, opt, rank, world, range(STEPS), cfg["clip"], cfg["micro"], cfg["accumulate"])
         opt.param_sync()  # with overlap_param_sync the last all-gathers may still be running
         steps = [g["step"] for g in opt.param_groups]
@@ -136,7 +146,7 @@ def _free_port() -> int:
 def _config(**kw) -> dict:
     cfg = dict(device="cpu", adam_w_mode=True, bucket_cap_mb=1e-4, clip=None, overlap=True, micro=1,
                accumulate="no_sync", model="sequential", grad_sync_dtype=None, pipeline_size=2,
-               overlap_param_sync=False, contiguous_param_buffer=False)
+               overlap_param_sync=False, contiguous_param_buffer=False, redundant=False, late_load=False)
     unknown = set(kw) - set(cfg)
     assert not unknown, f"unknown config keys {unknown}"
     cfg.update(kw)
@@ -205,12 +215,14 @@ def test_matches_single_process_adam_on_the_global_batch(world, adam_w_mode, buc
     (4, dict(micro=3, accumulate="every", pipeline_size=1)),
     (2, dict(model="reordered")),                  # backward order differs from parameter order
     (2, dict(contiguous_param_buffer=True)),       # all-gathers land in the parameters
+    (4, dict(redundant=True, overlap_param_sync=True)),  # 2 shards x 2 replicas
+    (2, dict(late_load=True, contiguous_param_buffer=True)),
     (3, dict(overlap_param_sync=True, model="reordered")),
     (2, dict(overlap_param_sync=True, contiguous_param_buffer=True, model="reordered", pipeline_size=1)),
     pytest.param(2, dict(device="cuda", overlap_param_sync=True, contiguous_param_buffer=True, model="reordered",
                          micro=2, accumulate="every"), marks=pytest.mark.multigpu),
 ], ids=["world-1", "world-4", "no-overlap", "no_sync-3", "sync-every-2", "sync-every-3-pipeline-1", "reordered",
-        "contiguous-params", "overlap-params-3", "overlap-contiguous-params", "nccl-2-overlap-everything"])
+        "contiguous-params", "redundant-2x2", "weights-loaded-after-construction", "overlap-params-3", "overlap-contiguous-params", "nccl-2-overlap-everything"])
 def test_sync_variants_match_single_process_adamw(world, kw):
     cfg = _config(**kw)
     result = _spawn(_worker, world, cfg)

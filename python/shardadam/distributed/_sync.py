@@ -78,12 +78,15 @@ class _Pipeline:
 
 
 class GradSync:
-    """One iteration's gradient synchronisation into ``shards`` ([buckets, shard])."""
+    """One iteration's gradient synchronisation into ``shards`` ([buckets,
+    shard]): reduce-scatter over ``group``, then, with a redundant group,
+    all-reduce of the shards over it."""
 
-    def __init__(self, params: list, layout, shards: torch.Tensor, group, pipeline_size: int):
+    def __init__(self, params: list, layout, shards: torch.Tensor, group, pipeline_size: int, redundant_group=None):
         self.params = params
         self.shards = shards
         self.group = group
+        self.redundant_group = redundant_group
         self.bucket_size = layout.bucket_size(0)
         self.frags_of_param = [[] for _ in params]
         self.frag_count = [0] * len(layout.buckets)
@@ -132,6 +135,8 @@ class GradSync:
                 self.pack(k, p.grad)
         self._flush_round()
         self.pipeline.drain()
+        if self.redundant_group is not None:  # replicas of a shard add their sums
+            dist.all_reduce(self.shards, group=self.redundant_group)
 
     def _flush_round(self) -> None:
         while self.next_bucket < len(self.missing):

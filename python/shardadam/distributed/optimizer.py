@@ -18,7 +18,7 @@ process group; parameters stay replicated. An iteration:
 With average_grad_sync=True the result equals DDP + torch.optim.AdamW (Adam
 with adam_w_mode=False) on the same global batch. Options this version does
 not have yet (overlap of the parameter all-gather with forward, contiguous
-buffers, redundant groups, remainders, scaled states, CUDA graphs) raise
+gradient buffers, remainders, scaled states, CUDA graphs) raise
 NotImplementedError when set.
 """
 from __future__ import annotations
@@ -91,8 +91,6 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             raise ValueError(f"pipeline_size must be an int >= 1 (buckets in flight), got {pipeline_size!r}")
         unsupported = dict(contiguous_grad_buffer=contiguous_grad_buffer, store_param_remainders=store_param_remainders,
                            with_scaled_states=with_scaled_states, capturable=capturable,
-                           redundant_process_group=redundant_process_group is not None,
-                           distributed_process_group=distributed_process_group is not None,
                            amsgrad=amsgrad, store_params=not store_params)
         for name, on in unsupported.items():
             if on:
@@ -112,7 +110,16 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         # gloo can abort when it is torn down at interpreter exit.
         self.group = process_group
         self.world_size = dist.get_world_size(self.group)
-        self.rank = dist.get_rank(self.group)
+        # Sharding: state is split over the distributed group and repeated
+        # over the redundant group (apex's layout: world = distributed x redundant).
+        self.dist_group = distributed_process_group if distributed_process_group is not None else process_group
+        self.redundant_group = redundant_process_group
+        self.dist_size = dist.get_world_size(self.dist_group)
+        self.rank = dist.get_rank(self.dist_group)
+        redundant_size = dist.get_world_size(redundant_process_group) if redundant_process_group is not None else 1
+        if self.dist_size * redundant_size != self.world_size:
+            raise ValueError(f"distributed_process_group ({self.dist_size} ranks) x redundant_process_group "
+                             f"({redundant_size} ranks) must cover process_group ({self.world_size} ranks)")
         self.adam_w_mode = adam_w_mode
         self.average_grad_sync = average_grad_sync
         self.overlap_grad_sync = overlap_grad_sync
@@ -125,8 +132,9 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self._clip_coef = None      # from clip_grad_norm, applied by the next step
         self._norm_plan = None
         self._build(grad_sync_dtype, param_sync_dtype, device)
-        self._grad_sync = GradSync(self.params, self.layout, self.grad_shards, self.group, pipeline_size)
-        self._param_sync = ParamSync(self.params, self.layout, self.param_shards, self.param_buffer, self.group)
+        self._grad_sync = GradSync(self.params, self.layout, self.grad_shards, self.dist_group, pipeline_size,
+                                   self.redundant_group)
+        self._param_sync = ParamSync(self.params, self.layout, self.param_shards, self.param_buffer, self.dist_group)
         # The hooks hold the optimizer weakly: no reference cycle through the
         # model's parameters, so an optimizer that goes out of scope is freed
         # at once, before the process group is destroyed (gloo can abort at
@@ -181,7 +189,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self.param_groups_of = [groups[i] for i in order]
         elem = torch.empty((), dtype=self.grad_sync_dtype).element_size()
         self.layout = BucketLayout([p.numel() for p in self.params], [_GRAD_KEY] * len(self.params),
-                                   self.world_size, self.bucket_cap_mb, {_GRAD_KEY: elem})
+                                   self.dist_size, self.bucket_cap_mb, {_GRAD_KEY: elem})
         self.shard_size = self.layout.shard_size(_GRAD_KEY)
         n_buckets = len(self.layout.buckets)
         dev = self.device
@@ -198,10 +206,10 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self.fragments = self.layout.fragments
         # This rank's pieces, ordered by group so that one launch covers them all.
         shard = sorted(self.layout.shard_fragments(self.rank), key=lambda f: self.param_groups_of[f.param])
-        with torch.no_grad():
-            for f in shard:
-                flat = memory_flat(self.params[f.param].detach())
-                self.master[f.bucket, f.shard_start:f.shard_end].copy_(flat[f.param_start:f.param_end])
+        self._shard_fragments = shard
+        # Masters are taken from the parameters at the first step (or
+        # init_params()), so model weights loaded after construction count.
+        self._initialized = [False] * len(self.params)
         sizes = [0] * len(self.param_groups)
         for f in shard:
             sizes[self.param_groups_of[f.param]] += 1
@@ -211,6 +219,36 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             [self.exp_avg[b, s:e] for b, s, e in pieces], [self.exp_avg_sq[b, s:e] for b, s, e in pieces],
             params_out=[self.param_shards[b, s:e] for b, s, e in pieces], group_sizes=sizes,
             device=dev)
+
+    @torch.no_grad()
+    def init_params(self, params=None) -> None:
+        """(Re)start the optimizer state of `params` (default: all) from their
+        current values: fp32 master = the parameter, exp_avg = exp_avg_sq = 0.
+        Runs by itself at the first step for parameters never initialised, so
+        weights loaded into the model after the optimizer was built are used.
+        Every rank must call it with the same parameters."""
+        self._param_sync.finish()  # a pending all-gather still writes the parameters
+        index = {id(p): k for k, p in enumerate(self.params)}
+        if params is None:
+            chosen = set(range(len(self.params)))
+        else:
+            params = list(params)
+            unknown = [i for i, p in enumerate(params) if id(p) not in index]
+            if unknown:
+                raise ValueError(f"init_params: params[{unknown[0]}] is not a trainable parameter of this optimizer")
+            chosen = {index[id(p)] for p in params}
+        for f in self._shard_fragments:
+            if f.param in chosen:
+                flat = memory_flat(self.params[f.param].detach())
+                self.master[f.bucket, f.shard_start:f.shard_end].copy_(flat[f.param_start:f.param_end])
+                self.exp_avg[f.bucket, f.shard_start:f.shard_end].zero_()
+                self.exp_avg_sq[f.bucket, f.shard_start:f.shard_end].zero_()
+        for k in chosen:
+            self._initialized[k] = True
+
+    def init_params_bucket(self, params) -> None:
+        """apex's name for initialising a set of parameters: init_params(params)."""
+        self.init_params(params)
 
     @torch.no_grad()
     def _contiguous_params(self) -> torch.Tensor:
@@ -237,6 +275,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
     def step(self, closure=None):
         loss = run_closure(closure)
         self._param_sync.finish()  # the last all-gather reads the shards this step writes
+        if not all(self._initialized):
+            self.init_params([p for p, done in zip(self.params, self._initialized) if not done])
         if not self._grads_synced:
             self.grad_sync()
         for g in self.param_groups:  # every rank, every group, empty ones too
@@ -288,7 +328,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             self._norm_plan = kernels.NormPlan(self.grad_shards.reshape(-1))
         local = kernels.l2_norm(self._norm_plan).total
         sum_sq = local * local
-        dist.all_reduce(sum_sq, group=self.group)
+        dist.all_reduce(sum_sq, group=self.dist_group)  # redundant replicas hold the same shards
         norm = sum_sq.sqrt()
         return norm / self.world_size if self.average_grad_sync else norm
 
@@ -328,12 +368,14 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         groups' hyperparameters and steps. Independent of world size and bucket
         size: it loads on any number of ranks. Every rank gets the whole dict;
         the shards are gathered one bucket at a time."""
+        if not all(self._initialized):  # the state a first step would start from
+            self.init_params([p for p, done in zip(self.params, self._initialized) if not done])
         groups, index = pack_groups(self.param_groups)
         full = {name: [torch.zeros(p.numel(), dtype=torch.float32) for p in self.params] for name in self._STATES}
         gathered = torch.empty(self.layout.bucket_size(_GRAD_KEY), dtype=torch.float32, device=self.device)
         for b in range(self.master.shape[0]):
             for name in self._STATES:
-                _all_gather(gathered, getattr(self, name)[b], group=self.group)
+                _all_gather(gathered, getattr(self, name)[b], group=self.dist_group)
                 for f in self.fragments:
                     if f.bucket != b:
                         continue
@@ -377,13 +419,15 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             for name in self._STATES:
                 value = flat_like(entry["param" if name == "master" else name], self.params[f.param])
                 getattr(self, name)[f.bucket, f.shard_start:f.shard_end].copy_(value[f.param_start:f.param_end])
-        for p in self.params:  # the model's values are the loaded masters
+        for k, p in enumerate(self.params):  # the model's values are the loaded masters
             entry = by_param.get(id(p))
             if entry is not None:
                 p.copy_(entry["param"])
+                self._initialized[k] = True
 
     def __repr__(self) -> str:
-        lines = [f"{type(self).__name__} (world_size={self.world_size}, rank={self.rank}, "
+        lines = [f"{type(self).__name__} (world_size={self.world_size}, shards={self.dist_size}, "
+                 f"shard_rank={self.rank}, redundant={self.world_size // self.dist_size}, "
                  f"process_group={'default' if self.group is None else id(self.group)}, buckets={len(self.layout.buckets)}, "
                  f"shard_size={self.shard_size}, grad_sync_dtype={self.grad_sync_dtype}, "
                  f"param_sync_dtype={self.param_sync_dtype}, average_grad_sync={self.average_grad_sync}, "
