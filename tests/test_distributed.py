@@ -110,7 +110,8 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out) -> None:
                                              overlap_grad_sync=cfg["overlap"], grad_sync_dtype=cfg["grad_sync_dtype"],
                                              pipeline_size=cfg["pipeline_size"],
                                              overlap_param_sync=cfg["overlap_param_sync"],
-                                             contiguous_param_buffer=cfg["contiguous_param_buffer"], **groups)
+                                             contiguous_param_buffer=cfg["contiguous_param_buffer"],
+                                             contiguous_grad_buffer=cfg["contiguous_grad_buffer"], **groups)
         if cfg["late_load"]:  # weights loaded after the optimizer was built must be the ones trained
             model.load_state_dict(original)
             frozen_before = frozen.detach().clone()
@@ -146,7 +147,8 @@ def _free_port() -> int:
 def _config(**kw) -> dict:
     cfg = dict(device="cpu", adam_w_mode=True, bucket_cap_mb=1e-4, clip=None, overlap=True, micro=1,
                accumulate="no_sync", model="sequential", grad_sync_dtype=None, pipeline_size=2,
-               overlap_param_sync=False, contiguous_param_buffer=False, redundant=False, late_load=False)
+               overlap_param_sync=False, contiguous_param_buffer=False, redundant=False, late_load=False,
+               contiguous_grad_buffer=False)
     unknown = set(kw) - set(cfg)
     assert not unknown, f"unknown config keys {unknown}"
     cfg.update(kw)
@@ -217,12 +219,18 @@ def test_matches_single_process_adam_on_the_global_batch(world, adam_w_mode, buc
     (2, dict(contiguous_param_buffer=True)),       # all-gathers land in the parameters
     (4, dict(redundant=True, overlap_param_sync=True)),  # 2 shards x 2 replicas
     (2, dict(late_load=True, contiguous_param_buffer=True)),
+    (3, dict(contiguous_grad_buffer=True, micro=2)),          # autograd accumulates into the buckets
+    (2, dict(contiguous_grad_buffer=True, overlap=False, contiguous_param_buffer=True)),
     (3, dict(overlap_param_sync=True, model="reordered")),
     (2, dict(overlap_param_sync=True, contiguous_param_buffer=True, model="reordered", pipeline_size=1)),
     pytest.param(2, dict(device="cuda", overlap_param_sync=True, contiguous_param_buffer=True, model="reordered",
                          micro=2, accumulate="every"), marks=pytest.mark.multigpu),
+    pytest.param(2, dict(device="cuda", contiguous_grad_buffer=True, contiguous_param_buffer=True, micro=2,
+                         redundant=False), marks=pytest.mark.multigpu),
 ], ids=["world-1", "world-4", "no-overlap", "no_sync-3", "sync-every-2", "sync-every-3-pipeline-1", "reordered",
-        "contiguous-params", "redundant-2x2", "weights-loaded-after-construction", "overlap-params-3", "overlap-contiguous-params", "nccl-2-overlap-everything"])
+        "contiguous-params", "redundant-2x2", "weights-loaded-after-construction",
+        "contiguous-grads-no_sync", "contiguous-both-no-overlap", "overlap-params-3", "overlap-contiguous-params", "nccl-2-overlap-everything",
+        "nccl-2-contiguous-buffers"])
 def test_sync_variants_match_single_process_adamw(world, kw):
     cfg = _config(**kw)
     result = _spawn(_worker, world, cfg)
@@ -372,5 +380,5 @@ def test_checkpoint_loads_on_another_world_size(save_world, load_world, load_cap
 
 def test_unsupported_options_raise_clearly():
     model = nn.Linear(2, 2)
-    with pytest.raises(NotImplementedError, match="contiguous_grad_buffer"):
-        shardadam.DistributedFusedAdam(model.parameters(), contiguous_grad_buffer=True)
+    with pytest.raises(NotImplementedError, match="capturable"):
+        shardadam.DistributedFusedAdam(model.parameters(), capturable=True)

@@ -82,11 +82,17 @@ class GradSync:
     shard]): reduce-scatter over ``group``, then, with a redundant group,
     all-reduce of the shards over it."""
 
-    def __init__(self, params: list, layout, shards: torch.Tensor, group, pipeline_size: int, redundant_group=None):
+    def __init__(self, params: list, layout, shards: torch.Tensor, group, pipeline_size: int, redundant_group=None,
+                 buffer: torch.Tensor | None = None, views: list | None = None):
+        """buffer [buckets, bucket] and views (each parameter's gradient view
+        into it): a contiguous gradient buffer that autograd accumulates into,
+        reduce-scattered in place; None: temporary buckets packed from .grad."""
         self.params = params
         self.shards = shards
         self.group = group
         self.redundant_group = redundant_group
+        self.buffer = buffer
+        self.views = views
         self.bucket_size = layout.bucket_size(0)
         self.frags_of_param = [[] for _ in params]
         self.frag_count = [0] * len(layout.buckets)
@@ -112,15 +118,21 @@ class GradSync:
         """Copy parameter k's gradient into its buckets and start every bucket
         that is now complete, in bucket order."""
         if self.packed[k]:  # another backward pass in the same iteration
+            if self.buffer is not None:  # autograd already added it into a bucket being reduced
+                raise RuntimeError(
+                    "DistributedFusedAdam(contiguous_grad_buffer=True): a second gradient for a parameter in one "
+                    "iteration; accumulate micro-batches inside optimizer.no_sync()")
             self._flush_round()
             self.round += 1
             self._new_round()
         param = self.params[k]
         check_tensor("a parameter's gradient", grad, param.device, kernels.FLOATS)
-        flat = flat_like(grad, param)
-        for f in self.frags_of_param[k]:
-            self._buffer(f.bucket)[f.bucket_start:f.bucket_end].copy_(
-                flat[f.param_start:f.param_end])
+        in_place = self.views is not None and grad.data_ptr() == self.views[k].data_ptr() \
+            and grad.stride() == self.views[k].stride()
+        if not in_place:  # not the buffer's view (e.g. model.zero_grad() dropped it): copy
+            flat = flat_like(grad, param)
+            for f in self.frags_of_param[k]:
+                self._buffer(f.bucket)[f.bucket_start:f.bucket_end].copy_(flat[f.param_start:f.param_end])
             self.missing[f.bucket] -= 1
         self.packed[k] = True
         while self.next_bucket < len(self.missing) and self.missing[self.next_bucket] == 0:
@@ -143,6 +155,8 @@ class GradSync:
             self._start(self.next_bucket)
 
     def _buffer(self, b: int) -> torch.Tensor:
+        if self.buffer is not None:
+            return self.buffer[b]
         if self.buffers[b] is None:
             # Zeros: alignment padding and absent gradients add nothing.
             self.buffers[b] = torch.zeros(self.bucket_size, dtype=self.shards.dtype, device=self.shards.device)

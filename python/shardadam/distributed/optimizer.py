@@ -49,7 +49,7 @@ def _grad_ready(optimizer: weakref.ref, k: int, param: torch.Tensor) -> None:
     opt = optimizer()
     if opt is not None and opt._sync_in_backward:
         opt._grad_sync.pack(k, param.grad)
-        param.grad = None
+        param.grad = opt._grad_views[k] if opt.contiguous_grad_buffer else None
 
 
 def _wait_for_own_params(optimizer: weakref.ref, module: torch.nn.Module, args) -> None:
@@ -89,7 +89,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                  store_param_remainders=False, with_scaled_states=False, capturable=False):
         if not (isinstance(pipeline_size, int) and pipeline_size >= 1):
             raise ValueError(f"pipeline_size must be an int >= 1 (buckets in flight), got {pipeline_size!r}")
-        unsupported = dict(contiguous_grad_buffer=contiguous_grad_buffer, store_param_remainders=store_param_remainders,
+        unsupported = dict( store_param_remainders=store_param_remainders,
                            with_scaled_states=with_scaled_states, capturable=capturable,
                            amsgrad=amsgrad, store_params=not store_params)
         for name, on in unsupported.items():
@@ -125,6 +125,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self.overlap_grad_sync = overlap_grad_sync
         self.overlap_param_sync = overlap_param_sync
         self.contiguous_param_buffer = contiguous_param_buffer
+        self.contiguous_grad_buffer = contiguous_grad_buffer
         self._sync_in_backward = overlap_grad_sync  # off inside no_sync()
         self.pipeline_size = pipeline_size
         self.bucket_cap_mb = bucket_cap_mb
@@ -133,7 +134,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self._norm_plan = None
         self._build(grad_sync_dtype, param_sync_dtype, device)
         self._grad_sync = GradSync(self.params, self.layout, self.grad_shards, self.dist_group, pipeline_size,
-                                   self.redundant_group)
+                                   self.redundant_group, self.grad_buffer, self._grad_views)
         self._param_sync = ParamSync(self.params, self.layout, self.param_shards, self.param_buffer, self.dist_group)
         # The hooks hold the optimizer weakly: no reference cycle through the
         # model's parameters, so an optimizer that goes out of scope is freed
@@ -173,11 +174,13 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             raise ValueError("parameters of several dtypes need an explicit param_sync_dtype")
         self.param_sync_dtype = param_sync_dtype or next(iter(dtypes))
         self.grad_sync_dtype = grad_sync_dtype or self.param_sync_dtype
-        wrong = sorted({str(p.dtype) for p in params if p.dtype != self.param_sync_dtype})
-        if self.contiguous_param_buffer and wrong:  # the parameters become views of a param_sync_dtype buffer
-            raise ValueError(f"contiguous_param_buffer=True needs every trainable parameter in param_sync_dtype "
-                             f"({self.param_sync_dtype}), found {', '.join(wrong)}: convert the model or set "
-                             f"param_sync_dtype to the parameters' dtype")
+        for option, on, dtype in (("contiguous_param_buffer", self.contiguous_param_buffer, self.param_sync_dtype),
+                                  ("contiguous_grad_buffer", self.contiguous_grad_buffer, self.grad_sync_dtype)):
+            wrong = sorted({str(p.dtype) for p in params if p.dtype != dtype})
+            if on and wrong:  # parameters (gradients) become views of a buffer of that dtype
+                raise ValueError(f"{option}=True needs every trainable parameter in {dtype} (the sync dtype), "
+                                 f"found {', '.join(wrong)}: convert the model or set the sync dtype to the "
+                                 f"parameters' dtype")
         src = 0 if self.group is None else dist.get_global_rank(self.group, 0)
         for g in self.param_groups:  # every rank starts from rank 0's values, frozen ones included
             for p in g["params"]:
@@ -197,7 +200,16 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         # only while their collective runs (at most pipeline_size at a time).
         self.grad_shards = torch.zeros(n_buckets, self.shard_size, dtype=self.grad_sync_dtype, device=dev)
         own = slice(self.rank * self.shard_size, (self.rank + 1) * self.shard_size)
-        self.param_buffer = self._contiguous_params() if self.contiguous_param_buffer else None
+        self.param_buffer, self.grad_buffer, self._grad_views = None, None, None
+        if self.contiguous_param_buffer:
+            self.param_buffer, views = self._bucket_views(self.param_sync_dtype)
+            with torch.no_grad():
+                for p, view in zip(self.params, views):
+                    view.copy_(p.data)
+                    p.data = view
+        if self.contiguous_grad_buffer:
+            self.grad_buffer, self._grad_views = self._bucket_views(self.grad_sync_dtype)
+            self._attach_grad_views()
         self.param_shards = (self.param_buffer[:, own] if self.param_buffer is not None else
                              torch.zeros(n_buckets, self.shard_size, dtype=self.param_sync_dtype, device=dev))
         self.master = torch.zeros(n_buckets, self.shard_size, dtype=torch.float32, device=dev)
@@ -250,24 +262,34 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         """apex's name for initialising a set of parameters: init_params(params)."""
         self.init_params(params)
 
-    @torch.no_grad()
-    def _contiguous_params(self) -> torch.Tensor:
-        """Move the parameters into one [buckets, bucket] buffer laid out like
-        the buckets (each parameter's memory order, channels_last included,
-        kept): the all-gather then lands in the parameters themselves."""
+    def _bucket_views(self, dtype: torch.dtype) -> tuple[torch.Tensor, list]:
+        """A zeroed [buckets, bucket] buffer laid out like the buckets, and a
+        view of it shaped (and strided: channels_last kept) like each
+        parameter: a parameter's fragments follow each other in the flat buffer."""
         size = self.layout.bucket_size(_GRAD_KEY)
-        buffer = torch.zeros(len(self.layout.buckets), size, dtype=self.param_sync_dtype, device=self.device)
+        buffer = torch.zeros(len(self.layout.buckets), size, dtype=dtype, device=self.device)
         flat = buffer.view(-1)
         first = {}
-        for f in self.layout.fragments:  # a parameter's fragments follow each other in the flat buffer
+        for f in self.layout.fragments:
             first.setdefault(f.param, f.bucket * size + f.bucket_start)
-        for k, p in enumerate(self.params):
-            if p.numel() == 0:
-                continue
-            view = flat.as_strided(p.shape, p.stride(), first[k])
-            view.copy_(p.data)
-            p.data = view
-        return buffer
+        views = [flat.as_strided(p.shape, p.stride(), first.get(k, 0)) for k, p in enumerate(self.params)]
+        return buffer, views
+
+    def _attach_grad_views(self) -> None:
+        for p, view in zip(self.params, self._grad_views):
+            if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                p.grad = view
+
+    def grad_buffer_view(self, param: torch.Tensor) -> torch.Tensor:
+        """param's gradient inside the contiguous gradient buffer (a view
+        shaped like param; what autograd accumulates into)."""
+        if not self.contiguous_grad_buffer:
+            raise RuntimeError("grad_buffer_view needs DistributedFusedAdam(contiguous_grad_buffer=True); "
+                               "without it gradients live in temporary buckets")
+        for p, view in zip(self.params, self._grad_views):
+            if p is param:
+                return view
+        raise ValueError("grad_buffer_view: not a trainable parameter of this optimizer")
 
     # ------------------------------------------------------------ step
 
@@ -296,8 +318,14 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none=set_to_none)
-        self._grad_sync.reset()
+        """Clears gradients; with contiguous_grad_buffer the buffer is zeroed
+        and parameters keep their views of it whatever set_to_none says."""
+        self._grad_sync.reset()  # a reduce-scatter may still read the buffers
+        if self.contiguous_grad_buffer:
+            self.grad_buffer.zero_()
+            self._attach_grad_views()
+        else:
+            super().zero_grad(set_to_none=set_to_none)
         self._grads_synced, self._clip_coef = False, None
 
     @contextlib.contextmanager
@@ -346,8 +374,9 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         """Finish this iteration's gradient synchronisation: reduce-scatter
         every bucket that backward has not started, and wait for all."""
         self._grad_sync.finish()
-        for p in self.params:  # handed over: the reduced shards hold them now
-            p.grad = None
+        if not self.contiguous_grad_buffer:
+            for p in self.params:  # handed over: the reduced shards hold them now
+                p.grad = None
         self._grads_synced = True
 
     def param_sync(self) -> None:
