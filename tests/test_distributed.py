@@ -56,11 +56,12 @@ def _data():
 
 
 def _train(model, opt, rank: int, world: int, steps, clip: float | None = None, micro: int = 1,
-           accumulate: str = "no_sync") -> list[float]:
+           accumulate: str = "no_sync", scaler=None, inf_step: int | None = None) -> list[float]:
     """Train on this rank's part of the global batches, in `micro` equal
     micro-batches (gradients accumulated inside no_sync(), or synchronised
     after each one with accumulate="every"); the pre-clip norms when clipping.
-    Equal pieces make the result DDP's: the mean over pieces of their mean loss."""
+    Equal pieces make the result DDP's: the mean over pieces of their mean loss.
+    With a GradScaler the loss is scaled; at inf_step rank 1's loss is inf."""
     x, y = _data()
     dev = next(model.parameters()).device
     local = GLOBAL_BATCH // world
@@ -71,11 +72,18 @@ def _train(model, opt, rank: int, world: int, steps, clip: float | None = None, 
         for i in range(micro):
             part = slice(rank * local + i * piece, rank * local + (i + 1) * piece)
             quiet = accumulate == "no_sync" and i < micro - 1
+            loss = F.mse_loss(model(x[s, part].to(dev)), y[s, part].to(dev)) / micro
+            if s == inf_step and rank == min(1, world - 1):
+                loss = loss * float("inf")
             with opt.no_sync() if quiet else contextlib.nullcontext():
-                (F.mse_loss(model(x[s, part].to(dev)), y[s, part].to(dev)) / micro).backward()
+                (scaler.scale(loss) if scaler is not None else loss).backward()
         if clip is not None:
             norms.append(float(opt.clip_grad_norm(clip)))
-        opt.step()
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
     return norms
 
 
@@ -106,6 +114,7 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out) -> None:
             groups = dict(distributed_process_group=shard_groups[rank // 2],
                           redundant_process_group=replica_groups[rank % 2])
         opt = shardadam.DistributedFusedAdam(_groups(model, frozen), lr=1e-2, adam_w_mode=cfg["adam_w_mode"],
+                                             amsgrad=cfg["amsgrad"],
                                              weight_decay=0.1, bucket_cap_mb=cfg["bucket_cap_mb"],
                                              overlap_grad_sync=cfg["overlap"], grad_sync_dtype=cfg["grad_sync_dtype"],
                                              pipeline_size=cfg["pipeline_size"],
@@ -115,7 +124,9 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out) -> None:
         if cfg["late_load"]:  # weights loaded after the optimizer was built must be the ones trained
             model.load_state_dict(original)
             frozen_before = frozen.detach().clone()
-        norms = _train(model, opt, rank, world, range(STEPS), cfg["clip"], cfg["micro"], cfg["accumulate"])
+        scaler = torch.amp.GradScaler(device, init_scale=2.0 ** 10) if cfg["scaler"] else None
+        norms = _train(model, opt, rank, world, range(STEPS), cfg["clip"], cfg["micro"], cfg["accumulate"], scaler,
+                       cfg["inf_step"])
         opt.param_sync()  # with overlap_param_sync the last all-gathers may still be running
         steps = [g["step"] for g in opt.param_groups]
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
@@ -123,7 +134,7 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out) -> None:
         dist.all_gather(gathered, flat)
         if rank == 0:
             # numpy arrays travel by value (tensors would pass file handles to a process that exits)
-            out.put(dict(params=[p.detach().cpu().numpy().copy() for p in model.parameters()], steps=steps,
+            out.put(dict(scale=None if scaler is None else float(scaler.get_scale()), params=[p.detach().cpu().numpy().copy() for p in model.parameters()], steps=steps,
                          same_on_all_ranks=all(torch.equal(t, flat) for t in gathered),
                          frozen_unchanged=torch.equal(frozen.detach(), frozen_before),
                          buckets=len(opt.layout.buckets), norms=norms))
@@ -148,20 +159,23 @@ def _config(**kw) -> dict:
     cfg = dict(device="cpu", adam_w_mode=True, bucket_cap_mb=1e-4, clip=None, overlap=True, micro=1,
                accumulate="no_sync", model="sequential", grad_sync_dtype=None, pipeline_size=2,
                overlap_param_sync=False, contiguous_param_buffer=False, redundant=False, late_load=False,
-               contiguous_grad_buffer=False)
+               contiguous_grad_buffer=False, amsgrad=False, scaler=False, inf_step=None)
     unknown = set(kw) - set(cfg)
     assert not unknown, f"unknown config keys {unknown}"
     cfg.update(kw)
     return cfg
 
 
-def _reference(world: int, adam_w_mode: bool = True, clip: float | None = None, model_kind: str = "sequential"):
-    """Single-process Adam/AdamW on the global batches: (params, pre-clip norms)."""
+def _reference(world: int, adam_w_mode: bool = True, clip: float | None = None, model_kind: str = "sequential",
+               amsgrad: bool = False, scaler: bool = False, inf_step: int | None = None):
+    """Single-process Adam/AdamW on the global batches: (params, pre-clip norms,
+    final loss scale or None)."""
     model = _model(model_kind)
     frozen = _frozen(model)
     frozen.requires_grad_(False)
     cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
-    opt = cls(_groups(model, frozen), lr=1e-2, weight_decay=0.1, foreach=False)
+    opt = cls(_groups(model, frozen), lr=1e-2, weight_decay=0.1, foreach=False, amsgrad=amsgrad)
+    amp = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) if scaler else None
     x, y = _data()
     local = GLOBAL_BATCH // world
     norms = []
@@ -170,12 +184,19 @@ def _reference(world: int, adam_w_mode: bool = True, clip: float | None = None, 
         # The mean over ranks of each rank's mean loss: DDP's averaged gradient.
         losses = [F.mse_loss(model(x[s, r * local:(r + 1) * local]), y[s, r * local:(r + 1) * local])
                   for r in range(world)]
-        (sum(losses) / world).backward()
+        loss = sum(losses) / world * (float("inf") if s == inf_step else 1.0)
+        (amp.scale(loss) if amp is not None else loss).backward()
         if clip is not None:
+            if amp is not None:
+                amp.unscale_(opt)
             norms.append(float(torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad],
                                                                clip)))
-        opt.step()
-    return [p.detach() for p in model.parameters()], norms
+        if amp is not None:
+            amp.step(opt)
+            amp.update()
+        else:
+            opt.step()
+    return [p.detach() for p in model.parameters()], norms, None if amp is None else float(amp.get_scale())
 
 
 def _spawn(target, world: int, *args):
@@ -221,6 +242,9 @@ def test_matches_single_process_adam_on_the_global_batch(world, adam_w_mode, buc
     (2, dict(late_load=True, contiguous_param_buffer=True)),
     (3, dict(contiguous_grad_buffer=True, micro=2)),          # autograd accumulates into the buckets
     (2, dict(contiguous_grad_buffer=True, overlap=False, contiguous_param_buffer=True)),
+    (2, dict(amsgrad=True)),
+    (3, dict(scaler=True, inf_step=2)),                     # GradScaler: rank 1's inf skips the step everywhere
+    (2, dict(scaler=True, clip=0.02, overlap_param_sync=True)),  # clipping deferred to the unscaled norm
     (3, dict(overlap_param_sync=True, model="reordered")),
     (2, dict(overlap_param_sync=True, contiguous_param_buffer=True, model="reordered", pipeline_size=1)),
     pytest.param(2, dict(device="cuda", overlap_param_sync=True, contiguous_param_buffer=True, model="reordered",
@@ -229,33 +253,48 @@ def test_matches_single_process_adam_on_the_global_batch(world, adam_w_mode, buc
                          redundant=False), marks=pytest.mark.multigpu),
 ], ids=["world-1", "world-4", "no-overlap", "no_sync-3", "sync-every-2", "sync-every-3-pipeline-1", "reordered",
         "contiguous-params", "redundant-2x2", "weights-loaded-after-construction",
-        "contiguous-grads-no_sync", "contiguous-both-no-overlap", "overlap-params-3", "overlap-contiguous-params", "nccl-2-overlap-everything",
+        "contiguous-grads-no_sync", "contiguous-both-no-overlap", "amsgrad", "grad-scaler-inf-skips",
+        "grad-scaler-clip", "overlap-params-3", "overlap-contiguous-params", "nccl-2-overlap-everything",
         "nccl-2-contiguous-buffers"])
 def test_sync_variants_match_single_process_adamw(world, kw):
     cfg = _config(**kw)
     result = _spawn(_worker, world, cfg)
     assert result["same_on_all_ranks"], "ranks disagree on the parameters"
     assert result["frozen_unchanged"], "a frozen parameter was modified"
-    assert result["steps"] == [STEPS] * 4
-    for i, (got, want) in enumerate(zip(result["params"], _reference(world, model_kind=cfg["model"])[0])):
+    want_params, _, want_scale = _reference(world, model_kind=cfg["model"], amsgrad=cfg["amsgrad"],
+                                            scaler=cfg["scaler"], inf_step=cfg["inf_step"], clip=cfg["clip"])
+    assert result["scale"] == want_scale, "the loss scale must back off exactly as torch's"
+    steps_done = STEPS - (cfg["inf_step"] is not None)
+    assert result["steps"] == [steps_done] * 4, "a skipped step must not count, on any rank"
+    for i, (got, want) in enumerate(zip(result["params"], want_params)):
         torch.testing.assert_close(torch.from_numpy(got), want.contiguous(), rtol=1e-5, atol=1e-6,
                                    msg=lambda m: f"param {i}: {m}")
 
 
-def _overlap_worker(rank: int, world: int, port: int, out) -> None:
-    """After a step with overlap_param_sync, which buckets are still gathering
-    once one module has run its forward."""
+def _overlap_worker(rank: int, world: int, port: int, contiguous_grads: bool, out) -> None:
+    """When buckets are reduce-scattered during backward, and which ones are
+    still gathering after a step once one module has run its forward."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         model = _model()
+        holder = []
+        started_before_first_layer = []
+        # Registered before the optimizer's hook: runs when the first layer's
+        # weight gradient (the last of backward) is ready, before it is handed over.
+        model[0].weight.register_post_accumulate_grad_hook(
+            lambda p: started_before_first_layer.append(holder[0]._grad_sync.next_bucket))
         opt = shardadam.DistributedFusedAdam(model.parameters(), lr=1e-2, bucket_cap_mb=1e-4,
-                                             overlap_param_sync=True, contiguous_param_buffer=True)
+                                             overlap_param_sync=True, contiguous_param_buffer=True,
+                                             contiguous_grad_buffer=contiguous_grads)
+        holder.append(opt)
         x, y = _data()
         F.mse_loss(model(x[0, :2]), y[0, :2]).backward()
+        started_in_backward = opt._grad_sync.next_bucket
         opt.step()
         sync = opt._param_sync
-        all_buckets = set(range(len(opt.layout.buckets)))
+        n_buckets = len(opt.layout.buckets)
+        all_buckets = set(range(n_buckets))
         after_step = set(sync.pending)
         conv = model[0]
         conv_buckets = {b for p in conv.parameters() for b in sync.buckets_of[id(p)]}
@@ -263,7 +302,9 @@ def _overlap_worker(rank: int, world: int, port: int, out) -> None:
         after_conv = set(sync.pending)
         opt.param_sync()
         if rank == 0:
-            out.put(dict(after_step=after_step == all_buckets, conv_waited=not (after_conv & conv_buckets),
+            out.put(dict(all_started_in_backward=started_in_backward == n_buckets,
+                         some_started_early=started_before_first_layer[0] >= 1,
+                         after_step=after_step == all_buckets, conv_waited=not (after_conv & conv_buckets),
                          others_pending=after_conv == all_buckets - conv_buckets, drained=not sync.pending))
         dist.barrier()
     finally:
@@ -273,9 +314,10 @@ def _overlap_worker(rank: int, world: int, port: int, out) -> None:
     os._exit(0)
 
 
-def test_overlap_param_sync_waits_for_exactly_the_modules_buckets():
-    result = _spawn(_overlap_worker, 2)
-    assert result == dict(after_step=True, conv_waited=True, others_pending=True, drained=True), result
+@pytest.mark.parametrize("contiguous_grads", [False, True], ids=["grad-buckets", "contiguous-grads"])
+def test_overlap_starts_buckets_in_backward_and_waits_per_module(contiguous_grads):
+    result = _spawn(_overlap_worker, 2, contiguous_grads)
+    assert all(result.values()), result
 
 
 def test_bf16_grad_sync_is_close_to_fp32():
@@ -295,7 +337,7 @@ def test_clip_grad_norm_matches_torch(world, device):
     """A max_norm below the gradient norms, so every step clips. On NCCL too
     (one GPU per rank), against the same single-process CPU reference."""
     result = _spawn(_worker, world, _config(clip=0.02, device=device))
-    want_params, want_norms = _reference(world, True, clip=0.02)
+    want_params, want_norms, _ = _reference(world, True, clip=0.02)
     assert min(want_norms) > 0.02, "the test must clip"
     np.testing.assert_allclose(result["norms"], want_norms, rtol=1e-5)
     for i, (got, want) in enumerate(zip(result["params"], want_params)):

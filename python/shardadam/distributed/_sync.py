@@ -133,6 +133,7 @@ class GradSync:
             flat = flat_like(grad, param)
             for f in self.frags_of_param[k]:
                 self._buffer(f.bucket)[f.bucket_start:f.bucket_end].copy_(flat[f.param_start:f.param_end])
+        for f in self.frags_of_param[k]:
             self.missing[f.bucket] -= 1
         self.packed[k] = True
         while self.next_bucket < len(self.missing) and self.missing[self.next_bucket] == 0:

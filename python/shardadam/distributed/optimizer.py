@@ -1,25 +1,27 @@
 """DistributedFusedAdam: ZeRO-2 Adam over torch.distributed.
 
 Optimizer state and reduced gradients are sharded across the ranks of the
-process group; parameters stay replicated. An iteration:
+(distributed) process group; parameters stay replicated. An iteration:
 
 1. during backward, each parameter's gradient is copied into flat buckets (the
-   bucket layout comes from the core, in grad_sync_dtype) and released; each
+   bucket layout comes from the core, in grad_sync_dtype; or autograd
+   accumulates straight into them with contiguous_grad_buffer) and each
    complete bucket is reduce-scattered while backward goes on
    (overlap_grad_sync; otherwise all of it happens in step()): each rank
    receives the sum of its shard of every bucket (distributed/_sync.py);
 2. step(): one fused Adam launch updates the rank's shard of every bucket
-   (fp32 master, exp_avg, exp_avg_sq; per-fragment group hyperparameters) and
+   (fp32 master, exp_avg, exp_avg_sq; per-fragment group hyperparameters;
+   averaging, loss-scale and clipping folded into its gradient scale) and
    writes the new parameter values, in param_sync_dtype, into the rank's
    parameter shards;
-3. the parameter shards are all-gathered bucket by bucket and copied into the
-   parameters.
+3. the parameter shards are all-gathered bucket by bucket into the parameters
+   (in place with contiguous_param_buffer), during the next forward with
+   overlap_param_sync.
 
 With average_grad_sync=True the result equals DDP + torch.optim.AdamW (Adam
 with adam_w_mode=False) on the same global batch. Options this version does
-not have yet (overlap of the parameter all-gather with forward, contiguous
-gradient buffers, remainders, scaled states, CUDA graphs) raise
-NotImplementedError when set.
+not have yet (remainders, scaled states, store_params=False, CUDA graphs,
+non-fp32 state) raise NotImplementedError when set.
 """
 from __future__ import annotations
 
@@ -52,11 +54,17 @@ def _grad_ready(optimizer: weakref.ref, k: int, param: torch.Tensor) -> None:
         param.grad = opt._grad_views[k] if opt.contiguous_grad_buffer else None
 
 
+# Modules whose forward reads a child's parameters without calling the child
+# (MultiheadAttention uses out_proj.weight directly): they wait for their
+# children's parameters too.
+_READS_CHILD_PARAMS = (torch.nn.MultiheadAttention,)
+
+
 def _wait_for_own_params(optimizer: weakref.ref, module: torch.nn.Module, args) -> None:
     """Module forward-pre hook: wait for the all-gathers of this module's parameters."""
     opt = optimizer()
     if opt is not None and opt._param_sync.pending:
-        opt._param_sync.wait_for(module.parameters(recurse=False))
+        opt._param_sync.wait_for(module.parameters(recurse=isinstance(module, _READS_CHILD_PARAMS)))
 
 
 def _unflatten(flat: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -89,9 +97,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                  store_param_remainders=False, with_scaled_states=False, capturable=False):
         if not (isinstance(pipeline_size, int) and pipeline_size >= 1):
             raise ValueError(f"pipeline_size must be an int >= 1 (buckets in flight), got {pipeline_size!r}")
-        unsupported = dict( store_param_remainders=store_param_remainders,
-                           with_scaled_states=with_scaled_states, capturable=capturable,
-                           amsgrad=amsgrad, store_params=not store_params)
+        unsupported = dict(store_param_remainders=store_param_remainders, with_scaled_states=with_scaled_states,
+                           capturable=capturable, store_params=not store_params)
         for name, on in unsupported.items():
             if on:
                 raise NotImplementedError(f"DistributedFusedAdam: {name} is not supported yet in this version; "
@@ -121,6 +128,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             raise ValueError(f"distributed_process_group ({self.dist_size} ranks) x redundant_process_group "
                              f"({redundant_size} ranks) must cover process_group ({self.world_size} ranks)")
         self.adam_w_mode = adam_w_mode
+        self.amsgrad = amsgrad
         self.average_grad_sync = average_grad_sync
         self.overlap_grad_sync = overlap_grad_sync
         self.overlap_param_sync = overlap_param_sync
@@ -130,8 +138,11 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self.pipeline_size = pipeline_size
         self.bucket_cap_mb = bucket_cap_mb
         self._grads_synced = False  # this iteration's gradients are already reduce-scattered
-        self._clip_coef = None      # from clip_grad_norm, applied by the next step
+        # For the next step: clip_grad_norm's max_norm and the gradient norm it
+        # saw (still loss-scaled under AMP), and unscale_grads' factor.
+        self._clip_max_norm = self._clip_norm = self._inv_scale = None
         self._norm_plan = None
+        self._subset_norm_plans: dict = {}
         self._build(grad_sync_dtype, param_sync_dtype, device)
         self._grad_sync = GradSync(self.params, self.layout, self.grad_shards, self.dist_group, pipeline_size,
                                    self.redundant_group, self.grad_buffer, self._grad_views)
@@ -215,6 +226,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self.master = torch.zeros(n_buckets, self.shard_size, dtype=torch.float32, device=dev)
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
+        self.max_exp_avg_sq = torch.zeros_like(self.master) if self.amsgrad else None
+        self._state_names = ("master", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if self.amsgrad else ())
         self.fragments = self.layout.fragments
         # This rank's pieces, ordered by group so that one launch covers them all.
         shard = sorted(self.layout.shard_fragments(self.rank), key=lambda f: self.param_groups_of[f.param])
@@ -230,6 +243,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             [self.master[b, s:e] for b, s, e in pieces], [self.grad_shards[b, s:e] for b, s, e in pieces],
             [self.exp_avg[b, s:e] for b, s, e in pieces], [self.exp_avg_sq[b, s:e] for b, s, e in pieces],
             params_out=[self.param_shards[b, s:e] for b, s, e in pieces], group_sizes=sizes,
+            max_exp_avg_sqs=[self.max_exp_avg_sq[b, s:e] for b, s, e in pieces] if self.amsgrad else None,
             device=dev)
 
     @torch.no_grad()
@@ -253,8 +267,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             if f.param in chosen:
                 flat = memory_flat(self.params[f.param].detach())
                 self.master[f.bucket, f.shard_start:f.shard_end].copy_(flat[f.param_start:f.param_end])
-                self.exp_avg[f.bucket, f.shard_start:f.shard_end].zero_()
-                self.exp_avg_sq[f.bucket, f.shard_start:f.shard_end].zero_()
+                for name in self._state_names[1:]:
+                    getattr(self, name)[f.bucket, f.shard_start:f.shard_end].zero_()
         for k in chosen:
             self._initialized[k] = True
 
@@ -293,29 +307,83 @@ class DistributedFusedAdam(torch.optim.Optimizer):
 
     # ------------------------------------------------------------ step
 
+    # torch.amp.GradScaler hands itself to step(grad_scaler=...): the
+    # gradients live in this optimizer's shards, out of the scaler's reach.
+    _step_supports_amp_scaling = True
+
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, *, grad_scaler=None):
+        """One Adam step over this rank's shard, then the parameter all-gather.
+
+        With grad_scaler (``scaler.step(opt)`` passes it), the gradients are
+        still scaled: 1/scale joins the kernel's gradient scale, and a
+        non-finite gradient on any rank skips the step on every rank
+        (parameters, states and step counters unchanged) and is reported to
+        the scaler so that ``scaler.update()`` backs off."""
         loss = run_closure(closure)
         self._param_sync.finish()  # the last all-gather reads the shards this step writes
         if not all(self._initialized):
             self.init_params([p for p, done in zip(self.params, self._initialized) if not done])
         if not self._grads_synced:
             self.grad_sync()
+        # Averaging, unscaling and clipping fold into the kernel's gradient
+        # scale: the reduced gradients are never rescaled in memory.
+        grad_scale = torch.full((), 1.0 / self.world_size if self.average_grad_sync else 1.0,
+                                dtype=torch.float32, device=self.device)
+        if self._inv_scale is not None:
+            grad_scale *= self._inv_scale
+        if grad_scaler is not None:
+            if self._inv_scale is not None:
+                raise RuntimeError("step(grad_scaler=...) after unscale_grads(): the gradients would be unscaled "
+                                   "twice; use one of the two")
+            grad_scale *= self._scaler_inv_scale(grad_scaler)
+            if self._report_found_inf(grad_scaler):
+                self._end_iteration()
+                return loss
+        if self._clip_max_norm is not None:  # deferred: on the unscaled norm
+            unscaled = self._clip_norm * (grad_scale * (self.world_size if self.average_grad_sync else 1.0))
+            grad_scale *= torch.clamp(self._clip_max_norm / (unscaled + 1e-6), max=1.0)
         for g in self.param_groups:  # every rank, every group, empty ones too
             g["step"] += 1
-        # Averaging and clipping fold into the kernel's gradient scale: the
-        # reduced gradients are never rescaled in memory.
-        grad_scale = 1.0 / self.world_size if self.average_grad_sync else 1.0
-        if self._clip_coef is not None:
-            grad_scale = self._clip_coef * grad_scale
         kernels.adam(self.plan, grad_scale=grad_scale, **adam_hyper(self.param_groups, self.adam_w_mode))
         if self.overlap_param_sync:
             self._param_sync.start()  # each module's forward waits for its own buckets
         else:
             self.param_sync()
-        self._grad_sync.reset()
-        self._grads_synced, self._clip_coef = False, None
+        self._end_iteration()
         return loss
+
+    def _end_iteration(self) -> None:
+        self._grad_sync.reset()
+        self._grads_synced = False
+        self._clip_max_norm = self._clip_norm = self._inv_scale = None
+
+    def _scaler_inv_scale(self, grad_scaler) -> torch.Tensor:
+        state = grad_scaler._per_optimizer_states[id(self)]
+        if state["stage"].name == "UNSCALED":
+            raise RuntimeError("scaler.unscale_(optimizer) cannot reach DistributedFusedAdam's gradients (they "
+                               "live in its buckets): skip it; clip_grad_norm() and step() unscale by themselves")
+        return grad_scaler._scale.to(self.device, torch.float32).reciprocal()
+
+    def _report_found_inf(self, grad_scaler) -> bool:
+        """Whether any rank's gradients hold inf/NaN (one all-reduce), told to
+        the scaler the way torch's fused optimizers do."""
+        if self._norm_plan is None:
+            self._norm_plan = kernels.NormPlan(self.grad_shards.reshape(-1))
+        found_inf = kernels.l2_norm(self._norm_plan).nonfinite
+        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.dist_group)
+        grad_scaler._per_optimizer_states[id(self)]["found_inf_per_device"][self.device] = found_inf
+        return bool(found_inf.item())  # the host's step counters must know
+
+    def unscale_grads(self, *, inv_scale=None, grad_scaler=None) -> None:
+        """Divide this iteration's gradients by the loss scale, inside the next
+        step (gradients are not rewritten): inv_scale (a number or a 0-d/1-element
+        tensor), or 1 / grad_scaler's current scale."""
+        if (inv_scale is None) == (grad_scaler is None):
+            raise ValueError("unscale_grads needs exactly one of inv_scale or grad_scaler")
+        if grad_scaler is not None:
+            inv_scale = self._scaler_inv_scale(grad_scaler)
+        self._inv_scale = torch.as_tensor(inv_scale, dtype=torch.float32, device=self.device).reshape(())
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears gradients; with contiguous_grad_buffer the buffer is zeroed
@@ -326,7 +394,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             self._attach_grad_views()
         else:
             super().zero_grad(set_to_none=set_to_none)
-        self._grads_synced, self._clip_coef = False, None
+        self._end_iteration()
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -342,32 +410,52 @@ class DistributedFusedAdam(torch.optim.Optimizer):
     @torch.no_grad()
     def grad_norm(self, parameters=None, norm_type: float = 2.0) -> torch.Tensor:
         """The L2 norm of the synchronised (averaged, if average_grad_sync)
-        gradient of every parameter, as a 0-d tensor; synchronises the
-        gradients now if step() has not yet."""
-        if parameters is not None:
-            raise NotImplementedError("grad_norm of a subset of the parameters is not supported yet; "
-                                      "call it without `parameters`")
+        gradient of every parameter, or of `parameters`, as a 0-d tensor;
+        synchronises the gradients now if step() has not yet. Under a loss
+        scale the gradients, and so the norm, are still scaled."""
         if norm_type != 2.0:
             raise ValueError(f"norm_type must be 2.0 (the L2 norm), got {norm_type}")
         if not self._grads_synced:
             self.grad_sync()
-        # Shard padding holds zeros, so the whole shard buffer has the shard's norm.
-        if self._norm_plan is None:  # built once: the shard buffer never moves
-            self._norm_plan = kernels.NormPlan(self.grad_shards.reshape(-1))
-        local = kernels.l2_norm(self._norm_plan).total
+        local = kernels.l2_norm(self._norm_plan_for(parameters)).total
         sum_sq = local * local
         dist.all_reduce(sum_sq, group=self.dist_group)  # redundant replicas hold the same shards
         norm = sum_sq.sqrt()
         return norm / self.world_size if self.average_grad_sync else norm
 
+    def _norm_plan_for(self, parameters) -> kernels.NormPlan:
+        """The shard pieces whose norm is wanted; plans are built once per set."""
+        if parameters is None:
+            # Shard padding holds zeros, so the whole shard buffer has the shard's norm.
+            if self._norm_plan is None:
+                self._norm_plan = kernels.NormPlan(self.grad_shards.reshape(-1))
+            return self._norm_plan
+        index = {id(p): k for k, p in enumerate(self.params)}
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        chosen = {index.get(id(p)) for p in params if p.requires_grad}
+        if None in chosen:
+            raise ValueError("grad_norm: `parameters` holds a tensor that is not a trainable parameter of this "
+                             "optimizer")
+        key = frozenset(chosen)
+        if key not in self._subset_norm_plans:
+            pieces = [self.grad_shards[f.bucket, f.shard_start:f.shard_end]
+                      for f in self._shard_fragments if f.param in key]
+            self._subset_norm_plans[key] = kernels.NormPlan(pieces)
+        return self._subset_norm_plans[key]
+
     def clip_grad_norm(self, max_norm: float, parameters=None, norm_type: float = 2.0) -> torch.Tensor:
         """Scale the gradients so their global L2 norm is at most max_norm (as
-        torch.nn.utils.clip_grad_norm_), applied inside the next step without
-        rewriting gradients. Returns the norm before clipping."""
+        torch.nn.utils.clip_grad_norm_), inside the next step without rewriting
+        gradients; under GradScaler the norm is compared unscaled, in step().
+        Returns the norm before clipping (of the gradients as they are now)."""
+        if parameters is not None:
+            raise NotImplementedError("clip_grad_norm of a subset of the parameters is not supported: the step "
+                                      "applies one gradient scale to every parameter; call it without "
+                                      "`parameters` (grad_norm(parameters) gives a subset's norm)")
         if not max_norm > 0:
             raise ValueError(f"max_norm must be > 0, got {max_norm}")
-        total = self.grad_norm(parameters, norm_type)
-        self._clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        total = self.grad_norm(None, norm_type)
+        self._clip_max_norm, self._clip_norm = float(max_norm), total
         return total
 
     def grad_sync(self) -> None:
@@ -389,8 +477,6 @@ class DistributedFusedAdam(torch.optim.Optimizer):
 
     # ------------------------------------------------------------ checkpoints
 
-    _STATES = ("master", "exp_avg", "exp_avg_sq")
-
     def state_dict(self) -> dict:
         """Portable state: per parameter (index in param_groups order) the fp32
         ``param`` master, ``exp_avg`` and ``exp_avg_sq`` as full tensors, plus the
@@ -400,10 +486,10 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         if not all(self._initialized):  # the state a first step would start from
             self.init_params([p for p, done in zip(self.params, self._initialized) if not done])
         groups, index = pack_groups(self.param_groups)
-        full = {name: [torch.zeros(p.numel(), dtype=torch.float32) for p in self.params] for name in self._STATES}
+        full = {name: [torch.zeros(p.numel(), dtype=torch.float32) for p in self.params] for name in self._state_names}
         gathered = torch.empty(self.layout.bucket_size(_GRAD_KEY), dtype=torch.float32, device=self.device)
         for b in range(self.master.shape[0]):
-            for name in self._STATES:
+            for name in self._state_names:
                 _all_gather(gathered, getattr(self, name)[b], group=self.dist_group)
                 for f in self.fragments:
                     if f.bucket != b:
@@ -412,7 +498,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         state = {}
         for k, p in enumerate(self.params):
             state[index[id(p)]] = {("param" if name == "master" else name): _unflatten(full[name][k], p)
-                                   for name in self._STATES}
+                                   for name in self._state_names}
         return {"state": state, "param_groups": groups}
 
     @torch.no_grad()
@@ -434,7 +520,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                 entry = state_dict["state"].get(key)
                 if entry is None:
                     continue
-                for name in ("param", "exp_avg", "exp_avg_sq"):
+                for name in ("param",) + self._state_names[1:]:
                     if name not in entry or tuple(entry[name].shape) != tuple(p.shape):
                         raise ValueError(f"group {gi}: state '{name}' is missing or has another shape than "
                                          f"the parameter {tuple(p.shape)}")
@@ -445,7 +531,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             entry = by_param.get(id(self.params[f.param]))
             if entry is None:
                 continue
-            for name in self._STATES:
+            for name in self._state_names:
                 value = flat_like(entry["param" if name == "master" else name], self.params[f.param])
                 getattr(self, name)[f.bucket, f.shard_start:f.shard_end].copy_(value[f.param_start:f.param_end])
         for k, p in enumerate(self.params):  # the model's values are the loaded masters
