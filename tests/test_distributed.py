@@ -22,6 +22,8 @@ STEPS, GLOBAL_BATCH = 5, 12  # 12 splits evenly over 1, 2, 3 and 4 ranks
 
 def _model(kind: str = "sequential") -> nn.Module:
     torch.manual_seed(0)
+    if kind == "tiny":  # 12 elements: with 3 ranks, rank 2's shard is padding only
+        return nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(3, 3))
     m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 4 * 4, 8), nn.Tanh(), nn.Linear(8, 3))
     m = m.to(memory_format=torch.channels_last)
     return m if kind == "sequential" else _Reordered(m)
@@ -120,7 +122,8 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out) -> None:
                                              pipeline_size=cfg["pipeline_size"],
                                              overlap_param_sync=cfg["overlap_param_sync"],
                                              contiguous_param_buffer=cfg["contiguous_param_buffer"],
-                                             contiguous_grad_buffer=cfg["contiguous_grad_buffer"], **groups)
+                                             contiguous_grad_buffer=cfg["contiguous_grad_buffer"],
+                                             param_sync_dtype=cfg["param_sync_dtype"], **groups)
         if cfg["late_load"]:  # weights loaded after the optimizer was built must be the ones trained
             model.load_state_dict(original)
             frozen_before = frozen.detach().clone()
@@ -159,7 +162,8 @@ def _config(**kw) -> dict:
     cfg = dict(device="cpu", adam_w_mode=True, bucket_cap_mb=1e-4, clip=None, overlap=True, micro=1,
                accumulate="no_sync", model="sequential", grad_sync_dtype=None, pipeline_size=2,
                overlap_param_sync=False, contiguous_param_buffer=False, redundant=False, late_load=False,
-               contiguous_grad_buffer=False, amsgrad=False, scaler=False, inf_step=None)
+               contiguous_grad_buffer=False, amsgrad=False, scaler=False, inf_step=None,
+               param_sync_dtype=None)
     unknown = set(kw) - set(cfg)
     assert not unknown, f"unknown config keys {unknown}"
     cfg.update(kw)
@@ -243,6 +247,7 @@ def test_matches_single_process_adam_on_the_global_batch(world, adam_w_mode, buc
     (3, dict(contiguous_grad_buffer=True, micro=2)),          # autograd accumulates into the buckets
     (2, dict(contiguous_grad_buffer=True, overlap=False, contiguous_param_buffer=True)),
     (2, dict(amsgrad=True)),
+    (3, dict(model="tiny", bucket_cap_mb=100.0)),          # ranks 1 and 2 own (almost) nothing
     (3, dict(scaler=True, inf_step=2)),                     # GradScaler: rank 1's inf skips the step everywhere
     (2, dict(scaler=True, clip=0.02, overlap_param_sync=True)),  # clipping deferred to the unscaled norm
     (3, dict(overlap_param_sync=True, model="reordered")),
@@ -253,7 +258,7 @@ def test_matches_single_process_adam_on_the_global_batch(world, adam_w_mode, buc
                          redundant=False), marks=pytest.mark.multigpu),
 ], ids=["world-1", "world-4", "no-overlap", "no_sync-3", "sync-every-2", "sync-every-3-pipeline-1", "reordered",
         "contiguous-params", "redundant-2x2", "weights-loaded-after-construction",
-        "contiguous-grads-no_sync", "contiguous-both-no-overlap", "amsgrad", "grad-scaler-inf-skips",
+        "contiguous-grads-no_sync", "contiguous-both-no-overlap", "amsgrad", "tiny-model-3-ranks", "grad-scaler-inf-skips",
         "grad-scaler-clip", "overlap-params-3", "overlap-contiguous-params", "nccl-2-overlap-everything",
         "nccl-2-contiguous-buffers"])
 def test_sync_variants_match_single_process_adamw(world, kw):
@@ -329,6 +334,20 @@ def test_bf16_grad_sync_is_close_to_fp32():
     for i, (got, want) in enumerate(zip(result["params"], _reference(2)[0])):
         torch.testing.assert_close(torch.from_numpy(got), want.contiguous(), rtol=0, atol=2e-3,
                                    msg=lambda m: f"param {i}: {m}")
+
+
+def test_bf16_param_sync_rounds_parameters_only():
+    """Parameters all-gathered in bf16: the model holds bf16-rounded values
+    (exactly representable in bf16) while the fp32 masters keep training, so
+    the result stays within bf16 rounding of the fp32 run."""
+    result = _spawn(_worker, 2, _config(param_sync_dtype=torch.bfloat16))
+    assert result["same_on_all_ranks"]
+    for i, (got, want) in enumerate(zip(result["params"], _reference(2)[0])):
+        got = torch.from_numpy(got)
+        if i == len(result["params"]) - 1:  # the frozen bias is never synchronised
+            continue
+        assert torch.equal(got, got.bfloat16().float()), f"param {i} is not bf16-rounded"
+        torch.testing.assert_close(got, want.contiguous(), rtol=0, atol=1e-2, msg=lambda m: f"param {i}: {m}")
 
 
 @pytest.mark.parametrize("world,device", [(2, "cpu"), (3, "cpu"), pytest.param(2, "cuda", marks=pytest.mark.multigpu)],
