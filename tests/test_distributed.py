@@ -65,7 +65,8 @@ def _train(model, opt, rank: int, world: int, steps, clip: float | None = None, 
     Equal pieces make the result DDP's: the mean over pieces of their mean loss.
     With a GradScaler the loss is scaled; at inf_step rank 1's loss is inf."""
     x, y = _data()
-    dev = next(model.parameters()).device
+    dev, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+    x, y = x.to(dtype), y.to(dtype)
     local = GLOBAL_BATCH // world
     piece = local // micro
     norms = []
@@ -100,7 +101,7 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out) -> None:
     try:
         if device == "cuda":  # cuDNN's default convolutions are not deterministic
             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
-        model = _model(cfg["model"]).to(device if device == "cpu" else f"cuda:{rank}")
+        model = _model(cfg["model"]).to(device if device == "cpu" else f"cuda:{rank}", dtype=cfg["dtype"])
         original = {k: v.clone() for k, v in model.state_dict().items()}
         if rank != 0 or cfg["late_load"]:  # the optimizer broadcasts rank 0's parameters
             with torch.no_grad():
@@ -123,7 +124,8 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out) -> None:
                                              overlap_param_sync=cfg["overlap_param_sync"],
                                              contiguous_param_buffer=cfg["contiguous_param_buffer"],
                                              contiguous_grad_buffer=cfg["contiguous_grad_buffer"],
-                                             param_sync_dtype=cfg["param_sync_dtype"], **groups)
+                                             param_sync_dtype=cfg["param_sync_dtype"],
+                                             store_param_remainders=cfg["remainders"], **groups)
         if cfg["late_load"]:  # weights loaded after the optimizer was built must be the ones trained
             model.load_state_dict(original)
             frozen_before = frozen.detach().clone()
@@ -135,9 +137,12 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out) -> None:
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         gathered = [torch.empty_like(flat) for _ in range(world)]
         dist.all_gather(gathered, flat)
+        masters = [v["param"].numpy().copy() for v in opt.state_dict()["state"].values()]  # a collective
         if rank == 0:
             # numpy arrays travel by value (tensors would pass file handles to a process that exits)
-            out.put(dict(scale=None if scaler is None else float(scaler.get_scale()), params=[p.detach().cpu().numpy().copy() for p in model.parameters()], steps=steps,
+            out.put(dict(scale=None if scaler is None else float(scaler.get_scale()),
+                         params=[p.detach().float().cpu().numpy().copy() for p in model.parameters()],
+                         masters=masters, steps=steps,
                          same_on_all_ranks=all(torch.equal(t, flat) for t in gathered),
                          frozen_unchanged=torch.equal(frozen.detach(), frozen_before),
                          buckets=len(opt.layout.buckets), norms=norms))
@@ -163,7 +168,7 @@ def _config(**kw) -> dict:
                accumulate="no_sync", model="sequential", grad_sync_dtype=None, pipeline_size=2,
                overlap_param_sync=False, contiguous_param_buffer=False, redundant=False, late_load=False,
                contiguous_grad_buffer=False, amsgrad=False, scaler=False, inf_step=None,
-               param_sync_dtype=None)
+               param_sync_dtype=None, dtype=torch.float32, remainders=False)
     unknown = set(kw) - set(cfg)
     assert not unknown, f"unknown config keys {unknown}"
     cfg.update(kw)
@@ -334,6 +339,23 @@ def test_bf16_grad_sync_is_close_to_fp32():
     for i, (got, want) in enumerate(zip(result["params"], _reference(2)[0])):
         torch.testing.assert_close(torch.from_numpy(got), want.contiguous(), rtol=0, atol=2e-3,
                                    msg=lambda m: f"param {i}: {m}")
+
+
+def test_remainders_reproduce_fp32_masters_exactly():
+    """bf16 parameters with int16 remainders (2 bytes per parameter less)
+    against the same run with fp32 masters: the same masters and parameters,
+    bit for bit, on every step's result."""
+    kw = dict(dtype=torch.bfloat16, bucket_cap_mb=1e-4, overlap_param_sync=True)
+    with_masters = _spawn(_worker, 3, _config(**kw))
+    with_remainders = _spawn(_worker, 3, _config(remainders=True, **kw))
+    assert with_remainders["same_on_all_ranks"]
+    for i, (a, b) in enumerate(zip(with_remainders["params"], with_masters["params"])):
+        np.testing.assert_array_equal(a, b, err_msg=f"param {i}")
+    for i, (a, b) in enumerate(zip(with_remainders["masters"], with_masters["masters"])):
+        np.testing.assert_array_equal(a, b, err_msg=f"master {i}")
+    rounded = [torch.from_numpy(m).bfloat16().float().numpy() for m in with_masters["masters"]]
+    assert any(not np.array_equal(m, r) for m, r in zip(with_masters["masters"], rounded)), \
+        "the masters must carry more than the bf16 parameters for the test to mean anything"
 
 
 def test_bf16_param_sync_rounds_parameters_only():

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from .. import kernels
 from .._groups import adam_hyper, pack_groups, run_closure
+from .._state_dict import join_remainders, split_remainders
 from .._torch import check_tensor
 from ._sync import GradSync, ParamSync, flat_like, memory_flat
 from .layout import BucketLayout
@@ -97,8 +98,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                  store_param_remainders=False, with_scaled_states=False, capturable=False):
         if not (isinstance(pipeline_size, int) and pipeline_size >= 1):
             raise ValueError(f"pipeline_size must be an int >= 1 (buckets in flight), got {pipeline_size!r}")
-        unsupported = dict(store_param_remainders=store_param_remainders, with_scaled_states=with_scaled_states,
-                           capturable=capturable, store_params=not store_params)
+        unsupported = dict(with_scaled_states=with_scaled_states, capturable=capturable,
+                           store_params=not store_params)
         for name, on in unsupported.items():
             if on:
                 raise NotImplementedError(f"DistributedFusedAdam: {name} is not supported yet in this version; "
@@ -129,6 +130,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                              f"({redundant_size} ranks) must cover process_group ({self.world_size} ranks)")
         self.adam_w_mode = adam_w_mode
         self.amsgrad = amsgrad
+        self.store_param_remainders = store_param_remainders
         self.average_grad_sync = average_grad_sync
         self.overlap_grad_sync = overlap_grad_sync
         self.overlap_param_sync = overlap_param_sync
@@ -185,6 +187,10 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             raise ValueError("parameters of several dtypes need an explicit param_sync_dtype")
         self.param_sync_dtype = param_sync_dtype or next(iter(dtypes))
         self.grad_sync_dtype = grad_sync_dtype or self.param_sync_dtype
+        if self.store_param_remainders and (dtypes != {torch.bfloat16} or self.param_sync_dtype != torch.bfloat16):
+            raise ValueError("store_param_remainders=True needs bf16 parameters synchronised in bf16 "
+                             f"(parameters: {sorted(map(str, dtypes))}, param_sync_dtype={self.param_sync_dtype}): "
+                             "the bf16 parameter is the high half of the fp32 master")
         for option, on, dtype in (("contiguous_param_buffer", self.contiguous_param_buffer, self.param_sync_dtype),
                                   ("contiguous_grad_buffer", self.contiguous_grad_buffer, self.grad_sync_dtype)):
             wrong = sorted({str(p.dtype) for p in params if p.dtype != dtype})
@@ -223,10 +229,15 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             self._attach_grad_views()
         self.param_shards = (self.param_buffer[:, own] if self.param_buffer is not None else
                              torch.zeros(n_buckets, self.shard_size, dtype=self.param_sync_dtype, device=dev))
-        self.master = torch.zeros(n_buckets, self.shard_size, dtype=torch.float32, device=dev)
-        self.exp_avg = torch.zeros_like(self.master)
-        self.exp_avg_sq = torch.zeros_like(self.master)
-        self.max_exp_avg_sq = torch.zeros_like(self.master) if self.amsgrad else None
+        fp32_shard = dict(size=(n_buckets, self.shard_size), dtype=torch.float32, device=dev)
+        # With remainders the fp32 master is the bf16 parameter shard (its high
+        # half) plus int16 low halves: 2 bytes per parameter instead of 4.
+        self.master = None if self.store_param_remainders else torch.zeros(**fp32_shard)
+        self.remainders = (torch.zeros(n_buckets, self.shard_size, dtype=torch.int16, device=dev)
+                           if self.store_param_remainders else None)
+        self.exp_avg = torch.zeros(**fp32_shard)
+        self.exp_avg_sq = torch.zeros(**fp32_shard)
+        self.max_exp_avg_sq = torch.zeros(**fp32_shard) if self.amsgrad else None
         self._state_names = ("master", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if self.amsgrad else ())
         self.fragments = self.layout.fragments
         # This rank's pieces, ordered by group so that one launch covers them all.
@@ -239,11 +250,14 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         for f in shard:
             sizes[self.param_groups_of[f.param]] += 1
         pieces = [(f.bucket, f.shard_start, f.shard_end) for f in shard]
+        rem = self.store_param_remainders
         self.plan = kernels.AdamPlan(
-            [self.master[b, s:e] for b, s, e in pieces], [self.grad_shards[b, s:e] for b, s, e in pieces],
+            [(self.param_shards if rem else self.master)[b, s:e] for b, s, e in pieces],
+            [self.grad_shards[b, s:e] for b, s, e in pieces],
             [self.exp_avg[b, s:e] for b, s, e in pieces], [self.exp_avg_sq[b, s:e] for b, s, e in pieces],
-            params_out=[self.param_shards[b, s:e] for b, s, e in pieces], group_sizes=sizes,
+            params_out=None if rem else [self.param_shards[b, s:e] for b, s, e in pieces], group_sizes=sizes,
             max_exp_avg_sqs=[self.max_exp_avg_sq[b, s:e] for b, s, e in pieces] if self.amsgrad else None,
+            param_remainders=[self.remainders[b, s:e] for b, s, e in pieces] if rem else None,
             device=dev)
 
     @torch.no_grad()
@@ -266,11 +280,27 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         for f in self._shard_fragments:
             if f.param in chosen:
                 flat = memory_flat(self.params[f.param].detach())
-                self.master[f.bucket, f.shard_start:f.shard_end].copy_(flat[f.param_start:f.param_end])
+                self._write_state("master", f, flat[f.param_start:f.param_end].float())
                 for name in self._state_names[1:]:
                     getattr(self, name)[f.bucket, f.shard_start:f.shard_end].zero_()
         for k in chosen:
             self._initialized[k] = True
+
+    def _state_row(self, name: str, b: int) -> torch.Tensor:
+        """Bucket b of this rank's shard of a state, as fp32 values."""
+        if name == "master" and self.remainders is not None:
+            return join_remainders(self.param_shards[b], self.remainders[b])
+        return getattr(self, name)[b]
+
+    def _write_state(self, name: str, f, values: torch.Tensor) -> None:
+        """Store fp32 values into shard fragment f of a state."""
+        where = (f.bucket, slice(f.shard_start, f.shard_end))
+        if name == "master" and self.remainders is not None:
+            hi, lo = split_remainders(values)
+            self.param_shards[where].copy_(hi)
+            self.remainders[where].copy_(lo)
+        else:
+            getattr(self, name)[where].copy_(values)
 
     def init_params_bucket(self, params) -> None:
         """apex's name for initialising a set of parameters: init_params(params)."""
@@ -488,9 +518,9 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         groups, index = pack_groups(self.param_groups)
         full = {name: [torch.zeros(p.numel(), dtype=torch.float32) for p in self.params] for name in self._state_names}
         gathered = torch.empty(self.layout.bucket_size(_GRAD_KEY), dtype=torch.float32, device=self.device)
-        for b in range(self.master.shape[0]):
+        for b in range(len(self.layout.buckets)):
             for name in self._state_names:
-                _all_gather(gathered, getattr(self, name)[b], group=self.dist_group)
+                _all_gather(gathered, self._state_row(name, b).contiguous(), group=self.dist_group)
                 for f in self.fragments:
                     if f.bucket != b:
                         continue
@@ -532,8 +562,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             if entry is None:
                 continue
             for name in self._state_names:
-                value = flat_like(entry["param" if name == "master" else name], self.params[f.param])
-                getattr(self, name)[f.bucket, f.shard_start:f.shard_end].copy_(value[f.param_start:f.param_end])
+                value = flat_like(entry["param" if name == "master" else name].float(), self.params[f.param])
+                self._write_state(name, f, value[f.param_start:f.param_end])
         for k, p in enumerate(self.params):  # the model's values are the loaded masters
             entry = by_param.get(id(p))
             if entry is not None:
