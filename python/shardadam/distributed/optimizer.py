@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from .. import kernels
 from .._groups import adam_hyper, pack_groups, run_closure
-from .._state_dict import join_remainders, split_remainders
+from .._state_dict import join_remainders, pow2_scale_for, split_remainders
 from .._torch import check_tensor
 from ._sync import GradSync, ParamSync, flat_like, memory_flat
 from .layout import BucketLayout
@@ -98,8 +98,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                  store_param_remainders=False, with_scaled_states=False, capturable=False):
         if not (isinstance(pipeline_size, int) and pipeline_size >= 1):
             raise ValueError(f"pipeline_size must be an int >= 1 (buckets in flight), got {pipeline_size!r}")
-        unsupported = dict(with_scaled_states=with_scaled_states, capturable=capturable,
-                           store_params=not store_params)
+        unsupported = dict(capturable=capturable, store_params=not store_params)
         for name, on in unsupported.items():
             if on:
                 raise NotImplementedError(f"DistributedFusedAdam: {name} is not supported yet in this version; "
@@ -131,6 +130,10 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self.adam_w_mode = adam_w_mode
         self.amsgrad = amsgrad
         self.store_param_remainders = store_param_remainders
+        self.with_scaled_states = with_scaled_states
+        if store_param_remainders and with_scaled_states:
+            raise ValueError("store_param_remainders and with_scaled_states are two ways to store the master: "
+                             "choose one")
         self.average_grad_sync = average_grad_sync
         self.overlap_grad_sync = overlap_grad_sync
         self.overlap_param_sync = overlap_param_sync
@@ -230,13 +233,16 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self.param_shards = (self.param_buffer[:, own] if self.param_buffer is not None else
                              torch.zeros(n_buckets, self.shard_size, dtype=self.param_sync_dtype, device=dev))
         fp32_shard = dict(size=(n_buckets, self.shard_size), dtype=torch.float32, device=dev)
+        # with_scaled_states: master, exp_avg and exp_avg_sq in fp16, each
+        # fragment with its own power-of-two scale, rescaled inside the kernel.
+        state_shard = dict(fp32_shard, dtype=torch.float16) if self.with_scaled_states else fp32_shard
         # With remainders the fp32 master is the bf16 parameter shard (its high
         # half) plus int16 low halves: 2 bytes per parameter instead of 4.
-        self.master = None if self.store_param_remainders else torch.zeros(**fp32_shard)
+        self.master = None if self.store_param_remainders else torch.zeros(**state_shard)
         self.remainders = (torch.zeros(n_buckets, self.shard_size, dtype=torch.int16, device=dev)
                            if self.store_param_remainders else None)
-        self.exp_avg = torch.zeros(**fp32_shard)
-        self.exp_avg_sq = torch.zeros(**fp32_shard)
+        self.exp_avg = torch.zeros(**state_shard)
+        self.exp_avg_sq = torch.zeros(**state_shard)
         self.max_exp_avg_sq = torch.zeros(**fp32_shard) if self.amsgrad else None
         self._state_names = ("master", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if self.amsgrad else ())
         self.fragments = self.layout.fragments
@@ -246,6 +252,9 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         # Masters are taken from the parameters at the first step (or
         # init_params()), so model weights loaded after construction count.
         self._initialized = [False] * len(self.params)
+        self._fragment_index = {(f.bucket, f.shard_start): j for j, f in enumerate(shard)}
+        self.state_scales = {name: torch.ones(len(shard), dtype=torch.float32, device=dev)
+                             for name in ("master", "exp_avg", "exp_avg_sq")} if self.with_scaled_states else {}
         sizes = [0] * len(self.param_groups)
         for f in shard:
             sizes[self.param_groups_of[f.param]] += 1
@@ -258,7 +267,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             params_out=None if rem else [self.param_shards[b, s:e] for b, s, e in pieces], group_sizes=sizes,
             max_exp_avg_sqs=[self.max_exp_avg_sq[b, s:e] for b, s, e in pieces] if self.amsgrad else None,
             param_remainders=[self.remainders[b, s:e] for b, s, e in pieces] if rem else None,
-            device=dev)
+            master_scales=self.state_scales.get("master"), exp_avg_scales=self.state_scales.get("exp_avg"),
+            exp_avg_sq_scales=self.state_scales.get("exp_avg_sq"), device=dev)
 
     @torch.no_grad()
     def init_params(self, params=None) -> None:
@@ -287,10 +297,15 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             self._initialized[k] = True
 
     def _state_row(self, name: str, b: int) -> torch.Tensor:
-        """Bucket b of this rank's shard of a state, as fp32 values."""
+        """Bucket b of this rank's shard of a state, as true fp32 values."""
         if name == "master" and self.remainders is not None:
             return join_remainders(self.param_shards[b], self.remainders[b])
-        return getattr(self, name)[b]
+        row = getattr(self, name)[b].float()
+        if name in self.state_scales:
+            for f in self._shard_fragments:
+                if f.bucket == b:
+                    row[f.shard_start:f.shard_end] /= self.state_scales[name][self._fragment_index[(b, f.shard_start)]]
+        return row
 
     def _write_state(self, name: str, f, values: torch.Tensor) -> None:
         """Store fp32 values into shard fragment f of a state."""
@@ -299,6 +314,11 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             hi, lo = split_remainders(values)
             self.param_shards[where].copy_(hi)
             self.remainders[where].copy_(lo)
+        elif name in self.state_scales:  # a scale that fits these values, as the kernel would choose
+            j = self._fragment_index[(f.bucket, f.shard_start)]
+            scale = pow2_scale_for(float(values.abs().max()) if values.numel() else 0.0)
+            self.state_scales[name][j] = scale
+            getattr(self, name)[where].copy_(values * scale)
         else:
             getattr(self, name)[where].copy_(values)
 
