@@ -230,8 +230,6 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         if self.contiguous_grad_buffer:
             self.grad_buffer, self._grad_views = self._bucket_views(self.grad_sync_dtype)
             self._attach_grad_views()
-        self.param_shards = (self.param_buffer[:, own] if self.param_buffer is not None else
-                             torch.zeros(n_buckets, self.shard_size, dtype=self.param_sync_dtype, device=dev))
         fp32_shard = dict(size=(n_buckets, self.shard_size), dtype=torch.float32, device=dev)
         # with_scaled_states: master, exp_avg and exp_avg_sq in fp16, each
         # fragment with its own power-of-two scale, rescaled inside the kernel.
@@ -244,6 +242,15 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self.exp_avg = torch.zeros(**state_shard)
         self.exp_avg_sq = torch.zeros(**state_shard)
         self.max_exp_avg_sq = torch.zeros(**fp32_shard) if self.amsgrad else None
+        # What the all-gather sends: a slice of the contiguous parameter buffer,
+        # the master itself when it already is in param_sync_dtype (fp32 model:
+        # no separate copy), or a shard buffer the kernel writes (params_out).
+        if self.param_buffer is not None:
+            self.param_shards = self.param_buffer[:, own]
+        elif self.master is not None and self.master.dtype == self.param_sync_dtype:
+            self.param_shards = self.master
+        else:
+            self.param_shards = torch.zeros(n_buckets, self.shard_size, dtype=self.param_sync_dtype, device=dev)
         self._state_names = ("master", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if self.amsgrad else ())
         self.fragments = self.layout.fragments
         # This rank's pieces, ordered by group so that one launch covers them all.
@@ -264,7 +271,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             [(self.param_shards if rem else self.master)[b, s:e] for b, s, e in pieces],
             [self.grad_shards[b, s:e] for b, s, e in pieces],
             [self.exp_avg[b, s:e] for b, s, e in pieces], [self.exp_avg_sq[b, s:e] for b, s, e in pieces],
-            params_out=None if rem else [self.param_shards[b, s:e] for b, s, e in pieces], group_sizes=sizes,
+            params_out=None if rem or self.param_shards is self.master
+            else [self.param_shards[b, s:e] for b, s, e in pieces], group_sizes=sizes,
             max_exp_avg_sqs=[self.max_exp_avg_sq[b, s:e] for b, s, e in pieces] if self.amsgrad else None,
             param_remainders=[self.remainders[b, s:e] for b, s, e in pieces] if rem else None,
             master_scales=self.state_scales.get("master"), exp_avg_scales=self.state_scales.get("exp_avg"),
