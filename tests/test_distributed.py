@@ -481,3 +481,37 @@ def test_unsupported_options_raise_clearly():
     model = nn.Linear(2, 2)
     with pytest.raises(NotImplementedError, match="capturable"):
         shardadam.DistributedFusedAdam(model.parameters(), capturable=True)
+
+
+def _train_global(model, opt, steps) -> None:
+    """One process on the whole global batches, as _reference does."""
+    x, y = _data()
+    for s in steps:
+        opt.zero_grad()
+        F.mse_loss(model(x[s]), y[s]).backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("direction", ["distributed-to-fused", "fused-to-distributed"])
+def test_checkpoints_move_between_fused_and_distributed(direction):
+    """A portable DistributedFusedAdam checkpoint (2 ranks) continues in
+    FusedAdam, and a FusedAdam checkpoint continues on 2 ranks: both end where
+    an uninterrupted run ends."""
+    model = _model()
+    frozen = _frozen(model)
+    frozen.requires_grad_(False)
+    if direction == "distributed-to-fused":
+        saved = _torch(_spawn(_checkpoint_worker, 2, 1e-4, None))
+        model.load_state_dict(saved["model"])
+        opt = shardadam.FusedAdam(_groups(model, frozen), lr=1e-2, weight_decay=0.1)
+        opt.load_state_dict(saved["opt"])
+        _train_global(model, opt, range(3, STEPS))
+        params = [p.detach() for p in model.parameters()]
+    else:
+        opt = shardadam.FusedAdam(_groups(model, frozen), lr=1e-2, weight_decay=0.1)
+        _train_global(model, opt, range(3))
+        saved = dict(model=_numpy(model.state_dict()), opt=_numpy(opt.state_dict()))
+        params = [torch.from_numpy(p) for p in _spawn(_checkpoint_worker, 2, 1e-4, saved)["params"]]
+    for i, (got, want) in enumerate(zip(params, _reference(2)[0])):
+        torch.testing.assert_close(got.contiguous(), want.contiguous(), rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"param {i}: {m}")

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import assert_bits_equal
+import shardadam
 from shardadam import FusedAdam
 from test_fused_adam_helpers import (BF16, F16, F32, assert_nested_equal, assert_opt_unchanged,
                                      assert_state_dicts_bit_equal, backward, batches, clone_model, close, copy_grads,
@@ -243,3 +244,34 @@ def test_not_a_state_dict_rejected():
     opt = FusedAdam(model.parameters())
     with pytest.raises(ValueError, match="state dict"):
         opt.load_state_dict({"param_groups": []})
+
+
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["adamw", "amsgrad"])
+@pytest.mark.parametrize("direction", ["torch-to-fused", "fused-to-torch"])
+def test_torch_adamw_state_dicts_interchange(direction, amsgrad):
+    """3 steps with one optimizer, its state dict into the other, 3 more: the
+    same as 6 steps of torch AdamW (steps, moments and hyperparameters carried;
+    torch keeps the step per parameter, FusedAdam per group)."""
+    torch.manual_seed(0)
+    model = make_model()
+    data = batches(6)
+    ref = clone_model(model)
+    ref_opt = torch.optim.AdamW(_groups(ref, 1e-3), amsgrad=amsgrad, foreach=False, **BASE)
+    _train(ref, ref_opt, data)
+    first_cls = torch.optim.AdamW if direction == "torch-to-fused" else FusedAdam
+    first_kw = dict(foreach=False) if first_cls is torch.optim.AdamW else {}
+    first = first_cls(_groups(model, 1e-3), amsgrad=amsgrad, **first_kw, **BASE)
+    _train(model, first, data[:3])
+    sd = first.state_dict()
+    if direction == "torch-to-fused":
+        second = FusedAdam(_groups(model, 1e-3), amsgrad=amsgrad, lr=0.5, weight_decay=0.0)  # loaded over
+    else:
+        sd = shardadam.torch_adam_state_dict(sd)
+        second = torch.optim.AdamW(_groups(model, 1e-3), amsgrad=amsgrad, foreach=False, lr=0.5, weight_decay=0.0)
+    second.load_state_dict(sd)
+    assert [g["lr"] for g in second.param_groups] == [g["lr"] for g in ref_opt.param_groups]
+    _train(model, second, data[3:])
+    for i, (p, q) in enumerate(zip(model.parameters(), ref.parameters())):
+        close(p, q, f"param[{i}]")  # fp32 parity with torch, as the other AdamW comparisons
+    if direction == "torch-to-fused":
+        assert [g["step"] for g in second.param_groups] == [6, 6]

@@ -14,7 +14,7 @@ import math
 import torch
 
 from ._fused_buckets import MASTER, REMAINDER
-from ._groups import pack_groups
+from ._groups import pack_groups, saved_group_values
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
@@ -92,7 +92,7 @@ def _check(opt, state_dict: dict) -> list:
             if entry is None:
                 continue
             for name, value in entry.items():
-                if name not in STATE_KEYS + ("master_param", "step"):
+                if name not in STATE_KEYS + ("master_param", "param", "step"):
                     raise ValueError(f"group {gi} parameter {pi}: unknown state '{name}'")
                 if name != "step" and (not isinstance(value, torch.Tensor) or value.shape != p.shape):
                     shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
@@ -113,18 +113,18 @@ def _store(view: torch.Tensor, value: torch.Tensor, scale_view) -> None:
 
 
 def load_buckets_state(opt, buckets, state_dict: dict) -> None:
+    """Loads a FusedAdam, DistributedFusedAdam (portable) or torch.optim.Adam/AdamW state dict."""
     pairs = _check(opt, state_dict)
     where = {id(p): (b, j) for b in buckets for j, p in enumerate(b.params)}
     capturable = opt._opts["capturable"]
     with torch.no_grad():
         for saved, group in zip(state_dict["param_groups"], opt.param_groups):
-            for k, v in saved.items():
-                if k == "params":
-                    continue
+            entries = [state_dict["state"].get(key) for key in saved["params"]]
+            for k, v in saved_group_values(saved, group, entries).items():
                 if capturable and k in ("lr", "step"):
                     group[k].fill_(float(v))
                 else:
-                    group[k] = tuple(v) if k == "betas" else v
+                    group[k] = v
         for p, entry in pairs:
             if id(p) not in where:
                 continue  # frozen: no state
@@ -133,7 +133,7 @@ def load_buckets_state(opt, buckets, state_dict: dict) -> None:
             for k in STATE_KEYS:
                 if k in entry and k in views:
                     _store(views[k], entry[k], views.get(k + "_scale"))
-            master = entry.get("master_param")
+            master = entry.get("master_param", entry.get("param"))  # "param": DistributedFusedAdam's name
             if master is None:
                 if b.kind == MASTER:
                     _store(views["master_param"], p.detach(), views.get("master_scale"))
@@ -147,3 +147,26 @@ def load_buckets_state(opt, buckets, state_dict: dict) -> None:
                 views["param_remainder"].copy_(lo)
             else:
                 p.copy_(master)
+
+
+def torch_adam_state_dict(state_dict: dict) -> dict:
+    """A FusedAdam or DistributedFusedAdam state dict in torch.optim.Adam/AdamW's
+    format: each parameter's state gets the group's step as ``step`` (a float32
+    tensor), fp32 masters are dropped (torch has none: load the model's
+    parameters from the model checkpoint), groups lose shardadam's keys and
+    say ``amsgrad`` when the states have max_exp_avg_sq. FusedAdam's
+    ``maximize`` and ``adam_w_mode`` are options of the optimizer, not of the
+    groups: construct the torch optimizer to match."""
+    state = {}
+    steps = {key: g["step"] for g in state_dict["param_groups"] for key in g["params"]}
+    for key, entry in state_dict["state"].items():
+        out = {k: v.clone() for k, v in entry.items() if k in STATE_KEYS}
+        out["step"] = torch.tensor(float(steps[key]))
+        state[key] = out
+    groups = []
+    for g in state_dict["param_groups"]:
+        out = {k: v for k, v in g.items() if k not in ("step", "bias_correction")}
+        # torch keeps amsgrad per group (a missing key loads as False)
+        out["amsgrad"] = any("max_exp_avg_sq" in state_dict["state"].get(key, {}) for key in g["params"])
+        groups.append(out)
+    return {"state": state, "param_groups": groups}

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .. import kernels
-from .._groups import adam_hyper, pack_groups, run_closure
+from .._groups import adam_hyper, pack_groups, run_closure, saved_group_values
 from .._state_dict import join_remainders, pow2_scale_for, split_remainders
 from .._torch import check_tensor
 from ._sync import GradSync, ParamSync, flat_like, memory_flat
@@ -561,30 +561,36 @@ class DistributedFusedAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
-        """Loads a state_dict() saved on any world size and bucket size: each rank
-        takes its own pieces, no communication. Checks everything before writing;
-        the caller's dict is not modified."""
+        """Loads a state_dict() saved on any world size and bucket size (each
+        rank takes its own pieces, no communication), or a FusedAdam or
+        torch.optim.Adam/AdamW state dict (fp32 master ``param`` /
+        ``master_param`` optional: without it the master is the parameter's
+        current value). Checks everything before writing; the caller's dict is
+        not modified."""
         self._param_sync.finish()
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(f"the state dict has {len(saved_groups)} parameter groups, the optimizer "
                              f"{len(self.param_groups)}")
-        by_param = {}
+        by_param, group_values = {}, []
         for gi, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
             if len(saved["params"]) != len(group["params"]):
                 raise ValueError(f"group {gi} has {len(saved['params'])} parameters in the state dict and "
                                  f"{len(group['params'])} in the optimizer")
-            for key, p in zip(saved["params"], group["params"]):
-                entry = state_dict["state"].get(key)
+            entries = [state_dict["state"].get(key) for key in saved["params"]]
+            for pi, (entry, p) in enumerate(zip(entries, group["params"])):
                 if entry is None:
                     continue
-                for name in ("param",) + self._state_names[1:]:
-                    if name not in entry or tuple(entry[name].shape) != tuple(p.shape):
-                        raise ValueError(f"group {gi}: state '{name}' is missing or has another shape than "
-                                         f"the parameter {tuple(p.shape)}")
-                by_param[id(p)] = entry
-        for saved, group in zip(saved_groups, self.param_groups):
-            group.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items() if k != "params"})
+                master = entry.get("param", entry.get("master_param"))
+                for name, value in [("param", master)] + [(n, entry.get(n)) for n in self._state_names[1:]]:
+                    missing = value is None and name != "param"
+                    if missing or (value is not None and tuple(value.shape) != tuple(p.shape)):
+                        raise ValueError(f"group {gi} parameter {pi}: state '{name}' is missing or has another "
+                                         f"shape than the parameter {tuple(p.shape)}")
+                by_param[id(p)] = dict(entry, param=master if master is not None else p.detach())
+            group_values.append(saved_group_values(saved, group, entries))
+        for values, group in zip(group_values, self.param_groups):
+            group.update(values)
         for f in self.layout.shard_fragments(self.rank):
             entry = by_param.get(id(self.params[f.param]))
             if entry is None:
@@ -601,7 +607,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
     def __repr__(self) -> str:
         lines = [f"{type(self).__name__} (world_size={self.world_size}, shards={self.dist_size}, "
                  f"shard_rank={self.rank}, redundant={self.world_size // self.dist_size}, "
-                 f"process_group={'default' if self.group is None else id(self.group)}, buckets={len(self.layout.buckets)}, "
+                 f"process_group={'default' if self.group is None else id(self.group)}, "
+                 f"buckets={len(self.layout.buckets)}, "
                  f"shard_size={self.shard_size}, grad_sync_dtype={self.grad_sync_dtype}, "
                  f"param_sync_dtype={self.param_sync_dtype}, average_grad_sync={self.average_grad_sync}, "
                  f"adam_w_mode={self.adam_w_mode}"]
