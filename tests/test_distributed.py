@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import shardadam
 
-STEPS, GLOBAL_BATCH = 5, 12  # 12 splits evenly over 1, 2, 3 and 4 ranks
+STEPS, GLOBAL_BATCH = 5, 24  # 24 splits evenly over 1, 2, 3, 4 and 8 ranks
 
 
 def _model(kind: str = "sequential") -> nn.Module:
@@ -464,8 +464,9 @@ def _leaves(obj):
     return [obj]
 
 
-@pytest.mark.parametrize("save_world,load_world,load_cap", [(2, 2, 1e-4), (2, 3, 1e-4), (3, 2, 100.0)],
-                         ids=["2-to-2", "2-to-3", "3-to-2-other-buckets"])
+@pytest.mark.parametrize("save_world,load_world,load_cap",
+                         [(2, 2, 1e-4), (2, 3, 1e-4), (3, 2, 100.0), (8, 2, 1e-4), (8, 1, 100.0)],
+                         ids=["2-to-2", "2-to-3", "3-to-2-other-buckets", "8-to-2", "8-to-1"])
 def test_checkpoint_loads_on_another_world_size(save_world, load_world, load_cap):
     saved = _spawn(_checkpoint_worker, save_world, 1e-4, None)
     result = _spawn(_checkpoint_worker, load_world, load_cap, saved)
