@@ -438,7 +438,10 @@ def _checkpoint_worker(rank: int, world: int, port: int, bucket_cap_mb: float, s
                                              bucket_cap_mb=bucket_cap_mb)
         if saved is None:
             _train(model, opt, rank, world, range(3))
-            result = dict(model=_numpy(model.state_dict()), opt=_numpy(opt.state_dict()))
+            sd = opt.state_dict(gather_on_root=True)
+            if (sd is None) != (rank != 0):
+                raise AssertionError("gather_on_root: rank 0, and only rank 0, gets the state dict")
+            result = dict(model=_numpy(model.state_dict()), opt=_numpy(sd))
         else:
             sd = _torch(saved["opt"])
             before = _numpy(sd)
@@ -467,8 +470,11 @@ def _leaves(obj):
 @pytest.mark.parametrize("save_world,load_world,load_cap",
                          [(2, 2, 1e-4), (2, 3, 1e-4), (3, 2, 100.0), (8, 2, 1e-4), (8, 1, 100.0)],
                          ids=["2-to-2", "2-to-3", "3-to-2-other-buckets", "8-to-2", "8-to-1"])
-def test_checkpoint_loads_on_another_world_size(save_world, load_world, load_cap):
+def test_checkpoint_loads_on_another_world_size(save_world, load_world, load_cap, tmp_path):
     saved = _spawn(_checkpoint_worker, save_world, 1e-4, None)
+    # Through a checkpoint file (atomic write, verified read).
+    shardadam.checkpoint.save(_torch(saved), tmp_path / "ckpt.pt")
+    saved = _numpy(shardadam.checkpoint.load(tmp_path / "ckpt.pt"))
     result = _spawn(_checkpoint_worker, load_world, load_cap, saved)
     assert result["dict_unchanged"], "load_state_dict modified the dict it was given"
     # The reference trains all steps on the same global batches, so the split

@@ -1,5 +1,5 @@
 """shardadam: distributed fused Adam for PyTorch on a compiled C++/CUDA core."""
-from . import _core, kernels
+from . import _core, checkpoint, kernels
 from .distributed import DistributedFusedAdam
 from ._state_dict import torch_adam_state_dict
 from .fused_adam import FusedAdam
@@ -12,4 +12,5 @@ def build_info() -> dict:
     return _core.build_info()
 
 
-__all__ = ["DistributedFusedAdam", "FusedAdam", "build_info", "kernels", "torch_adam_state_dict", "__version__"]
+__all__ = ["DistributedFusedAdam", "FusedAdam", "build_info", "checkpoint", "kernels", "torch_adam_state_dict",
+           "__version__"]

@@ -535,24 +535,30 @@ class DistributedFusedAdam(torch.optim.Optimizer):
 
     # ------------------------------------------------------------ checkpoints
 
-    def state_dict(self) -> dict:
+    def state_dict(self, gather_on_root: bool = False) -> dict | None:
         """Portable state: per parameter (index in param_groups order) the fp32
         ``param`` master, ``exp_avg`` and ``exp_avg_sq`` as full tensors, plus the
         groups' hyperparameters and steps. Independent of world size and bucket
-        size: it loads on any number of ranks. Every rank gets the whole dict;
-        the shards are gathered one bucket at a time."""
+        size: it loads on any number of ranks. The shards are gathered one
+        bucket at a time (one bucket of extra device memory); every rank gets
+        the whole dict, or with gather_on_root=True only rank 0 of
+        process_group builds it in host memory and the others get None.
+        Every rank must call it."""
         if not all(self._initialized):  # the state a first step would start from
             self.init_params([p for p, done in zip(self.params, self._initialized) if not done])
+        keep = not gather_on_root or dist.get_rank(self.group) == 0
         groups, index = pack_groups(self.param_groups)
-        full = {name: [torch.zeros(p.numel(), dtype=torch.float32) for p in self.params] for name in self._state_names}
+        full = {name: [torch.zeros(p.numel() if keep else 0, dtype=torch.float32) for p in self.params]
+                for name in self._state_names}
         gathered = torch.empty(self.layout.bucket_size(_GRAD_KEY), dtype=torch.float32, device=self.device)
         for b in range(len(self.layout.buckets)):
             for name in self._state_names:
                 _all_gather(gathered, self._state_row(name, b).contiguous(), group=self.dist_group)
                 for f in self.fragments:
-                    if f.bucket != b:
-                        continue
-                    full[name][f.param][f.param_start:f.param_end] = gathered[f.bucket_start:f.bucket_end].cpu()
+                    if keep and f.bucket == b:
+                        full[name][f.param][f.param_start:f.param_end] = gathered[f.bucket_start:f.bucket_end].cpu()
+        if not keep:
+            return None
         state = {}
         for k, p in enumerate(self.params):
             state[index[id(p)]] = {("param" if name == "master" else name): _unflatten(full[name][k], p)
