@@ -23,6 +23,7 @@ CONFIGS = {
     "bf16 params, fp32 master": dict(dtype=torch.bfloat16),
     "bf16 params, remainders": dict(dtype=torch.bfloat16, store_param_remainders=True),
     "bf16 params, scaled fp16 states": dict(dtype=torch.bfloat16, with_scaled_states=True),
+    "bf16 params, store_params=False": dict(dtype=torch.bfloat16, store_params=False),
     "fp32 params, contiguous param + grad buffers": dict(dtype=torch.float32, contiguous_param_buffer=True,
                                                         contiguous_grad_buffer=True),
 }

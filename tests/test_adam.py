@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import DEVICES, assert_all_bits_equal, assert_bits_equal, rand_pos, randn, snapshot
+from conftest import assert_all_bits_equal, assert_bits_equal, rand_pos, randn, snapshot
 from reference import AdamHyper, adam_step, adam_steps, assert_within, storage_tolerance
 from shardadam import kernels
 

@@ -126,7 +126,8 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out) -> None:
                                              contiguous_grad_buffer=cfg["contiguous_grad_buffer"],
                                              param_sync_dtype=cfg["param_sync_dtype"],
                                              store_param_remainders=cfg["remainders"],
-                                             with_scaled_states=cfg["scaled_states"], **groups)
+                                             with_scaled_states=cfg["scaled_states"],
+                                             store_params=cfg["store_params"], **groups)
         if cfg["late_load"]:  # weights loaded after the optimizer was built must be the ones trained
             model.load_state_dict(original)
             frozen_before = frozen.detach().clone()
@@ -169,7 +170,8 @@ def _config(**kw) -> dict:
                accumulate="no_sync", model="sequential", grad_sync_dtype=None, pipeline_size=2,
                overlap_param_sync=False, contiguous_param_buffer=False, redundant=False, late_load=False,
                contiguous_grad_buffer=False, amsgrad=False, scaler=False, inf_step=None,
-               param_sync_dtype=None, dtype=torch.float32, remainders=False, scaled_states=False)
+               param_sync_dtype=None, dtype=torch.float32, remainders=False, scaled_states=False,
+               store_params=True)
     unknown = set(kw) - set(cfg)
     assert not unknown, f"unknown config keys {unknown}"
     cfg.update(kw)
@@ -389,6 +391,20 @@ def test_scaled_fp16_states_stay_close_to_fp32():
         np.testing.assert_allclose(a, b, rtol=0, atol=2e-3, err_msg=f"param {i}")
     for i, m in enumerate(scaled["masters"]):  # saved unscaled, and each an fp16 value over a power of two
         assert np.all(np.isfinite(m)), f"master {i}"
+
+
+def test_store_params_false_updates_the_parameter_shard():
+    """Without a stored master, Adam updates the parameter shard itself: for
+    fp32 parameters bit-identical to the run with masters; for bf16 ones the
+    saved masters are the bf16 parameters."""
+    with_masters = _spawn(_worker, 2, _config())
+    without = _spawn(_worker, 2, _config(store_params=False))
+    for i, (a, b) in enumerate(zip(without["params"], with_masters["params"])):
+        np.testing.assert_array_equal(a, b, err_msg=f"param {i}")
+    bf16 = _spawn(_worker, 2, _config(store_params=False, dtype=torch.bfloat16))
+    assert bf16["same_on_all_ranks"]
+    for i, m in enumerate(bf16["masters"]):
+        np.testing.assert_array_equal(m, torch.from_numpy(m).bfloat16().float().numpy(), err_msg=f"master {i}")
 
 
 def test_bf16_param_sync_rounds_parameters_only():

@@ -20,7 +20,7 @@ Optimizer state and reduced gradients are sharded across the ranks of the
 
 With average_grad_sync=True the result equals DDP + torch.optim.AdamW (Adam
 with adam_w_mode=False) on the same global batch. Options this version does
-not have yet (remainders, scaled states, store_params=False, CUDA graphs,
+not have yet (CUDA graphs,
 non-fp32 state) raise NotImplementedError when set.
 """
 from __future__ import annotations
@@ -98,7 +98,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                  store_param_remainders=False, with_scaled_states=False, capturable=False):
         if not (isinstance(pipeline_size, int) and pipeline_size >= 1):
             raise ValueError(f"pipeline_size must be an int >= 1 (buckets in flight), got {pipeline_size!r}")
-        unsupported = dict(capturable=capturable, store_params=not store_params)
+        unsupported = dict(capturable=capturable)
         for name, on in unsupported.items():
             if on:
                 raise NotImplementedError(f"DistributedFusedAdam: {name} is not supported yet in this version; "
@@ -131,9 +131,12 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self.amsgrad = amsgrad
         self.store_param_remainders = store_param_remainders
         self.with_scaled_states = with_scaled_states
-        if store_param_remainders and with_scaled_states:
-            raise ValueError("store_param_remainders and with_scaled_states are two ways to store the master: "
-                             "choose one")
+        if store_param_remainders + with_scaled_states + (not store_params) > 1:
+            raise ValueError("store_param_remainders, with_scaled_states and store_params=False are three ways "
+                             "to store the master: choose one")
+        # store_params=False: no master of its own; Adam updates the
+        # parameter shard in param_sync_dtype (lossy below fp32, unlike remainders).
+        self.store_params = store_params
         self.average_grad_sync = average_grad_sync
         self.overlap_grad_sync = overlap_grad_sync
         self.overlap_param_sync = overlap_param_sync
@@ -236,7 +239,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         state_shard = dict(fp32_shard, dtype=torch.float16) if self.with_scaled_states else fp32_shard
         # With remainders the fp32 master is the bf16 parameter shard (its high
         # half) plus int16 low halves: 2 bytes per parameter instead of 4.
-        self.master = None if self.store_param_remainders else torch.zeros(**state_shard)
+        self.master = torch.zeros(**state_shard) if self.store_params and not self.store_param_remainders else None
         self.remainders = (torch.zeros(n_buckets, self.shard_size, dtype=torch.int16, device=dev)
                            if self.store_param_remainders else None)
         self.exp_avg = torch.zeros(**state_shard)
@@ -267,11 +270,12 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             sizes[self.param_groups_of[f.param]] += 1
         pieces = [(f.bucket, f.shard_start, f.shard_end) for f in shard]
         rem = self.store_param_remainders
+        updated = self.master if self.master is not None else self.param_shards
         self.plan = kernels.AdamPlan(
-            [(self.param_shards if rem else self.master)[b, s:e] for b, s, e in pieces],
+            [updated[b, s:e] for b, s, e in pieces],
             [self.grad_shards[b, s:e] for b, s, e in pieces],
             [self.exp_avg[b, s:e] for b, s, e in pieces], [self.exp_avg_sq[b, s:e] for b, s, e in pieces],
-            params_out=None if rem or self.param_shards is self.master
+            params_out=None if updated is self.param_shards
             else [self.param_shards[b, s:e] for b, s, e in pieces], group_sizes=sizes,
             max_exp_avg_sqs=[self.max_exp_avg_sq[b, s:e] for b, s, e in pieces] if self.amsgrad else None,
             param_remainders=[self.remainders[b, s:e] for b, s, e in pieces] if rem else None,
@@ -308,6 +312,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         """Bucket b of this rank's shard of a state, as true fp32 values."""
         if name == "master" and self.remainders is not None:
             return join_remainders(self.param_shards[b], self.remainders[b])
+        if name == "master" and self.master is None:  # store_params=False
+            return self.param_shards[b].float()
         row = getattr(self, name)[b].float()
         if name in self.state_scales:
             for f in self._shard_fragments:
@@ -322,6 +328,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             hi, lo = split_remainders(values)
             self.param_shards[where].copy_(hi)
             self.remainders[where].copy_(lo)
+        elif name == "master" and self.master is None:  # store_params=False
+            self.param_shards[where].copy_(values)
         elif name in self.state_scales:  # a scale that fits these values, as the kernel would choose
             j = self._fragment_index[(f.bucket, f.shard_start)]
             scale = pow2_scale_for(float(values.abs().max()) if values.numel() else 0.0)
