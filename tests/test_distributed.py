@@ -555,3 +555,73 @@ def test_checkpoints_move_between_fused_and_distributed(direction):
     for i, (got, want) in enumerate(zip(params, _reference(2)[0])):
         torch.testing.assert_close(got.contiguous(), want.contiguous(), rtol=1e-5, atol=1e-6,
                                    msg=lambda m: f"param {i}: {m}")
+
+
+def _dcp_worker(rank: int, world: int, port: int, path: str, cfg: dict, out) -> None:
+    """With nothing at `path`: train steps 0-2 and save model + optimizer with
+    DCP. Otherwise: load them from `path`, train steps 3-4, return the params."""
+    import torch.distributed.checkpoint as dcp
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        model = _model().to(dtype=cfg["dtype"])
+        frozen = _frozen(model)
+        frozen.requires_grad_(False)
+        opt = shardadam.DistributedFusedAdam(_groups(model, frozen), lr=1e-2, weight_decay=0.1,
+                                             bucket_cap_mb=cfg["bucket_cap_mb"],
+                                             store_param_remainders=cfg["remainders"],
+                                             with_scaled_states=cfg["scaled_states"])
+        if not os.path.exists(path):
+            _train(model, opt, rank, world, range(3))
+            dcp.save({"model": model.state_dict(), "optim": opt.sharded_state_dict()}, checkpoint_id=path)
+            result = dict(saved=True)
+        else:
+            with torch.no_grad():  # start from different values: everything must come from the checkpoint
+                for p in model.parameters():
+                    p.add_(1.0)
+            state = {"model": model.state_dict(), "optim": opt.sharded_state_dict()}
+            dcp.load(state, checkpoint_id=path)
+            model.load_state_dict(state["model"])
+            opt.load_sharded_state_dict(state["optim"])
+            _train(model, opt, rank, world, range(3, STEPS))
+            result = dict(params=[p.detach().float().numpy().copy() for p in model.parameters()],
+                          steps=[g["step"] for g in opt.param_groups])
+        if rank == 0:
+            out.put(result)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+        out.close()
+        out.join_thread()
+    os._exit(0)
+
+
+@pytest.mark.parametrize("save_world,load_world,kw", [
+    (2, 3, {}),
+    (3, 2, dict(load_cap=100.0)),
+    (4, 1, {}),
+    (2, 3, dict(dtype=torch.bfloat16, remainders=True)),
+    (3, 2, dict(dtype=torch.bfloat16, scaled_states=True)),
+], ids=["2-to-3", "3-to-2-other-buckets", "4-to-1", "bf16-remainders-2-to-3", "scaled-states-3-to-2"])
+def test_sharded_dcp_checkpoint_reshards(save_world, load_world, kw, tmp_path):
+    """Saved with torch.distributed.checkpoint on N ranks (each writing only its
+    pieces), loaded on M ranks with another layout: the continued run ends where
+    the run without a checkpoint ends (same world size as the save, fp32
+    rounding apart). bf16 runs compare with their own uninterrupted run."""
+    kw = dict(kw)
+    load_cap = kw.pop("load_cap", 1e-4)
+    cfg = dict(dtype=torch.float32, remainders=False, scaled_states=False, bucket_cap_mb=1e-4)
+    cfg.update(kw)
+    path = str(tmp_path / "ckpt")
+    assert _spawn(_dcp_worker, save_world, path, cfg)["saved"]
+    result = _spawn(_dcp_worker, load_world, path, dict(cfg, bucket_cap_mb=load_cap))
+    assert result["steps"] == [STEPS] * 4
+    if cfg["dtype"] == torch.float32:
+        want = [p.contiguous() for p in _reference(save_world)[0]]
+        tol = dict(rtol=1e-5, atol=1e-6)
+    else:  # the same storage mode without the checkpoint, on the save's world size
+        want = [torch.from_numpy(p) for p in _spawn(_worker, save_world, _config(
+            dtype=cfg["dtype"], remainders=cfg["remainders"], scaled_states=cfg["scaled_states"]))["params"]]
+        tol = dict(rtol=0, atol=1e-2)  # bf16 parameters: reduction order moves them by bf16 ulps
+    for i, (got, w) in enumerate(zip(result["params"], want)):
+        torch.testing.assert_close(torch.from_numpy(got), w, **tol, msg=lambda m: f"param {i}: {m}")

@@ -36,6 +36,7 @@ from .. import kernels
 from .._groups import adam_hyper, pack_groups, run_closure, saved_group_values
 from .._state_dict import join_remainders, pow2_scale_for, split_remainders
 from .._torch import check_tensor
+from . import sharded_checkpoint
 from ._sync import GradSync, ParamSync, flat_like, memory_flat
 from .layout import BucketLayout
 
@@ -542,6 +543,16 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self._param_sync.finish()
 
     # ------------------------------------------------------------ checkpoints
+
+    def sharded_state_dict(self) -> dict:
+        """Only this rank's pieces, for torch.distributed.checkpoint: see
+        distributed/sharded_checkpoint.py (a checkpoint of N ranks loads on M)."""
+        return sharded_checkpoint.sharded_state_dict(self)
+
+    def load_sharded_state_dict(self, sharded: dict) -> None:
+        """Take a sharded_state_dict() structure that dcp.load has filled."""
+        self._param_sync.finish()
+        sharded_checkpoint.load_sharded_state_dict(self, sharded)
 
     def state_dict(self, gather_on_root: bool = False) -> dict | None:
         """Portable state: per parameter (index in param_groups order) the fp32
