@@ -558,8 +558,9 @@ def test_checkpoints_move_between_fused_and_distributed(direction):
 
 
 def _dcp_worker(rank: int, world: int, port: int, path: str, cfg: dict, out) -> None:
-    """With nothing at `path`: train steps 0-2 and save model + optimizer with
-    DCP. Otherwise: load them from `path`, train steps 3-4, return the params."""
+    """With nothing at `path`: train steps 0-2 and save model + optimizer, with
+    DCP (cfg["format"] "dcp") or as one portable file written by rank 0
+    ("portable"). Otherwise: load them from `path`, train steps 3-4, return the params."""
     import torch.distributed.checkpoint as dcp
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -573,16 +574,26 @@ def _dcp_worker(rank: int, world: int, port: int, path: str, cfg: dict, out) -> 
                                              with_scaled_states=cfg["scaled_states"])
         if not os.path.exists(path):
             _train(model, opt, rank, world, range(3))
-            dcp.save({"model": model.state_dict(), "optim": opt.sharded_state_dict()}, checkpoint_id=path)
+            if cfg["format"] == "dcp":
+                dcp.save({"model": model.state_dict(), "optim": opt.sharded_state_dict()}, checkpoint_id=path)
+            else:
+                sd = opt.state_dict(gather_on_root=True)
+                if rank == 0:
+                    shardadam.checkpoint.save({"model": model.state_dict(), "optim": sd}, path)
             result = dict(saved=True)
         else:
             with torch.no_grad():  # start from different values: everything must come from the checkpoint
                 for p in model.parameters():
                     p.add_(1.0)
-            state = {"model": model.state_dict(), "optim": opt.sharded_state_dict()}
-            dcp.load(state, checkpoint_id=path)
-            model.load_state_dict(state["model"])
-            opt.load_sharded_state_dict(state["optim"])
+            if cfg["format"] == "dcp":
+                state = {"model": model.state_dict(), "optim": opt.sharded_state_dict()}
+                dcp.load(state, checkpoint_id=path)
+                model.load_state_dict(state["model"])
+                opt.load_sharded_state_dict(state["optim"])
+            else:
+                ckpt = shardadam.checkpoint.load(path)
+                model.load_state_dict(ckpt["model"])
+                opt.load_state_dict(ckpt["optim"])
             _train(model, opt, rank, world, range(3, STEPS))
             result = dict(params=[p.detach().float().numpy().copy() for p in model.parameters()],
                           steps=[g["step"] for g in opt.param_groups])
@@ -596,6 +607,7 @@ def _dcp_worker(rank: int, world: int, port: int, path: str, cfg: dict, out) -> 
     os._exit(0)
 
 
+@pytest.mark.parametrize("fmt", ["dcp", "portable"])
 @pytest.mark.parametrize("save_world,load_world,kw", [
     (2, 3, {}),
     (3, 2, dict(load_cap=100.0)),
@@ -603,14 +615,14 @@ def _dcp_worker(rank: int, world: int, port: int, path: str, cfg: dict, out) -> 
     (2, 3, dict(dtype=torch.bfloat16, remainders=True)),
     (3, 2, dict(dtype=torch.bfloat16, scaled_states=True)),
 ], ids=["2-to-3", "3-to-2-other-buckets", "4-to-1", "bf16-remainders-2-to-3", "scaled-states-3-to-2"])
-def test_sharded_dcp_checkpoint_reshards(save_world, load_world, kw, tmp_path):
-    """Saved with torch.distributed.checkpoint on N ranks (each writing only its
-    pieces), loaded on M ranks with another layout: the continued run ends where
-    the run without a checkpoint ends (same world size as the save, fp32
-    rounding apart). bf16 runs compare with their own uninterrupted run."""
+def test_checkpoint_formats_reshard_every_storage_mode(save_world, load_world, kw, fmt, tmp_path):
+    """Saved on N ranks (DCP: each rank writes only its pieces; portable: one
+    file from rank 0), loaded on M ranks with another layout: the continued run
+    ends where the run without a checkpoint ends (same world size as the save,
+    fp32 rounding apart). bf16 runs compare with their own uninterrupted run."""
     kw = dict(kw)
     load_cap = kw.pop("load_cap", 1e-4)
-    cfg = dict(dtype=torch.float32, remainders=False, scaled_states=False, bucket_cap_mb=1e-4)
+    cfg = dict(dtype=torch.float32, remainders=False, scaled_states=False, bucket_cap_mb=1e-4, format=fmt)
     cfg.update(kw)
     path = str(tmp_path / "ckpt")
     assert _spawn(_dcp_worker, save_world, path, cfg)["saved"]
