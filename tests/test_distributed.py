@@ -290,6 +290,10 @@ def test_sync_variants_match_single_process_adamw(world, kw):
     want_params, _, want_scale = _reference(world, model_kind=cfg["model"], amsgrad=cfg["amsgrad"],
                                             scaler=cfg["scaler"], inf_step=cfg["inf_step"], clip=cfg["clip"])
     assert result["scale"] == want_scale, "the loss scale must back off exactly as torch's"
+    if cfg["clip"] is not None:  # pre-clip norms; under AMP unscaled from the second step on
+        want_norms = _reference(world, clip=cfg["clip"], scaler=cfg["scaler"])[1]
+        first_scale = 2.0 ** 10 if cfg["scaler"] else 1.0
+        np.testing.assert_allclose(result["norms"], [want_norms[0] * first_scale] + want_norms[1:], rtol=1e-5)
     steps_done = STEPS - (cfg["inf_step"] is not None)
     assert result["steps"] == [steps_done] * 4, "a skipped step must not count, on any rank"
     for i, (got, want) in enumerate(zip(result["params"], want_params)):

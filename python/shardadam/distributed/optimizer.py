@@ -159,6 +159,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self._clip_max_norm = self._clip_norm = self._inv_scale = None
         self._norm_plan = None
         self._subset_norm_plans: dict = {}
+        self._grad_scaler = None  # the GradScaler step() last received: grad_norm() unscales with it
         self._build(grad_sync_dtype, param_sync_dtype, device)
         self._grad_sync = GradSync(self.params, self.layout, self.grad_shards, self.dist_group, pipeline_size,
                                    self.redundant_group, self.grad_buffer, self._grad_views)
@@ -411,6 +412,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                 raise RuntimeError("step(grad_scaler=...) after unscale_grads(): the gradients would be unscaled "
                                    "twice; use one of the two")
             grad_scale *= self._scaler_inv_scale(grad_scaler)
+            self._grad_scaler = grad_scaler
             if self._report_found_inf(grad_scaler):
                 self._end_iteration()
                 return loss
@@ -485,8 +487,19 @@ class DistributedFusedAdam(torch.optim.Optimizer):
     def grad_norm(self, parameters=None, norm_type: float = 2.0) -> torch.Tensor:
         """The L2 norm of the synchronised (averaged, if average_grad_sync)
         gradient of every parameter, or of `parameters`, as a 0-d tensor;
-        synchronises the gradients now if step() has not yet. Under a loss
-        scale the gradients, and so the norm, are still scaled."""
+        synchronises the gradients now if step() has not yet. Under AMP the
+        norm is unscaled by the GradScaler this optimizer's step() last
+        received: from the second iteration on (the first step is where the
+        optimizer meets the scaler, so the first norm is still scaled)."""
+        return self._unscaled(self._scaled_grad_norm(parameters, norm_type))
+
+    def _unscaled(self, norm: torch.Tensor) -> torch.Tensor:
+        if self._grad_scaler is None:
+            return norm
+        return norm * self._grad_scaler._scale.to(self.device, torch.float32).reciprocal().reshape(())
+
+    def _scaled_grad_norm(self, parameters, norm_type: float) -> torch.Tensor:
+        """The norm of the gradients as they are (loss-scaled under AMP)."""
         if norm_type != 2.0:
             raise ValueError(f"norm_type must be 2.0 (the L2 norm), got {norm_type}")
         if not self._grads_synced:
@@ -521,16 +534,16 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         """Scale the gradients so their global L2 norm is at most max_norm (as
         torch.nn.utils.clip_grad_norm_), inside the next step without rewriting
         gradients; under GradScaler the norm is compared unscaled, in step().
-        Returns the norm before clipping (of the gradients as they are now)."""
+        Returns the norm before clipping, unscaled as grad_norm()'s."""
         if parameters is not None:
             raise NotImplementedError("clip_grad_norm of a subset of the parameters is not supported: the step "
                                       "applies one gradient scale to every parameter; call it without "
                                       "`parameters` (grad_norm(parameters) gives a subset's norm)")
         if not max_norm > 0:
             raise ValueError(f"max_norm must be > 0, got {max_norm}")
-        total = self.grad_norm(None, norm_type)
-        self._clip_max_norm, self._clip_norm = float(max_norm), total
-        return total
+        scaled = self._scaled_grad_norm(None, norm_type)
+        self._clip_max_norm, self._clip_norm = float(max_norm), scaled  # unscaled in step()
+        return self._unscaled(scaled)
 
     def grad_sync(self) -> None:
         """Finish this iteration's gradient synchronisation: reduce-scatter
