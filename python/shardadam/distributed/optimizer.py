@@ -51,7 +51,9 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 def _grad_ready(optimizer: weakref.ref, k: int, param: torch.Tensor) -> None:
     """Post-accumulate-grad hook of parameter k: hand the gradient over."""
     opt = optimizer()
-    if opt is not None and opt._sync_in_backward:
+    if opt is not None and opt._learning_order:
+        opt._arrivals.append(k)  # the first iteration synchronises in step(), in the order learnt here
+    elif opt is not None and opt._sync_in_backward:
         opt._grad_sync.pack(k, param.grad)
         param.grad = opt._grad_views[k] if opt.contiguous_grad_buffer else None
 
@@ -157,24 +159,19 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         # For the next step: clip_grad_norm's max_norm and the gradient norm it
         # saw (still loss-scaled under AMP), and unscale_grads' factor.
         self._clip_max_norm = self._clip_norm = self._inv_scale = None
-        self._norm_plan = None
-        self._subset_norm_plans: dict = {}
         self._grad_scaler = None  # the GradScaler step() last received: grad_norm() unscales with it
-        self._build(grad_sync_dtype, param_sync_dtype, device)
-        self._grad_sync = GradSync(self.params, self.layout, self.grad_shards, self.dist_group, pipeline_size,
-                                   self.redundant_group, self.grad_buffer, self._grad_views)
-        self._param_sync = ParamSync(self.params, self.layout, self.param_shards, self.param_buffer, self.dist_group)
-        # The hooks hold the optimizer weakly: no reference cycle through the
-        # model's parameters, so an optimizer that goes out of scope is freed
-        # at once, before the process group is destroyed (gloo can abort at
-        # exit otherwise), and takes its hooks with it (__del__).
-        this = weakref.ref(self)
-        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(_grad_ready, this, k))
-                       for k, p in enumerate(self.params)] if overlap_grad_sync else []
+        self._hooks = []
+        # The layout's first guess at backward order is the parameters
+        # reversed; the first backward (with overlap) shows the real one, and
+        # the first step rebuilds the layout in it (_adopt_backward_order).
+        self._learning_order = overlap_grad_sync
+        self._arrivals: list[int] = []
+        params, groups_of = self._build(grad_sync_dtype, param_sync_dtype, device)
+        self._build_layout(params[::-1], groups_of[::-1])
         # On every module's forward (as apex): the optimizer is not given the
         # model, and each module waits only for the buckets of its own parameters.
         self._forward_hook = torch.nn.modules.module.register_module_forward_pre_hook(
-            functools.partial(_wait_for_own_params, this)) if overlap_param_sync else None
+            functools.partial(_wait_for_own_params, weakref.ref(self))) if overlap_param_sync else None
 
     def __del__(self):
         for handle in getattr(self, "_hooks", []):
@@ -213,15 +210,18 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                 raise ValueError(f"{option}=True needs every trainable parameter in {dtype} (the sync dtype), "
                                  f"found {', '.join(wrong)}: convert the model or set the sync dtype to the "
                                  f"parameters' dtype")
-        src = 0 if self.group is None else dist.get_global_rank(self.group, 0)
+        self._src = 0 if self.group is None else dist.get_global_rank(self.group, 0)
         for g in self.param_groups:  # every rank starts from rank 0's values, frozen ones included
             for p in g["params"]:
-                dist.broadcast(p.data, src=src, group=self.group)
-        # Buckets fill from the last parameter: backward produces gradients in
-        # roughly that order, which is what overlapping communication needs.
-        order = list(range(len(params)))[::-1]
-        self.params = [params[i] for i in order]
-        self.param_groups_of = [groups[i] for i in order]
+                dist.broadcast(p.data, src=self._src, group=self.group)
+        return params, groups
+
+    def _build_layout(self, params: list, groups_of: list) -> None:
+        """Buckets, shards, buffers, the fused plan, the sync objects and hooks
+        for the parameters in this order: bucket 0 takes params[0], and the
+        order buckets start in is the order gradients should arrive in."""
+        self.params = params
+        self.param_groups_of = groups_of
         elem = torch.empty((), dtype=self.grad_sync_dtype).element_size()
         self.layout = BucketLayout([p.numel() for p in self.params], [_GRAD_KEY] * len(self.params),
                                    self.dist_size, self.bucket_cap_mb, {_GRAD_KEY: elem})
@@ -241,6 +241,9 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                     p.data = view
         if self.contiguous_grad_buffer:
             self.grad_buffer, self._grad_views = self._bucket_views(self.grad_sync_dtype)
+            for p, view in zip(self.params, self._grad_views):  # gradients so far move along
+                if p.grad is not None:
+                    view.copy_(p.grad)
             self._attach_grad_views()
         fp32_shard = dict(size=(n_buckets, self.shard_size), dtype=torch.float32, device=dev)
         # with_scaled_states: master, exp_avg and exp_avg_sq in fp16, each
@@ -290,6 +293,37 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             param_remainders=[self.remainders[b, s:e] for b, s, e in pieces] if rem else None,
             master_scales=self.state_scales.get("master"), exp_avg_scales=self.state_scales.get("exp_avg"),
             exp_avg_sq_scales=self.state_scales.get("exp_avg_sq"), device=dev)
+        self._norm_plan, self._subset_norm_plans = None, {}
+        self._grad_sync = GradSync(self.params, self.layout, self.grad_shards, self.dist_group, self.pipeline_size,
+                                   self.redundant_group, self.grad_buffer, self._grad_views)
+        self._param_sync = ParamSync(self.params, self.layout, self.param_shards, self.param_buffer, self.dist_group)
+        # The hooks hold the optimizer weakly: no reference cycle through the
+        # model's parameters, so an optimizer that goes out of scope is freed
+        # at once, before the process group is destroyed (gloo can abort at
+        # exit otherwise), and takes its hooks with it (__del__).
+        for handle in self._hooks:
+            handle.remove()
+        this = weakref.ref(self)
+        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(_grad_ready, this, k))
+                       for k, p in enumerate(self.params)] if self.overlap_grad_sync else []
+
+    def _adopt_backward_order(self) -> None:
+        """Rebuild the layout in the order the first backward produced gradients
+        (rank 0's, so that every rank has the same layout): buckets then
+        complete, and start, while backward goes on. Runs at the first step,
+        before state exists (or carrying it through a portable state dict)."""
+        self._learning_order = False
+        seen = list(dict.fromkeys(self._arrivals))
+        order = seen + [k for k in range(len(self.params)) if k not in set(seen)]
+        agreed = torch.tensor(order, dtype=torch.int64, device=self.device)
+        dist.broadcast(agreed, src=self._src, group=self.group)
+        order = agreed.tolist()
+        if order == list(range(len(self.params))):
+            return
+        saved = self.state_dict() if any(self._initialized) else None
+        self._build_layout([self.params[k] for k in order], [self.param_groups_of[k] for k in order])
+        if saved is not None:
+            self.load_state_dict(saved)
 
     @torch.no_grad()
     def init_params(self, params=None) -> None:
@@ -548,6 +582,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
     def grad_sync(self) -> None:
         """Finish this iteration's gradient synchronisation: reduce-scatter
         every bucket that backward has not started, and wait for all."""
+        if self._learning_order:
+            self._adopt_backward_order()
         self._grad_sync.finish()
         if not self.contiguous_grad_buffer:
             for p in self.params:  # handed over: the reduced shards hold them now
