@@ -90,15 +90,35 @@ def _train(model, opt, rank: int, world: int, steps, clip: float | None = None, 
     return norms
 
 
+@contextlib.contextmanager
+def _rank_group(rank: int, world: int, port: int, out, backend: str = "gloo"):
+    """One spawned rank's process group around a worker's body; every rank
+    waits for the others before tearing down, and the result queue is
+    flushed. The worker then calls _exit()."""
+    torch.set_num_threads(1)  # up to 8 ranks share 2 cores
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        yield
+        dist.barrier()  # no rank tears down while another still talks to it
+    finally:
+        dist.destroy_process_group()
+        out.close()
+        out.join_thread()  # the result is flushed before the process exits
+
+
+def _exit() -> None:
+    # Skip interpreter teardown: gloo's threads sometimes abort it ("terminate
+    # called without an active exception", seen with 3 ranks on 2 cores and
+    # with every shardadam kernel on one thread), after all results are out.
+    os._exit(0)
+
+
 def _worker(rank: int, world: int, port: int, cfg: dict, out) -> None:
     """One rank: gloo on the CPU, or NCCL with one GPU per rank. cfg: see _config."""
     device = cfg["device"]
-    torch.set_num_threads(1)  # 3 ranks share 2 cores
     if device == "cuda":
         torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=world)
-    try:
+    with _rank_group(rank, world, port, out, "nccl" if device == "cuda" else "gloo"):
         if device == "cuda":  # cuDNN's default convolutions are not deterministic
             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
         model = _model(cfg["model"]).to(device if device == "cpu" else f"cuda:{rank}", dtype=cfg["dtype"])
@@ -140,24 +160,15 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out) -> None:
         gathered = [torch.empty_like(flat) for _ in range(world)]
         dist.all_gather(gathered, flat)
         masters = [v["param"].numpy().copy() for v in opt.state_dict()["state"].values()]  # a collective
-        id_to_name = {id(p): n for n, p in model.named_parameters()}
         if rank == 0:
             # numpy arrays travel by value (tensors would pass file handles to a process that exits)
-            out.put(dict(order=[id_to_name[id(p)] for p in opt.params], scale=None if scaler is None else float(scaler.get_scale()),
+            out.put(dict(scale=None if scaler is None else float(scaler.get_scale()),
                          params=[p.detach().float().cpu().numpy().copy() for p in model.parameters()],
                          masters=masters, steps=steps,
                          same_on_all_ranks=all(torch.equal(t, flat) for t in gathered),
                          frozen_unchanged=torch.equal(frozen.detach(), frozen_before),
                          buckets=len(opt.layout.buckets), norms=norms))
-        dist.barrier()  # no rank tears down while another still talks to it
-    finally:
-        dist.destroy_process_group()
-        out.close()
-        out.join_thread()  # the result is flushed before the process exits
-    # Skip interpreter teardown: gloo's threads sometimes abort it ("terminate
-    # called without an active exception", seen with 3 ranks on 2 cores and
-    # with every shardadam kernel on one thread), after all results are out.
-    os._exit(0)
+    _exit()
 
 
 def _free_port() -> int:
@@ -306,9 +317,7 @@ def _overlap_worker(rank: int, world: int, port: int, contiguous_grads: bool, ou
     """When buckets are reduce-scattered during backward (second iteration:
     the first teaches the layout the backward order), and which ones are still
     gathering after a step once one module has run its forward."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
+    with _rank_group(rank, world, port, out):
         model = _model()
         holder = []
         started_before_first_layer = []
@@ -345,12 +354,7 @@ def _overlap_worker(rank: int, world: int, port: int, contiguous_grads: bool, ou
                          some_started_early=started_before_first_layer[-1] >= len(opt.layout.buckets) // 2,
                          after_step=after_step == all_buckets, conv_waited=not (after_conv & conv_buckets),
                          others_pending=after_conv == all_buckets - conv_buckets, drained=not sync.pending))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-        out.close()
-        out.join_thread()
-    os._exit(0)
+    _exit()
 
 
 @pytest.mark.parametrize("contiguous_grads", [False, True], ids=["grad-buckets", "contiguous-grads"])
@@ -475,9 +479,7 @@ def _torch(obj):
 def _checkpoint_worker(rank: int, world: int, port: int, bucket_cap_mb: float, saved, out) -> None:
     """Without `saved`: train steps 0-2 and return model and optimizer state.
     With it: load both, train steps 3-4, return the parameters."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
+    with _rank_group(rank, world, port, out):
         model = _model()
         frozen = model[-1].bias
         frozen.requires_grad_(False)
@@ -500,12 +502,7 @@ def _checkpoint_worker(rank: int, world: int, port: int, bucket_cap_mb: float, s
             result = dict(params=[p.detach().numpy().copy() for p in model.parameters()], dict_unchanged=unchanged)
         if rank == 0:
             out.put(result)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-        out.close()
-        out.join_thread()
-    os._exit(0)
+    _exit()
 
 
 def _leaves(obj):
@@ -578,9 +575,7 @@ def _dcp_worker(rank: int, world: int, port: int, path: str, cfg: dict, out) -> 
     DCP (cfg["format"] "dcp") or as one portable file written by rank 0
     ("portable"). Otherwise: load them from `path`, train steps 3-4, return the params."""
     import torch.distributed.checkpoint as dcp
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
+    with _rank_group(rank, world, port, out):
         model = _model().to(dtype=cfg["dtype"])
         frozen = _frozen(model)
         frozen.requires_grad_(False)
@@ -615,12 +610,7 @@ def _dcp_worker(rank: int, world: int, port: int, path: str, cfg: dict, out) -> 
                           steps=[g["step"] for g in opt.param_groups])
         if rank == 0:
             out.put(result)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-        out.close()
-        out.join_thread()
-    os._exit(0)
+    _exit()
 
 
 @pytest.mark.parametrize("fmt", ["dcp", "portable"])

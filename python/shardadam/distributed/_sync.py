@@ -44,10 +44,11 @@ def memory_flat(t: torch.Tensor) -> torch.Tensor:
 
 
 def flat_like(t: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """t (param's shape) flattened in param's memory order, on param's device
-    (a copy only if their layouts or devices differ)."""
-    if t.stride() != param.stride() or t.device != param.device:
-        t = torch.empty_like(param, dtype=t.dtype).copy_(t)
+    """t (param's shape) flattened in param's memory order, where t lies (a
+    copy only if the layouts differ): a loaded host tensor stays on the host,
+    so only the slices needed travel to the device."""
+    if t.stride() != param.stride():
+        t = torch.empty_like(param, dtype=t.dtype, device=t.device).copy_(t)
     return memory_flat(t)
 
 

@@ -37,7 +37,7 @@ from .._groups import adam_hyper, pack_groups, run_closure, saved_group_values
 from .._state_dict import join_remainders, pow2_scale_for, split_remainders
 from .._torch import check_tensor
 from . import sharded_checkpoint
-from ._sync import GradSync, ParamSync, memory_flat
+from ._sync import GradSync, ParamSync, flat_like, memory_flat
 from .layout import BucketLayout
 
 __all__ = ["DistributedFusedAdam"]
@@ -71,15 +71,8 @@ def _wait_for_own_params(optimizer: weakref.ref, module: torch.nn.Module, args) 
         opt._param_sync.wait_for(module.parameters(recurse=isinstance(module, _READS_CHILD_PARAMS)))
 
 
-def _in_memory_order(t: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """t (param's shape) flattened in param's memory order, on t's own device."""
-    if t.stride() != param.stride():
-        t = torch.empty_like(param, dtype=t.dtype, device=t.device).copy_(t)
-    return memory_flat(t)
-
-
 def _unflatten(flat: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """The inverse of _in_memory_order: an fp32 CPU tensor shaped (and laid out) like param."""
+    """The inverse of flat_like: an fp32 CPU tensor shaped (and laid out) like param."""
     t = torch.empty_like(param, dtype=torch.float32, device="cpu")
     memory_flat(t).copy_(flat)
     return t
@@ -677,9 +670,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             if entry is None:
                 continue
             for name in self._state_names:
-                # Reordered where it lies (host memory for a loaded file): only
-                # the fragment's own slice travels to the device.
-                value = _in_memory_order(entry["param" if name == "master" else name].float(), self.params[f.param])
+                value = flat_like(entry["param" if name == "master" else name].float(), self.params[f.param])
                 self._write_state(name, f, value[f.param_start:f.param_end])
         for k, p in enumerate(self.params):  # the model's values are the loaded masters
             entry = by_param.get(id(p))

@@ -102,10 +102,13 @@ def load_sharded_state_dict(opt, sharded: dict) -> None:
 
 
 def _masters_into_params(opt) -> None:
-    """Each rank writes its loaded master pieces into its parameter shards and
-    the parameter all-gather brings every parameter up to date."""
-    for f in opt._shard_fragments:
-        if opt.param_shards is not opt.master and opt.remainders is None and opt.master is not None:
-            opt.param_shards[f.bucket, f.shard_start:f.shard_end].copy_(
-                opt._state_row("master", f.bucket)[f.shard_start:f.shard_end])
+    """Each rank writes its loaded master pieces into its parameter shards
+    (where those are a separate copy) and the parameter all-gather brings
+    every parameter up to date."""
+    if opt.master is not None and opt.param_shards is not opt.master:
+        for b in {f.bucket for f in opt._shard_fragments}:
+            row = opt._state_row("master", b)
+            for f in opt._shard_fragments:
+                if f.bucket == b:
+                    opt.param_shards[f.bucket, f.shard_start:f.shard_end].copy_(row[f.shard_start:f.shard_end])
     opt.param_sync()
