@@ -96,10 +96,12 @@ class GradSync:
         self.views = views
         self.bucket_size = layout.bucket_size(0)
         self.frags_of_param = [[] for _ in params]
-        self.frag_count = [0] * len(layout.buckets)
+        self.frags_of_bucket = [[] for _ in layout.buckets]
         for f in layout.fragments:
             self.frags_of_param[f.param].append(f)
-            self.frag_count[f.bucket] += 1
+            self.frags_of_bucket[f.bucket].append(f)
+        self.frag_count = [len(frags) for frags in self.frags_of_bucket]
+        self.gaps = [_gaps(frags, self.bucket_size, shards.device) for frags in self.frags_of_bucket]
         self.pipeline = _Pipeline(pipeline_size)
         self.reset()
 
@@ -160,12 +162,23 @@ class GradSync:
         if self.buffer is not None:
             return self.buffer[b]
         if self.buffers[b] is None:
-            # Zeros: alignment padding and absent gradients add nothing.
-            self.buffers[b] = torch.zeros(self.bucket_size, dtype=self.shards.dtype, device=self.shards.device)
+            # Fragments are overwritten by their gradients: only the alignment
+            # padding between them and the tail need zeros (writing the whole
+            # bucket would add a bucket's worth of memory traffic to backward).
+            buffer = torch.empty(self.bucket_size, dtype=self.shards.dtype, device=self.shards.device)
+            between, tail = self.gaps[b]
+            if between is not None:
+                buffer.index_fill_(0, between, 0)
+            buffer[tail:].zero_()
+            self.buffers[b] = buffer
         return self.buffers[b]
 
     def _start(self, b: int) -> None:
         buffer = self._buffer(b)
+        if self.buffer is None and self.missing[b]:  # gradients that never came count as zeros
+            for f in self.frags_of_bucket[b]:
+                if not self.packed[f.param]:
+                    buffer[f.bucket_start:f.bucket_end].zero_()
         self.buffers[b] = None
         self.next_bucket = b + 1
         if self.round == 0:
@@ -177,6 +190,17 @@ class GradSync:
         scratch = torch.empty_like(self.shards[b])
         work = _reduce_scatter(scratch, buffer, group=self.group, async_op=True)
         self.pipeline.push(work, (buffer, scratch), lambda held, b=b: self.shards[b].add_(held[1]))
+
+
+def _gaps(frags: list, size: int, device) -> tuple[torch.Tensor | None, int]:
+    """What no fragment of a bucket covers: the positions between fragments
+    (alignment padding: a device index, or None) and where the tail begins."""
+    between, end = [], 0
+    for f in sorted(frags, key=lambda f: f.bucket_start):
+        between.extend(range(end, f.bucket_start))
+        end = f.bucket_end
+    index = torch.tensor(between, dtype=torch.int64, device=device) if between else None
+    return index, end
 
 
 class ParamSync:
