@@ -36,6 +36,25 @@ def pack_groups(param_groups: list[dict], plain=lambda v: v) -> tuple[list[dict]
     return groups, index
 
 
+def plain_value(x):
+    """A group value as a Python number (capturable optimizers keep lr and
+    step in device tensors; checkpoints hold numbers)."""
+    if isinstance(x, torch.Tensor):
+        value = x.item()
+        return int(value) if float(value).is_integer() else value
+    return x
+
+
+def set_group_values(group: dict, values: dict) -> None:
+    """Set loaded values into a live group; device tensors (capturable lr and
+    step) are filled in place, since a captured graph reads their memory."""
+    for k, v in values.items():
+        if isinstance(group.get(k), torch.Tensor):
+            group[k].fill_(float(v))
+        else:
+            group[k] = v
+
+
 def saved_group_values(saved: dict, group: dict, entries: list) -> dict:
     """What a saved group sets in a live one: the hyperparameters the live
     group has, and its step. torch.optim.Adam/AdamW keep the step per

@@ -14,7 +14,7 @@ import math
 import torch
 
 from ._fused_buckets import MASTER, REMAINDER
-from ._groups import pack_groups, saved_group_values
+from ._groups import pack_groups, plain_value, saved_group_values, set_group_values
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
@@ -61,15 +61,8 @@ def _bucket_state(b, j: int) -> dict:
     return out
 
 
-def _plain(x):
-    if isinstance(x, torch.Tensor):
-        value = x.item()
-        return int(value) if float(value).is_integer() else value
-    return x
-
-
 def pack_state(opt, buckets) -> dict:
-    groups, index = pack_groups(opt.param_groups, _plain)
+    groups, index = pack_groups(opt.param_groups, plain_value)
     state = {index[id(p)]: _bucket_state(b, j) for b in buckets for j, p in enumerate(b.params)}
     return {"state": state, "param_groups": groups}
 
@@ -116,15 +109,10 @@ def load_buckets_state(opt, buckets, state_dict: dict) -> None:
     """Loads a FusedAdam, DistributedFusedAdam (portable) or torch.optim.Adam/AdamW state dict."""
     pairs = _check(opt, state_dict)
     where = {id(p): (b, j) for b in buckets for j, p in enumerate(b.params)}
-    capturable = opt._opts["capturable"]
     with torch.no_grad():
         for saved, group in zip(state_dict["param_groups"], opt.param_groups):
             entries = [state_dict["state"].get(key) for key in saved["params"]]
-            for k, v in saved_group_values(saved, group, entries).items():
-                if capturable and k in ("lr", "step"):
-                    group[k].fill_(float(v))
-                else:
-                    group[k] = v
+            set_group_values(group, saved_group_values(saved, group, entries))
         for p, entry in pairs:
             if id(p) not in where:
                 continue  # frozen: no state

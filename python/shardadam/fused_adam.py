@@ -13,7 +13,7 @@ from collections import defaultdict
 import torch
 
 from ._fused_buckets import Bucket, storage_kind
-from ._groups import adam_hyper, run_closure
+from ._groups import adam_hyper, plain_value, run_closure
 from ._state_dict import load_buckets_state, pack_state
 from ._torch import check_tensor
 from .kernels import FLOATS
@@ -207,18 +207,14 @@ class FusedAdam(torch.optim.Optimizer):
     def __repr__(self) -> str:
         lines = [f"{type(self).__name__} ("]
         for i, g in enumerate(self.param_groups):
-            lines.append(f"  group {i}: {len(g['params'])} params, lr={_plain(g['lr'])}, betas={g['betas']}, "
+            lines.append(f"  group {i}: {len(g['params'])} params, lr={plain_value(g['lr'])}, betas={g['betas']}, "
                          f"eps={g['eps']}, weight_decay={g['weight_decay']}, "
                          f"bias_correction={g['bias_correction']}, maximize={g['maximize']}, "
-                         f"step={_plain(g['step'])}")
+                         f"step={plain_value(g['step'])}")
         opts = ", ".join(f"{k}={str(v).replace('torch.', '')}" for k, v in self._opts.items())
         lines.append(f"  options: {opts}")
         lines.append(")")
         return "\n".join(lines)
-
-
-def _plain(x):
-    return x.item() if isinstance(x, torch.Tensor) else x
 
 
 def _as_device_scalar(value, device: torch.device) -> torch.Tensor:
