@@ -1,11 +1,15 @@
 """shardadam.checkpoint: atomic saves, and loads that refuse damaged files."""
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
+import shardadam
 from shardadam import checkpoint
 
 
@@ -66,3 +70,82 @@ def test_crash_before_the_rename_keeps_the_previous_file(tmp_path, monkeypatch):
         checkpoint.save({"other": torch.zeros(3)}, path)
     assert path.read_bytes() == before
     assert os.listdir(tmp_path) == ["opt.pt"], "the temporary file is removed"
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640), (0o002, 0o664)])
+def test_saved_file_mode_follows_the_umask(tmp_path, umask, mode):
+    path = tmp_path / "opt.pt"
+    previous = os.umask(umask)
+    try:
+        checkpoint.save(_state(), path)
+    finally:
+        os.umask(previous)
+    assert oct(path.stat().st_mode & 0o777) == oct(mode), "the mode a plain open() would give"
+    assert torch.equal(checkpoint.load(path)["state"][0]["exp_avg"], _state()["state"][0]["exp_avg"])
+
+
+# Peak host memory of one save or load of a 200 MiB state, measured in a fresh
+# process: how far its resident set rose above where it stood before the call.
+_PAYLOAD = 200 * 2**20
+_MEASURE = r"""
+import json, sys, torch
+from shardadam import checkpoint
+
+def rss(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+
+def state():
+    g = torch.Generator().manual_seed(0)
+    return {"state": {i: {"exp_avg": torch.randn(PAYLOAD // 16, generator=g)} for i in range(4)}}
+
+PAYLOAD, what, path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+if what == "save":
+    obj = state()
+    before = rss("VmRSS")
+    checkpoint.save(obj, path)
+    peak = rss("VmHWM") - before
+else:
+    before = rss("VmRSS")
+    obj = checkpoint.load(path)
+    peak = rss("VmHWM") - before
+    want = state()
+    assert all(torch.equal(obj["state"][i]["exp_avg"], want["state"][i]["exp_avg"]) for i in range(4))
+print(json.dumps({"peak": peak}))
+"""
+
+
+def _peak_rise(what: str, path) -> float:
+    """The rise of peak resident memory during checkpoint.<what>, in payloads."""
+    package_root = os.path.dirname(os.path.dirname(shardadam.__file__))  # this shardadam, also in the child
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+    done = subprocess.run([sys.executable, "-c", _MEASURE, str(_PAYLOAD), what, str(path)], env=env,
+                          capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1])["peak"] / _PAYLOAD
+
+
+_LINUX_ONLY = pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads peak memory from /proc")
+
+
+@pytest.fixture(scope="module")
+def big_checkpoint(tmp_path_factory):
+    """A 200 MiB checkpoint, and how far its save raised peak memory."""
+    path = tmp_path_factory.mktemp("big") / "big.pt"
+    return path, _peak_rise("save", path)
+
+
+@_LINUX_ONLY
+def test_save_holds_no_copy_of_the_payload(big_checkpoint):
+    """torch.save's output streams into the file, hashed on the way."""
+    path, rise = big_checkpoint
+    assert path.stat().st_size > _PAYLOAD
+    assert rise < 0.25, f"save raised peak memory by {rise:.2f} payloads"
+
+
+@_LINUX_ONLY
+def test_load_holds_the_payload_once(big_checkpoint):
+    """The payload once, next to the tensors built from it: about 2 payloads
+    at the peak (3 with a copy of the payload)."""
+    rise = _peak_rise("load", big_checkpoint[0])
+    assert rise < 2.3, f"load raised peak memory by {rise:.2f} payloads"

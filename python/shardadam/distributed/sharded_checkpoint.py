@@ -24,7 +24,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from .._groups import pack_groups
+from .._groups import pack_groups, plain_value, set_group_values
 
 with warnings.catch_warnings():  # DCP's resharding of uneven flat pieces needs ShardedTensor
     warnings.simplefilter("ignore")
@@ -51,7 +51,7 @@ def sharded_state_dict(opt) -> dict:
     pieces = [[] for _ in opt.params]
     for f in opt._shard_fragments:
         pieces[f.param].append(f)
-    groups, index = pack_groups(opt.param_groups)
+    groups, index = pack_groups(opt.param_groups, plain_value)
     state = {}
     for k, p in enumerate(opt.params):
         if p.numel() == 0:
@@ -69,10 +69,17 @@ def sharded_state_dict(opt) -> dict:
 
 
 def _piece(opt, name: str, f) -> torch.Tensor:
+    view = _live_view(opt, name, f)
+    return view if view is not None else opt._state_row(name, f.bucket)[f.shard_start:f.shard_end].clone()
+
+
+def _live_view(opt, name: str, f) -> torch.Tensor | None:
+    """Fragment f's piece of a state buffer that holds the fp32 values as they
+    are (dcp.load fills it in place); None where the buffer stores them otherwise."""
     buffer = getattr(opt, name)
     if buffer is not None and buffer.dtype == torch.float32 and name not in opt.state_scales:
-        return buffer[f.bucket, f.shard_start:f.shard_end]  # a view: loads land in place
-    return opt._state_row(name, f.bucket)[f.shard_start:f.shard_end].clone()
+        return buffer[f.bucket, f.shard_start:f.shard_end]
+    return None
 
 
 @torch.no_grad()
@@ -80,25 +87,51 @@ def load_sharded_state_dict(opt, sharded: dict) -> None:
     """After dcp.load filled a sharded_state_dict(opt) structure: write the
     pieces into the optimizer (copies for stored-differently states), restore
     the groups' hyperparameters and steps, and make the parameters the loaded
-    masters (this rank's pieces, then the all-gather)."""
-    index = {str(i): p for i, p in enumerate(q for g in opt.param_groups for q in g["params"])}
-    position = {id(p): k for k, p in enumerate(opt.params)}
+    masters (this rank's pieces, then the all-gather). Checks everything
+    before writing anything."""
     saved_groups = json.loads(sharded["param_groups"])
     if len(saved_groups) != len(opt.param_groups):
         raise ValueError(f"the checkpoint has {len(saved_groups)} parameter groups, the optimizer "
                          f"{len(opt.param_groups)}")
+    loaded, pieces = _matched_pieces(opt, sharded["state"])
     for saved, group in zip(saved_groups, opt.param_groups):
-        group.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items() if k != "params"})
-    for key, entry in sharded["state"].items():
-        k = position[id(index[key])]
-        frags = [f for f in opt._shard_fragments if f.param == k]
-        for name in opt._state_names:
-            local = entry[_saved_name(name)].local_shards()
-            for f, shard in zip(sorted(frags, key=lambda f: f.param_start),
-                                sorted(local, key=lambda s: s.metadata.shard_offsets[0])):
-                opt._write_state(name, f, shard.tensor.float())
+        set_group_values(group, {k: (tuple(v) if k == "betas" else v) for k, v in saved.items() if k != "params"})
+    for name, f, tensor in pieces:
+        live = _live_view(opt, name, f)
+        if live is None or live.data_ptr() != tensor.data_ptr():  # else dcp.load already wrote it there
+            opt._write_state(name, f, tensor.float())
+    for k in loaded:
         opt._initialized[k] = True
     _masters_into_params(opt)
+
+
+def _matched_pieces(opt, state: dict) -> tuple[list, list]:
+    """The loaded parameters (positions in opt.params) and, for every state of
+    each, (state name, fragment, loaded piece) pairs. A structure made for
+    another layout has other pieces: refused, where zip would drop or misplace them."""
+    index = {str(i): p for i, p in enumerate(q for g in opt.param_groups for q in g["params"])}
+    position = {id(p): k for k, p in enumerate(opt.params)}
+    loaded, pieces = [], []
+    for key, entry in state.items():
+        k = position[id(index[key])]
+        frags = sorted((f for f in opt._shard_fragments if f.param == k), key=lambda f: f.param_start)
+        for name in opt._state_names:
+            local = sorted(entry[_saved_name(name)].local_shards(), key=lambda s: s.metadata.shard_offsets[0])
+            _check_ranges(f"state {key} ({_saved_name(name)})", frags, local)
+            pieces += [(name, f, shard.tensor) for f, shard in zip(frags, local)]
+        loaded.append(k)
+    return loaded, pieces
+
+
+def _check_ranges(what: str, frags: list, local: list) -> None:
+    mine = [(f.param_start, f.param_end) for f in frags]
+    given = [(s.metadata.shard_offsets[0], s.metadata.shard_offsets[0] + s.metadata.shard_sizes[0]) for s in local]
+    if len(given) != len(mine):
+        raise ValueError(f"{what}: the sharded state dict holds {len(given)} pieces on this rank, the optimizer "
+                         f"{len(mine)}: load into a sharded_state_dict() of this optimizer")
+    if given != mine:
+        raise ValueError(f"{what}: the sharded state dict holds the ranges {given} on this rank, the optimizer "
+                         f"{mine}: load into a sharded_state_dict() of this optimizer")
 
 
 def _masters_into_params(opt) -> None:
