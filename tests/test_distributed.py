@@ -57,13 +57,19 @@ def _data():
     return torch.randn(STEPS, GLOBAL_BATCH, 3, 6, 6, generator=g), torch.randn(STEPS, GLOBAL_BATCH, 3, generator=g)
 
 
+def _lr_schedule(opt):
+    """Halve every learning rate every 2 steps (exact in binary floating point)."""
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+
+
 def _train(model, opt, rank: int, world: int, steps, clip: float | None = None, micro: int = 1,
-           accumulate: str = "no_sync", scaler=None, inf_step: int | None = None) -> list[float]:
+           accumulate: str = "no_sync", scaler=None, inf_step: int | None = None, schedule=None) -> list[float]:
     """Train on this rank's part of the global batches, in `micro` equal
     micro-batches (gradients accumulated inside no_sync(), or synchronised
     after each one with accumulate="every"); the pre-clip norms when clipping.
     Equal pieces make the result DDP's: the mean over pieces of their mean loss.
-    With a GradScaler the loss is scaled; at inf_step rank 1's loss is inf."""
+    With a GradScaler the loss is scaled; at inf_step rank 1's loss is inf.
+    schedule: an LR scheduler stepped after every optimizer step."""
     x, y = _data()
     dev, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     x, y = x.to(dtype), y.to(dtype)
@@ -87,6 +93,8 @@ def _train(model, opt, rank: int, world: int, steps, clip: float | None = None, 
             scaler.update()
         else:
             opt.step()
+        if schedule is not None:
+            schedule.step()
     return norms
 
 
@@ -147,15 +155,21 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out) -> None:
                                              param_sync_dtype=cfg["param_sync_dtype"],
                                              store_param_remainders=cfg["remainders"],
                                              with_scaled_states=cfg["scaled_states"],
-                                             store_params=cfg["store_params"], **groups)
+                                             store_params=cfg["store_params"],
+                                             capturable=cfg["capturable"] or cfg["capture"], **groups)
         if cfg["late_load"]:  # weights loaded after the optimizer was built must be the ones trained
             model.load_state_dict(original)
             frozen_before = frozen.detach().clone()
         scaler = torch.amp.GradScaler(device, init_scale=2.0 ** 10) if cfg["scaler"] else None
-        norms = _train(model, opt, rank, world, range(STEPS), cfg["clip"], cfg["micro"], cfg["accumulate"], scaler,
-                       cfg["inf_step"])
+        schedule = _lr_schedule(opt) if cfg["lr_schedule"] else None
+        if cfg["capture"]:  # the tests of CUDA-graph capture live with their training loop
+            from test_distributed_capture import train_captured
+            norms = train_captured(model, opt, rank, world, cfg["clip"], scaler, cfg["inf_step"], schedule)
+        else:
+            norms = _train(model, opt, rank, world, range(STEPS), cfg["clip"], cfg["micro"], cfg["accumulate"],
+                           scaler, cfg["inf_step"], schedule)
         opt.param_sync()  # with overlap_param_sync the last all-gathers may still be running
-        steps = [g["step"] for g in opt.param_groups]
+        steps = [int(g["step"]) for g in opt.param_groups]
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         gathered = [torch.empty_like(flat) for _ in range(world)]
         dist.all_gather(gathered, flat)
@@ -183,7 +197,7 @@ def _config(**kw) -> dict:
                overlap_param_sync=False, contiguous_param_buffer=False, redundant=False, late_load=False,
                contiguous_grad_buffer=False, amsgrad=False, scaler=False, inf_step=None,
                param_sync_dtype=None, dtype=torch.float32, remainders=False, scaled_states=False,
-               store_params=True)
+               store_params=True, capturable=False, capture=False, lr_schedule=False)
     unknown = set(kw) - set(cfg)
     assert not unknown, f"unknown config keys {unknown}"
     cfg.update(kw)
@@ -191,7 +205,8 @@ def _config(**kw) -> dict:
 
 
 def _reference(world: int, adam_w_mode: bool = True, clip: float | None = None, model_kind: str = "sequential",
-               amsgrad: bool = False, scaler: bool = False, inf_step: int | None = None, sync_dtype=None):
+               amsgrad: bool = False, scaler: bool = False, inf_step: int | None = None, sync_dtype=None,
+               lr_schedule: bool = False):
     """Single-process Adam/AdamW on the global batches: (params, pre-clip norms,
     final loss scale or None). sync_dtype: the gradients are summed as 2 ranks
     in that dtype would (each rank's gradient rounded, the sum rounded)."""
@@ -201,6 +216,7 @@ def _reference(world: int, adam_w_mode: bool = True, clip: float | None = None, 
     cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
     opt = cls(_groups(model, frozen), lr=1e-2, weight_decay=0.1, foreach=False, amsgrad=amsgrad)
     amp = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) if scaler else None
+    schedule = _lr_schedule(opt) if lr_schedule else None
     x, y = _data()
     local = GLOBAL_BATCH // world
     norms = []
@@ -224,6 +240,8 @@ def _reference(world: int, adam_w_mode: bool = True, clip: float | None = None, 
             amp.update()
         else:
             opt.step()
+        if schedule is not None:
+            schedule.step()
     return [p.detach() for p in model.parameters()], norms, None if amp is None else float(amp.get_scale())
 
 
@@ -532,8 +550,8 @@ def test_checkpoint_loads_on_another_world_size(save_world, load_world, load_cap
 
 def test_unsupported_options_raise_clearly():
     model = nn.Linear(2, 2)
-    with pytest.raises(NotImplementedError, match="capturable"):
-        shardadam.DistributedFusedAdam(model.parameters(), capturable=True)
+    with pytest.raises(NotImplementedError, match="dtype"):
+        shardadam.DistributedFusedAdam(model.parameters(), dtype=torch.float16)
 
 
 def _train_global(model, opt, steps) -> None:

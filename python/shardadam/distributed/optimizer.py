@@ -19,9 +19,10 @@ Optimizer state and reduced gradients are sharded across the ranks of the
    overlap_param_sync.
 
 With average_grad_sync=True the result equals DDP + torch.optim.AdamW (Adam
-with adam_w_mode=False) on the same global batch. Options this version does
-not have yet (CUDA graphs,
-non-fp32 state) raise NotImplementedError when set.
+with adam_w_mode=False) on the same global batch. capturable=True keeps lr and
+step in device tensors and decides skipped steps on the device, so a whole
+iteration can be captured in a CUDA graph. State other than fp32
+(dtype != torch.float32) raises NotImplementedError.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from .. import kernels
-from .._groups import adam_hyper, pack_groups, run_closure, saved_group_values
+from .._groups import adam_hyper, pack_groups, plain_value, run_closure, saved_group_values, set_group_values
 from .._state_dict import join_remainders, pow2_scale_for, split_remainders
 from .._torch import check_tensor
 from . import sharded_checkpoint
@@ -67,6 +68,9 @@ _READS_CHILD_PARAMS = (torch.nn.MultiheadAttention,)
 def _wait_for_own_params(optimizer: weakref.ref, module: torch.nn.Module, args) -> None:
     """Module forward-pre hook: wait for the all-gathers of this module's parameters."""
     opt = optimizer()
+    if opt is not None and opt._param_sync_due:
+        opt._param_sync_due = False
+        opt._param_sync.start()
     if opt is not None and opt._param_sync.pending:
         opt._param_sync.wait_for(module.parameters(recurse=isinstance(module, _READS_CHILD_PARAMS)))
 
@@ -101,11 +105,6 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                  store_param_remainders=False, with_scaled_states=False, capturable=False):
         if not (isinstance(pipeline_size, int) and pipeline_size >= 1):
             raise ValueError(f"pipeline_size must be an int >= 1 (buckets in flight), got {pipeline_size!r}")
-        unsupported = dict(capturable=capturable)
-        for name, on in unsupported.items():
-            if on:
-                raise NotImplementedError(f"DistributedFusedAdam: {name} is not supported yet in this version; "
-                                          "leave it at its default")
         if dtype != torch.float32:
             raise NotImplementedError("DistributedFusedAdam: only dtype=torch.float32 state is supported yet")
         if not bucket_cap_mb > 0:
@@ -113,8 +112,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction)
         super().__init__(params, defaults)
-        for g in self.param_groups:
-            g.setdefault("step", 0)
+        self.capturable = capturable
         # None stays None (the default group, looked up per call): holding the
         # WORLD object would keep it alive past destroy_process_group(), and
         # gloo can abort when it is torn down at interpreter exit.
@@ -153,6 +151,10 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         # saw (still loss-scaled under AMP), and unscale_grads' factor.
         self._clip_max_norm = self._clip_norm = self._inv_scale = None
         self._grad_scaler = None  # the GradScaler step() last received: grad_norm() unscales with it
+        # capturable + overlap_param_sync: the all-gathers after a step are
+        # started by the next forward, so that one captured iteration holds
+        # both ends of them (a graph cannot end with a collective in flight).
+        self._param_sync_due = False
         self._hooks = []
         # The layout's first guess at backward order is the parameters
         # reversed; the first backward (with overlap) shows the real one, and
@@ -185,6 +187,9 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         if not params:
             raise ValueError("DistributedFusedAdam needs at least one parameter with requires_grad=True")
         self.device = torch.device(device) if device is not None else params[0].device
+        if self.capturable and self.device.type != "cuda":
+            raise ValueError(f"capturable=True needs CUDA parameters and an NCCL process group (parameters on "
+                             f"{self.device}): a CPU step cannot be captured in a CUDA graph")
         dtypes = {p.dtype for p in params}
         if any(p.device != self.device for p in params):
             raise ValueError(f"every parameter must be on {self.device}")
@@ -204,6 +209,12 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                                  f"found {', '.join(wrong)}: convert the model or set the sync dtype to the "
                                  f"parameters' dtype")
         self._src = 0 if self.group is None else dist.get_global_rank(self.group, 0)
+        for g in self.param_groups:
+            if self.capturable:  # read by the kernels on the device: graphs replay with the current values
+                g["lr"] = torch.as_tensor(g["lr"], dtype=torch.float32, device=self.device).clone().reshape(())
+                g["step"] = torch.as_tensor(g.get("step", 0), dtype=torch.int64, device=self.device).clone().reshape(())
+            else:
+                g.setdefault("step", 0)
         for g in self.param_groups:  # every rank starts from rank 0's values, frozen ones included
             for p in g["params"]:
                 dist.broadcast(p.data, src=self._src, group=self.group)
@@ -314,6 +325,13 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         if order == list(range(len(self.params))):
             return
         saved = self.state_dict() if any(self._initialized) else None
+        # The old layout's buffers go first: the new ones are as large, and
+        # both at once would raise the peak memory of the first step by the
+        # whole optimizer state.
+        self.plan = self._grad_sync = self._param_sync = self._norm_plan = self._subset_norm_plans = None
+        self.grad_shards = self.master = self.remainders = self.exp_avg = self.exp_avg_sq = None
+        self.max_exp_avg_sq = self.param_shards = None
+        self.state_scales = {}
         self._build_layout([self.params[k] for k in order], [self.param_groups_of[k] for k in order])
         if saved is not None:
             self.load_state_dict(saved)
@@ -325,7 +343,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         Runs by itself at the first step for parameters never initialised, so
         weights loaded into the model after the optimizer was built are used.
         Every rank must call it with the same parameters."""
-        self._param_sync.finish()  # a pending all-gather still writes the parameters
+        self._finish_param_sync()  # the parameters' values are what the state starts from
         index = {id(p): k for k, p in enumerate(self.params)}
         if params is None:
             chosen = set(range(len(self.params)))
@@ -421,35 +439,46 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         still scaled: 1/scale joins the kernel's gradient scale, and a
         non-finite gradient on any rank skips the step on every rank
         (parameters, states and step counters unchanged) and is reported to
-        the scaler so that ``scaler.update()`` backs off."""
+        the scaler so that ``scaler.update()`` backs off. With capturable=True
+        nothing is read back to the host: the skip is decided on the device
+        (the kernel writes nothing, the step counters add 0), so the whole
+        iteration can be captured in a CUDA graph."""
         loss = run_closure(closure)
         self._param_sync.finish()  # the last all-gather reads the shards this step writes
+        if not self._grads_synced:  # the first one rebuilds the layout: before any state exists, so cheaply
+            self.grad_sync()
         if not all(self._initialized):
             self.init_params([p for p, done in zip(self.params, self._initialized) if not done])
-        if not self._grads_synced:
-            self.grad_sync()
         # Averaging, unscaling and clipping fold into the kernel's gradient
         # scale: the reduced gradients are never rescaled in memory.
         grad_scale = torch.full((), 1.0 / self.world_size if self.average_grad_sync else 1.0,
                                 dtype=torch.float32, device=self.device)
         if self._inv_scale is not None:
             grad_scale *= self._inv_scale
+        found_inf = None
         if grad_scaler is not None:
             if self._inv_scale is not None:
                 raise RuntimeError("step(grad_scaler=...) after unscale_grads(): the gradients would be unscaled "
                                    "twice; use one of the two")
             grad_scale *= self._scaler_inv_scale(grad_scaler)
             self._grad_scaler = grad_scaler
-            if self._report_found_inf(grad_scaler):
+            found_inf = self._report_found_inf(grad_scaler)
+            if not self.capturable and found_inf.item():  # the host's step counters must know
                 self._end_iteration()
                 return loss
         if self._clip_max_norm is not None:  # deferred: on the unscaled norm
             unscaled = self._clip_norm * (grad_scale * (self.world_size if self.average_grad_sync else 1.0))
             grad_scale *= torch.clamp(self._clip_max_norm / (unscaled + 1e-6), max=1.0)
-        for g in self.param_groups:  # every rank, every group, empty ones too
-            g["step"] += 1
-        kernels.adam(self.plan, grad_scale=grad_scale, **adam_hyper(self.param_groups, self.adam_w_mode))
-        if self.overlap_param_sync:
+        # Every rank, every group (empty ones too) advances; a capturable step
+        # skipped for inf/NaN advances by 0, on the device.
+        advance = 1 if found_inf is None or not self.capturable else (found_inf == 0).to(torch.int64).reshape(())
+        for g in self.param_groups:
+            g["step"] += advance
+        kernels.adam(self.plan, grad_scale=grad_scale, found_inf=found_inf if self.capturable else None,
+                     **adam_hyper(self.param_groups, self.adam_w_mode))
+        if self.overlap_param_sync and self.capturable:
+            self._param_sync_due = True  # started by the next forward
+        elif self.overlap_param_sync:
             self._param_sync.start()  # each module's forward waits for its own buckets
         else:
             self.param_sync()
@@ -468,15 +497,16 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                                "live in its buckets): skip it; clip_grad_norm() and step() unscale by themselves")
         return grad_scaler._scale.to(self.device, torch.float32).reciprocal()
 
-    def _report_found_inf(self, grad_scaler) -> bool:
-        """Whether any rank's gradients hold inf/NaN (one all-reduce), told to
-        the scaler the way torch's fused optimizers do."""
+    def _report_found_inf(self, grad_scaler) -> torch.Tensor:
+        """1.0 on the device when any rank's gradients hold inf/NaN (one
+        all-reduce), else 0.0; told to the scaler the way torch's fused
+        optimizers do."""
         if self._norm_plan is None:
             self._norm_plan = kernels.NormPlan(self.grad_shards.reshape(-1))
         found_inf = kernels.l2_norm(self._norm_plan).nonfinite
         dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.dist_group)
         grad_scaler._per_optimizer_states[id(self)]["found_inf_per_device"][self.device] = found_inf
-        return bool(found_inf.item())  # the host's step counters must know
+        return found_inf
 
     def unscale_grads(self, *, inv_scale=None, grad_scaler=None) -> None:
         """Divide this iteration's gradients by the loss scale, inside the next
@@ -587,7 +617,14 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         """Bring every parameter up to date: finish the all-gathers that
         overlap_param_sync left running (call this before reading parameters
         outside a module's forward, e.g. to save the model), or run them now."""
-        if not self._param_sync.pending:
+        self._param_sync_due |= not self._param_sync.pending
+        self._finish_param_sync()
+
+    def _finish_param_sync(self) -> None:
+        """Let every all-gather the last step owes land: those running, and
+        those a capturable step left to the next forward (started now)."""
+        if self._param_sync_due:
+            self._param_sync_due = False
             self._param_sync.start(depth=self.pipeline_size)
         self._param_sync.finish()
 
@@ -615,7 +652,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         if not all(self._initialized):  # the state a first step would start from
             self.init_params([p for p, done in zip(self.params, self._initialized) if not done])
         keep = not gather_on_root or dist.get_rank(self.group) == 0
-        groups, index = pack_groups(self.param_groups)
+        groups, index = pack_groups(self.param_groups, plain_value)
         full = {name: [torch.zeros(p.numel() if keep else 0, dtype=torch.float32) for p in self.params]
                 for name in self._state_names}
         gathered = torch.empty(self.layout.bucket_size(_GRAD_KEY), dtype=torch.float32, device=self.device)
@@ -664,7 +701,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                 by_param[id(p)] = dict(entry, param=master if master is not None else p.detach())
             group_values.append(saved_group_values(saved, group, entries))
         for values, group in zip(group_values, self.param_groups):
-            group.update(values)
+            set_group_values(group, values)
         for f in self.layout.shard_fragments(self.rank):
             entry = by_param.get(id(self.params[f.param]))
             if entry is None:
@@ -679,14 +716,26 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                 self._initialized[k] = True
 
     def __repr__(self) -> str:
-        lines = [f"{type(self).__name__} (world_size={self.world_size}, shards={self.dist_size}, "
-                 f"shard_rank={self.rank}, redundant={self.world_size // self.dist_size}, "
-                 f"process_group={'default' if self.group is None else id(self.group)}, "
-                 f"buckets={len(self.layout.buckets)}, "
-                 f"shard_size={self.shard_size}, grad_sync_dtype={self.grad_sync_dtype}, "
-                 f"param_sync_dtype={self.param_sync_dtype}, average_grad_sync={self.average_grad_sync}, "
-                 f"adam_w_mode={self.adam_w_mode}"]
+        def group_name(g, absent: str = "default") -> str:
+            return absent if g is None else f"(size {dist.get_world_size(g)}, id {id(g)})"
+
+        options = dict(amsgrad=self.amsgrad, adam_w_mode=self.adam_w_mode, dtype=torch.float32,
+                       grad_sync_dtype=self.grad_sync_dtype, param_sync_dtype=self.param_sync_dtype,
+                       device=self.device, average_grad_sync=self.average_grad_sync,
+                       overlap_grad_sync=self.overlap_grad_sync, overlap_param_sync=self.overlap_param_sync,
+                       bucket_cap_mb=self.bucket_cap_mb, pipeline_size=self.pipeline_size,
+                       contiguous_param_buffer=self.contiguous_param_buffer,
+                       contiguous_grad_buffer=self.contiguous_grad_buffer, store_params=self.store_params,
+                       store_param_remainders=self.store_param_remainders,
+                       with_scaled_states=self.with_scaled_states, capturable=self.capturable)
+        lines = [f"{type(self).__name__} (world_size={self.world_size}, shard_rank={self.rank}, "
+                 f"process_group={group_name(self.group)}, "
+                 f"distributed_process_group={group_name(self.dist_group)}, "
+                 f"redundant_process_group={group_name(self.redundant_group, 'None')}, "
+                 f"buckets={len(self.layout.buckets)}, shard_size={self.shard_size}"]
         for i, g in enumerate(self.param_groups):
-            lines.append(f"  group {i}: {len(g['params'])} params, lr={g['lr']}, betas={g['betas']}, eps={g['eps']}, "
-                         f"weight_decay={g['weight_decay']}, bias_correction={g['bias_correction']}, step={g['step']}")
+            lines.append(f"  group {i}: {len(g['params'])} params, lr={plain_value(g['lr'])}, betas={g['betas']}, "
+                         f"eps={g['eps']}, weight_decay={g['weight_decay']}, "
+                         f"bias_correction={g['bias_correction']}, step={plain_value(g['step'])}")
+        lines.append("  options: " + ", ".join(f"{k}={str(v).replace('torch.', '')}" for k, v in options.items()))
         return "\n".join(lines + [")"])
