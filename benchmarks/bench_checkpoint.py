@@ -1,0 +1,412 @@
+#!/usr/bin/env python
+"""Checkpoint save and load of DistributedFusedAdam: time and peak host/device memory per rank.
+
+The GPT of bench_distributed.py (d_model 2048, 24 layers, 16 heads, vocab
+50304, sequence 1024: 1,416,744,960 parameters, the figure printed at run
+time; fp32 parameters, bf16 autocast on the GPU) with
+DistributedFusedAdam(lr=1e-4, weight_decay=0.1, overlap_param_sync=False,
+contiguous_param_buffer=True) after one training iteration (batch 1), so
+that every state exists. Three ways to checkpoint its optimizer state:
+
+- portable: state_dict(gather_on_root=True) (gather), rank 0 writes it with
+  shardadam.checkpoint.save (write: SHA-256, fsync, rename); every rank reads
+  the file with shardadam.checkpoint.load (read) and calls load_state_dict.
+- portable, every rank: state_dict() (gather_on_root=False), the whole state
+  on every rank; gather only, nothing written.
+- sharded: torch.distributed.checkpoint of {"optimizer": opt.sharded_state_dict()}
+  into a directory (each rank writes its own pieces); dcp.load into a fresh
+  sharded_state_dict() (timed with the load), then load_sharded_state_dict.
+
+Every phase runs between barriers (and CUDA synchronisations) and is measured
+on each rank: wall seconds, peak host memory (the process's resident set,
+sampled every 5 ms, above its value at the phase's start) and peak device
+memory (max_memory_allocated above memory_allocated at the start). The table
+holds the maximum over ranks (JSON: every rank's values too); "save" and
+"load" rows are each rank's phases together, memory above the first phase's
+start. Before each load the files are evicted from the page cache (they are
+fsynced, so the kernel can drop them; on tmpfs it cannot), so loads read the
+disk as a restart would. Between save and load one more training iteration
+changes the state; after the load the state (every rank's pieces, the
+groups' steps and hyperparameters, the model's parameters) must equal the
+saved one bit for bit, and with --tiny the portable state_dict() too, or the
+run fails. Each format's files are removed once it is measured.
+
+    torchrun --nproc_per_node 2 benchmarks/bench_checkpoint.py --out results.json --dir /tmp/ckpt
+    torchrun --nproc_per_node 2 benchmarks/bench_checkpoint.py --tiny --dir /tmp/ckpt_tiny   # smoke run
+
+--dir needs room for one checkpoint (12 bytes per parameter: about 17 GB for
+the full model). NCCL with one GPU per rank (cuda:LOCAL_RANK) when CUDA is
+available, gloo on the CPU otherwise.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import datetime
+import gc
+import json
+import os
+import platform
+import shlex
+import shutil
+import sys
+import threading
+import time
+import warnings
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+
+import shardadam
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_distributed import FULL, TINY, WEIGHT_DECAY, build_model, fmt, make_batch, sync  # noqa: E402
+
+LR = 1e-4
+MODEL_KEYS = ("d_model", "layers", "heads", "vocab", "seq", "bucket_cap_mb")
+STATE_BYTES_PER_PARAM = 12  # fp32 master, exp_avg, exp_avg_sq: what every format moves
+PORTABLE, EVERY_RANK, SHARDED = "portable", "portable, every rank", "sharded (DCP)"
+PAGE = os.sysconf("SC_PAGE_SIZE")
+MIB = 2**20
+_LIBC = ctypes.CDLL(None)
+
+# DCP warns about every ShardedTensor it meets, and sharded_state_dict() is made
+# of them (distributed/sharded_checkpoint.py says why): once per tensor per rank.
+warnings.filterwarnings("ignore", message="Please use DTensor instead", category=FutureWarning)
+
+
+# ------------------------------------------------------------------ measurement
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE
+
+
+class PeakRss:
+    """The process's peak resident set while a phase runs, sampled by a thread
+    (ru_maxrss only ever grows, so it cannot tell one phase's peak)."""
+
+    def __init__(self, interval: float = 0.005):
+        self.start = self.peak = rss()
+        self._interval = interval
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._done.wait(self._interval):
+            self.peak = max(self.peak, rss())
+
+    def stop(self) -> tuple[int, int]:
+        self._done.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss())
+        return self.start, self.peak
+
+
+def release_host_memory() -> None:
+    """Hand freed heap memory back to the kernel, so that what one phase freed
+    neither raises the next phase's starting RSS nor hides its growth."""
+    gc.collect()
+    trim = getattr(_LIBC, "malloc_trim", None)  # glibc only
+    if trim is not None:
+        trim(0)
+
+
+def phase(records: list, fmt_name: str, name: str, part: str | None, fn, cuda: bool):
+    """fn() on every rank between barriers; appends this rank's record of it
+    (wall seconds, host and device memory at the start and at the peak) and
+    returns fn's result and the record. `part` ("save" or "load") groups
+    phases into the totals."""
+    release_host_memory()
+    sync(cuda)
+    dist.barrier()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    device_start = torch.cuda.memory_allocated() if cuda else None
+    host = PeakRss()
+    t0 = time.perf_counter()
+    result = fn()
+    sync(cuda)
+    seconds = time.perf_counter() - t0
+    host_start, host_peak = host.stop()
+    record = dict(format=fmt_name, phase=name, part=part, seconds=seconds, host_start=host_start,
+                  host_peak=host_peak, device_start=device_start,
+                  device_peak=torch.cuda.max_memory_allocated() if cuda else None, bytes=None, file_bytes=None)
+    records.append(record)
+    dist.barrier()  # after the record: a rank's time is its own work, not its wait for the others
+    return result, record
+
+
+def size_of(path: str) -> int:
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def evict_page_cache(path: str) -> None:
+    """Drop a file's (or a directory's files') clean pages from the page cache."""
+    files = [path] if os.path.isfile(path) else [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
+    for name in files:
+        fd = os.open(name, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def filesystem(path: str) -> str:
+    """The type of the filesystem holding path (tmpfs: files live in host memory)."""
+    path = os.path.realpath(path)
+    best, kind = "", "unknown"
+    with open("/proc/mounts") as f:
+        for line in f:
+            _, mount, fs_type = line.split()[:3]
+            inside = path == mount or path.startswith(mount.rstrip("/") + "/")
+            if inside and len(mount) > len(best):
+                best, kind = mount, fs_type
+    return kind
+
+
+# ------------------------------------------------------------------ training and the restore check
+
+def train_step(model, opt, inputs, targets, cuda: bool) -> None:
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
+    with amp:
+        loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+    loss.backward()
+    opt.step()  # overlap_param_sync=False: step() ends with the parameter all-gather
+    opt.zero_grad()
+
+
+def snapshot(model, opt, portable: bool) -> dict:
+    """Copies of what a checkpoint must bring back, on this rank: its pieces of
+    every state (the local shards of sharded_state_dict(): together the ranks'
+    pieces are the whole state), the groups' steps and hyperparameters, and the
+    model's parameters (load makes them the loaded masters); with portable, the
+    whole portable state_dict() as well. Every rank must call it."""
+    pieces = [shard.tensor.clone() for entry in opt.sharded_state_dict()["state"].values()
+              for state in entry.values() for shard in state.local_shards()]
+    return dict(pieces=pieces, groups=[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+                params=[p.detach().clone() for p in model.parameters()],
+                portable=opt.state_dict() if portable else None)
+
+
+def same(a, b) -> bool:
+    """Bit for bit (NaNs and signed zeros included), through dicts and lists."""
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+                and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(same, a, b))
+    return a == b
+
+
+def state_is(model, opt, reference: dict, dev: torch.device) -> bool:
+    """Whether the state equals the reference snapshot on every rank."""
+    ok = torch.tensor([same(snapshot(model, opt, reference["portable"] is not None), reference)],
+                      dtype=torch.int32, device=dev)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return bool(ok.item())
+
+
+def train_past(model, opt, batch, reference: dict, cuda: bool, dev: torch.device) -> None:
+    """One more iteration after the save, so that the load has something to
+    restore (loading over an unchanged state would prove nothing)."""
+    train_step(model, opt, *batch, cuda)
+    if state_is(model, opt, reference, dev):
+        raise RuntimeError("a training iteration left the optimizer state unchanged: the restore check would "
+                           "prove nothing")
+
+
+def check_restored(model, opt, reference: dict, fmt_name: str, dev: torch.device) -> None:
+    if not state_is(model, opt, reference, dev):
+        raise RuntimeError(f"{fmt_name}: the loaded optimizer state (or the model's parameters) differs from the "
+                           "saved one")
+
+
+# ------------------------------------------------------------------ the formats
+
+def write_on_root(obj, path: str) -> None:
+    if dist.get_rank() == 0:
+        shardadam.checkpoint.save(obj, path)
+
+
+def dcp_read(opt, directory: str) -> dict:
+    state = {"optimizer": opt.sharded_state_dict()}  # the template dcp.load fills, in place where it can
+    dcp.load(state, checkpoint_id=directory)
+    return state
+
+
+def bench_portable(model, opt, batch, reference, path, records, state_bytes, cuda, dev) -> None:
+    rank = dist.get_rank()
+    sd, record = phase(records, PORTABLE, "gather", "save", partial(opt.state_dict, gather_on_root=True), cuda)
+    record["bytes"] = state_bytes
+    _, record = phase(records, PORTABLE, "write", "save", partial(write_on_root, {"optimizer": sd}, path), cuda)
+    record["bytes"] = record["file_bytes"] = size_of(path)
+    del sd
+    train_past(model, opt, batch, reference, cuda, dev)
+    if rank == 0:
+        evict_page_cache(path)
+    ckpt, record = phase(records, PORTABLE, "read", "load", partial(shardadam.checkpoint.load, path), cuda)
+    record["bytes"] = record["file_bytes"] = size_of(path)
+    phase(records, PORTABLE, "load_state_dict", "load", partial(opt.load_state_dict, ckpt["optimizer"]), cuda)
+    del ckpt
+    check_restored(model, opt, reference, PORTABLE, dev)
+    if rank == 0:  # --dir then needs room for one checkpoint at a time
+        os.remove(path)
+
+
+def bench_every_rank(opt, records, state_bytes, cuda) -> None:
+    _, record = phase(records, EVERY_RANK, "gather", None, opt.state_dict, cuda)
+    record["bytes"] = state_bytes
+
+
+def bench_sharded(model, opt, batch, reference, directory, records, cuda, dev) -> None:
+    sharded, _ = phase(records, SHARDED, "sharded_state_dict", "save", opt.sharded_state_dict, cuda)
+    _, record = phase(records, SHARDED, "dcp.save", "save",
+                      partial(dcp.save, {"optimizer": sharded}, checkpoint_id=directory), cuda)
+    record["bytes"] = record["file_bytes"] = size_of(directory)
+    del sharded
+    train_past(model, opt, batch, reference, cuda, dev)
+    if dist.get_rank() == 0:
+        evict_page_cache(directory)
+    state, record = phase(records, SHARDED, "dcp.load", "load", partial(dcp_read, opt, directory), cuda)
+    record["bytes"] = record["file_bytes"] = size_of(directory)
+    load = partial(opt.load_sharded_state_dict, state["optimizer"])
+    phase(records, SHARDED, "load_sharded_state_dict", "load", load, cuda)
+    del state
+    check_restored(model, opt, reference, SHARDED, dev)
+    if dist.get_rank() == 0:
+        shutil.rmtree(directory)
+
+
+# ------------------------------------------------------------------ report
+
+
+def increase(records: list[dict], key: str) -> float | None:
+    """Peak above the first record's start, in MiB (None without a device)."""
+    if records[0][f"{key}_start"] is None:
+        return None
+    return (max(r[f"{key}_peak"] for r in records) - records[0][f"{key}_start"]) / MIB
+
+
+def row(fmt_name: str, name: str, per_rank: list[list[dict]]) -> dict:
+    """One table row from each rank's records of it (one phase, or a part's
+    phases in order): the maximum over ranks, and every rank's values."""
+    seconds = [sum(r["seconds"] for r in recs) for recs in per_rank]
+    host = [increase(recs, "host") for recs in per_rank]
+    device = [increase(recs, "device") for recs in per_rank]
+    sizes = [r["bytes"] for r in per_rank[0] if r["bytes"] is not None]
+    files = [r["file_bytes"] for r in per_rank[0] if r["file_bytes"] is not None]
+    return dict(format=fmt_name, phase=name, seconds=max(seconds),
+                gb_per_s=max(sizes) / max(seconds) / 1e9 if sizes else None,
+                peak_host_mib=max(host), peak_device_mib=None if device[0] is None else max(device),
+                file_mib=max(files) / MIB if files else None,
+                per_rank=dict(seconds=seconds, peak_host_mib=host, peak_device_mib=device))
+
+
+def summarise(per_rank: list[list[dict]]) -> list[dict]:
+    """Each phase's row, and after each format a row per part of several
+    phases ("save", "load") that adds them up."""
+    rows, first = [], per_rank[0]
+    for fmt_name in dict.fromkeys(r["format"] for r in first):
+        index = [i for i, r in enumerate(first) if r["format"] == fmt_name]
+        rows += [row(fmt_name, first[i]["phase"], [[recs[i]] for recs in per_rank]) for i in index]
+        for part in dict.fromkeys(first[i]["part"] for i in index if first[i]["part"]):
+            mine = [i for i in index if first[i]["part"] == part]
+            if len(mine) > 1:
+                name = f"{part} = " + " + ".join(first[i]["phase"] for i in mine)
+                rows.append(row(fmt_name, name, [[recs[i] for i in mine] for recs in per_rank]))
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| format | phase | seconds | GB/s | peak host MiB | peak device MiB | file MiB |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['format']} | {r['phase']} | {r['seconds']:.3f} | {fmt(r['gb_per_s'], '.2f')} | "
+                     f"{r['peak_host_mib']:.1f} | {fmt(r['peak_device_mib'], '.1f')} | {fmt(r['file_mib'], '.1f')} |")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ main
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", required=True, help="where the checkpoints are written (and removed once measured)")
+    ap.add_argument("--tiny", action="store_true", help=f"smoke run, CPU or GPU: {TINY}")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", help="write the results here as JSON")
+    args = ap.parse_args()
+    for key in MODEL_KEYS:
+        setattr(args, key, (TINY if args.tiny else FULL)[key])
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    cuda = torch.cuda.is_available()
+    if cuda:
+        dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(dev)
+        dist.init_process_group("nccl", device_id=dev)
+    else:
+        dev = torch.device("cpu")
+        dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    portable_path = os.path.join(args.dir, "bench_checkpoint_portable.pt")
+    sharded_dir = os.path.join(args.dir, "bench_checkpoint_sharded")
+    if rank == 0:  # a previous run's directory may hold more ranks' files
+        os.makedirs(args.dir, exist_ok=True)
+        shutil.rmtree(sharded_dir, ignore_errors=True)
+
+    model = build_model(args, dev)
+    n_params = sum(p.numel() for p in model.parameters())
+    opt = shardadam.DistributedFusedAdam(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY,
+                                         bucket_cap_mb=args.bucket_cap_mb, overlap_param_sync=False,
+                                         contiguous_param_buffer=True)
+    batch = make_batch(args, 1, dev)
+    train_step(model, opt, *batch, cuda)
+    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                command=shlex.join(sys.argv), torch=torch.__version__, shardadam=shardadam.__version__,
+                python=platform.python_version(),
+                device=torch.cuda.get_device_name(dev) if cuda else platform.processor() or "cpu",
+                backend=dist.get_backend(), world_size=world, params=n_params,
+                dir=os.path.abspath(args.dir), filesystem=filesystem(args.dir),
+                config={k: v for k, v in vars(args).items() if k not in ("out", "dir")})
+    if rank == 0:
+        print(f"{meta['device']} x {world} ({meta['backend']}), torch {meta['torch']}, shardadam "
+              f"{meta['shardadam']}: GPT d_model {args.d_model}, {args.layers} layers, {args.heads} heads, "
+              f"vocab {args.vocab}, seq {args.seq}: {n_params:,} parameters; checkpoints in {meta['dir']} "
+              f"({meta['filesystem']})", flush=True)
+
+    reference = snapshot(model, opt, portable=args.tiny)
+    records = []
+    state_bytes = STATE_BYTES_PER_PARAM * n_params
+    bench_portable(model, opt, batch, reference, portable_path, records, state_bytes, cuda, dev)
+    bench_every_rank(opt, records, state_bytes, cuda)
+    bench_sharded(model, opt, batch, reference, sharded_dir, records, cuda, dev)
+    per_rank = [None] * world
+    dist.all_gather_object(per_rank, records)
+
+    if rank == 0:
+        rows = summarise(per_rank)
+        print()
+        print(table(rows))
+        print(f"restored bit for bit after a further training iteration: {PORTABLE}, {SHARDED}")
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(dict(meta=meta, rows=rows, records=per_rank), f, indent=1)
+    del opt  # before the process group goes (gloo can abort at exit otherwise: README)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
