@@ -102,6 +102,14 @@ class GradSync:
             self.frags_of_bucket[f.bucket].append(f)
         self.frag_count = [len(frags) for frags in self.frags_of_bucket]
         self.gaps = [_gaps(frags, self.bucket_size, shards.device) for frags in self.frags_of_bucket]
+        # pack() runs once per parameter inside backward, where its host time
+        # adds to backward's: what it needs is prepared here as plain tuples.
+        # A gradient laid out like its parameter (what autograd produces) is
+        # flattened without checks; anything else takes the checked path.
+        self.expected = [(p.dtype, p.stride(), p.is_contiguous()) for p in params]
+        self.spans = [[(f.bucket, f.bucket_start, f.bucket_end,
+                        None if f.numel == p.numel() else slice(f.param_start, f.param_end))
+                       for f in frags] for p, frags in zip(params, self.frags_of_param)]
         self.pipeline = _Pipeline(pipeline_size)
         self.reset()
 
@@ -128,16 +136,20 @@ class GradSync:
             self._flush_round()
             self.round += 1
             self._new_round()
-        param = self.params[k]
-        check_tensor("a parameter's gradient", grad, param.device, kernels.FLOATS)
         in_place = self.views is not None and grad.data_ptr() == self.views[k].data_ptr() \
             and grad.stride() == self.views[k].stride()
         if not in_place:  # not the buffer's view (e.g. model.zero_grad() dropped it): copy
-            flat = flat_like(grad, param)
-            for f in self.frags_of_param[k]:
-                self._buffer(f.bucket)[f.bucket_start:f.bucket_end].copy_(flat[f.param_start:f.param_end])
-        for f in self.frags_of_param[k]:
-            self.missing[f.bucket] -= 1
+            dtype, stride, contiguous = self.expected[k]
+            if grad.dtype is dtype and grad.stride() == stride and grad.device == self.shards.device:
+                flat = grad.view(-1) if contiguous else memory_flat(grad)
+            else:
+                check_tensor("a parameter's gradient", grad, self.shards.device, kernels.FLOATS)
+                flat = flat_like(grad, self.params[k])
+            for b, start, end, piece in self.spans[k]:
+                buffer = self.buffers[b] if self.buffers[b] is not None else self._buffer(b)
+                buffer[start:end].copy_(flat if piece is None else flat[piece])
+        for b, _, _, _ in self.spans[k]:
+            self.missing[b] -= 1
         self.packed[k] = True
         while self.next_bucket < len(self.missing) and self.missing[self.next_bucket] == 0:
             self._start(self.next_bucket)
@@ -169,7 +181,8 @@ class GradSync:
             between, tail = self.gaps[b]
             if between is not None:
                 buffer.index_fill_(0, between, 0)
-            buffer[tail:].zero_()
+            if tail < self.bucket_size:
+                buffer[tail:].zero_()
             self.buffers[b] = buffer
         return self.buffers[b]
 
