@@ -1,0 +1,417 @@
+#!/usr/bin/env python
+"""DistributedFusedAdam eager and captured in one CUDA graph, per storage mode, against DDP + fused AdamW.
+
+The GPT of bench_distributed.py (default: d_model 2048, 24 layers, 16 heads,
+vocab 50304, sequence 1024, untied head: about 1.4B parameters; batch 4 per
+GPU), trained with bf16 autocast, a GradScaler and clipping. One iteration:
+
+    opt.zero_grad()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = F.cross_entropy(model(static_x).flatten(0, 1).float(), static_y.flatten())
+    scaler.scale(loss).backward()
+    opt.clip_grad_norm(1.0)
+    scaler.step(opt)
+    scaler.update()
+
+with DistributedFusedAdam(capturable=True, overlap_grad_sync=True,
+overlap_param_sync=True, contiguous_param_buffer=True, lr=1e-4,
+weight_decay=0.1), in two modes:
+
+- eager:    the iteration called normally;
+- captured: 3 iterations on a side stream, one captured with
+            torch.cuda.graph, then replayed (README, "CUDA graphs").
+
+Both modes copy the batch (one fixed batch per rank, as in
+bench_distributed.py) into static input and target tensors before every
+iteration. Storage configurations (--configs), each on a fresh model from the
+same seed:
+
+- fp32:               fp32 parameters, fp32 master and states
+- bf16:               model in bf16, param_sync_dtype bf16, fp32 master
+- bf16_remainders:    bf16 + store_param_remainders=True
+- bf16_scaled_states: bf16 + with_scaled_states=True
+- bf16_no_master:     bf16 + store_params=False
+- ddp_fused:          DDP + torch.optim.AdamW(fused=True), fp32 parameters,
+                      scaler.unscale_ + torch.nn.utils.clip_grad_norm_, eager
+                      only: the reference of the "vs DDP" ratios
+
+Each run: 3 warm-up iterations, --iters (default 10) back to back, then
+--iters more, each from an idle device. Per configuration and mode, the
+maximum over ranks of:
+- ms/iter: median GPU time of a back-to-back iteration (CUDA events around the
+  batch copy and the iteration, or the batch copy and graph.replay());
+- host ms/iter: median time for that same call to return, in the second
+  loop: synchronised before the call, never inside it, so that a full launch
+  queue cannot stall it;
+- peak GiB (warm-up and capture included), resident bytes per parameter
+  (allocated after the last iteration, gradients freed), optimizer bytes per
+  parameter (bench_distributed.optimizer_bytes: shards of master, states,
+  remainders and gradients; the contiguous parameter buffer is the model's).
+Rank 0's losses (each rank has its own batch): every one must be finite and
+the last below the first; a captured run's must be its configuration's eager
+run's within LOSS_TOLERANCE. A failed check, or a configuration that raised,
+makes the run exit with status 1 after the table and the JSON are written.
+The JSON also holds every iteration's loss and wall_ms (the wall clock per
+iteration over the back-to-back loop, synchronised around it).
+
+    torchrun --nproc_per_node 2 benchmarks/bench_capture.py --out results.json
+    torchrun --nproc_per_node 2 benchmarks/bench_capture.py --configs ddp_fused,bf16_remainders --modes captured
+    torchrun --nproc_per_node 2 benchmarks/bench_capture.py --tiny      # smoke run, CPU (gloo) or GPU
+
+NCCL with one GPU per rank (cuda:LOCAL_RANK) when CUDA is available. Without
+CUDA: gloo, no autocast, GradScaler("cpu"), capturable=False and eager mode
+only (CUDA graphs need CUDA): the CPU run checks the wiring, its timings mean
+little.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import math
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import shardadam
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_distributed import (FULL, TINY, WARMUP, WEIGHT_DECAY, Stopwatch, agree_on_error,  # noqa: E402
+                               build_ddp_fused, build_model, fmt, free, make_batch, max_over_ranks,
+                               optimizer_bytes, sync)
+
+REFERENCE = "ddp_fused"
+BF16 = dict(param_sync_dtype=torch.bfloat16)
+# name: (parameter dtype, DistributedFusedAdam storage options)
+STORAGE = {
+    "fp32": (torch.float32, {}),
+    "bf16": (torch.bfloat16, BF16),
+    "bf16_remainders": (torch.bfloat16, dict(BF16, store_param_remainders=True)),
+    "bf16_scaled_states": (torch.bfloat16, dict(BF16, with_scaled_states=True)),
+    "bf16_no_master": (torch.bfloat16, dict(BF16, store_params=False)),
+}
+CONFIGS = (REFERENCE, *STORAGE)
+MODES = ("eager", "captured")
+MAX_NORM = 1.0
+# Eager and captured runs do the same arithmetic, up to the order of atomic
+# additions in a few kernels (different implementations of the same training
+# ended 2e-3 apart in bench_distributed.py). A broken capture (stale
+# parameters, a step not applied) departs by far more: the full model's loss
+# falls by several units in its first iterations.
+LOSS_TOLERANCE = 0.02
+
+# GradScaler warns that it will stop passing itself to step(grad_scaler=...),
+# which is how DistributedFusedAdam receives it: once per rank, not actionable here.
+warnings.filterwarnings("ignore", message="GradScaler is going to stop passing itself", category=FutureWarning)
+
+
+# ------------------------------------------------------------------ training
+
+def build(config: str, args, dev: torch.device):
+    """A fresh model from the seed, its optimizer, the GradScaler, and the
+    clipping call of an iteration."""
+    cuda = dev.type == "cuda"
+    scaler = torch.amp.GradScaler(dev.type)
+    model = build_model(args, dev)
+    if config == REFERENCE:
+        module, opt = build_ddp_fused(model, args, cuda)
+
+        def clip() -> None:  # torch's way: unscale the gradients in place, then clip them
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(module.parameters(), MAX_NORM)
+        return module, opt, scaler, clip
+    dtype, options = STORAGE[config]
+    model.to(dtype)
+    opt = shardadam.DistributedFusedAdam(model.parameters(), lr=args.lr, weight_decay=WEIGHT_DECAY,
+                                         bucket_cap_mb=args.bucket_cap_mb, capturable=cuda,
+                                         overlap_grad_sync=True, overlap_param_sync=True,
+                                         contiguous_param_buffer=True, **options)
+    # Applied inside step() to the unscaled norm; nothing is read back to the host.
+    return model, opt, scaler, partial(opt.clip_grad_norm, MAX_NORM)
+
+
+def static_batch(args, batch: int, dev: torch.device):
+    """Static input and target tensors, and the copy of this rank's batch into them."""
+    source = make_batch(args, batch, dev)
+    static = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in source]
+
+    def load() -> None:
+        for s, t in zip(static, source):
+            s.copy_(t)
+    return static, load
+
+
+def make_iteration(module, opt, scaler, clip, inputs, targets, cuda: bool):
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
+
+    def iteration() -> torch.Tensor:
+        opt.zero_grad()
+        with amp:
+            # fp32 loss: a bf16 model's bf16 loss (CPU run) is too coarse to show a few iterations' fall.
+            loss = F.cross_entropy(module(inputs).flatten(0, 1).float(), targets.flatten())
+        scaler.scale(loss).backward()
+        clip()
+        scaler.step(opt)
+        scaler.update()
+        return loss.detach()
+    return iteration
+
+
+def capture(warm_step, iteration):
+    """The README's recipe: warm-up iterations on a side stream (the first one
+    learns the bucket order, the scaler creates its tensors), then one iteration
+    captured. Returns the graph, its static loss and the warm-up losses."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        losses = [warm_step() for _ in range(WARMUP)]
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss = iteration()
+    return graph, static_loss, losses
+
+
+def measure(step, cuda: bool, iters: int) -> tuple[dict, list]:
+    """`iters` calls of step() back to back, each between two Stopwatch marks,
+    with the wall clock around them; then `iters` more, each from an idle
+    device, timed on the host until step() returns. Returns the medians and
+    every call's loss (cloned: a replay overwrites its static loss)."""
+    losses, watches = [], []
+    sync(cuda)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        watch = Stopwatch(cuda)
+        watch.mark()
+        loss = step()
+        watch.mark()
+        losses.append(loss.clone())
+        watches.append(watch)
+    sync(cuda)
+    wall = (time.perf_counter() - t0) * 1e3 / iters
+    host = []
+    for _ in range(iters):
+        sync(cuda)
+        t0 = time.perf_counter()
+        loss = step()
+        host.append((time.perf_counter() - t0) * 1e3)
+        losses.append(loss.clone())
+    sync(cuda)
+    return dict(ms=statistics.median(w.laps_ms()[0] for w in watches), wall_ms=wall,
+                host_ms=statistics.median(host)), losses
+
+
+def train(mode: str, iteration, load, cuda: bool, iters: int) -> tuple[dict, list]:
+    """WARMUP eager iterations (on a side stream before a capture), then the
+    measured ones: the figures and every iteration's loss."""
+    def eager() -> torch.Tensor:
+        load()
+        return iteration()
+
+    if mode == "eager":
+        warm = [eager() for _ in range(WARMUP)]
+        step = eager
+    else:
+        graph, static_loss, warm = capture(eager, iteration)
+
+        def step() -> torch.Tensor:
+            load()
+            graph.replay()
+            return static_loss
+    figures, losses = measure(step, cuda, iters)
+    return figures, warm + losses
+
+
+def run_one(config: str, mode: str, batch: int, args, dev: torch.device, n_params: int) -> dict:
+    """Build `config` on a fresh model, train it in `mode`, and report its figures."""
+    cuda = dev.type == "cuda"
+    free(cuda)
+    error = None
+    try:
+        module, opt, scaler, clip = build(config, args, dev)
+        (inputs, targets), load = static_batch(args, batch, dev)
+        figures, losses = train(mode, make_iteration(module, opt, scaler, clip, inputs, targets, cuda), load,
+                                cuda, args.iters)
+        opt.zero_grad()  # gradients freed, as between iterations (DDP keeps them until then)
+        sync(cuda)
+        resident = torch.cuda.memory_allocated() if cuda else 0
+        peak = torch.cuda.max_memory_allocated() if cuda else 0
+        opt_bytes = optimizer_bytes(opt)
+        losses = torch.stack(losses).float().tolist()
+    except Exception as e:  # recorded, and the other configurations still run
+        traceback.print_exc()
+        error = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+    result = dict(config=config, mode=mode, batch=batch, capturable=cuda and config != REFERENCE,
+                  error=agree_on_error(error, dev))
+    if result["error"]:
+        return result
+    ms, wall, host, opt_bytes, peak, resident = max_over_ranks(
+        [figures["ms"], figures["wall_ms"], figures["host_ms"], opt_bytes, peak, resident], dev)
+    result.update(ms=ms, wall_ms=wall, host_ms=host, opt_bytes_per_param=opt_bytes / n_params,
+                  peak_gib=peak / 2**30 if cuda else None,
+                  resident_bytes_per_param=resident / n_params if cuda else None,
+                  losses=losses, loss_first=losses[0], loss_last=losses[-1],  # rank 0's: each rank has its own batch
+                  loss_ok=all(math.isfinite(x) for x in losses) and losses[-1] < losses[0])
+    return result
+
+
+# ------------------------------------------------------------------ report
+
+def add_ratios(results: list[dict]) -> None:
+    """Time and host time against DDP's eager run and, for a captured run,
+    against its configuration's eager run, whose losses it must reproduce."""
+    by = {(r["config"], r["mode"], r["batch"]): r for r in results if not r["error"]}
+    for r in by.values():
+        ddp, eager = by.get((REFERENCE, "eager", r["batch"])), by.get((r["config"], "eager", r["batch"]))
+        r["vs_ddp"] = r["ms"] / ddp["ms"] if ddp else None
+        r["host_vs_ddp"] = r["host_ms"] / ddp["host_ms"] if ddp else None
+        r["vs_eager"] = r["host_vs_eager"] = r["loss_diff_vs_eager"] = r["loss_matches_eager"] = None
+        if r["mode"] == "captured" and eager:
+            r["vs_eager"] = r["ms"] / eager["ms"]
+            r["host_vs_eager"] = r["host_ms"] / eager["host_ms"]
+            r["loss_diff_vs_eager"] = max(abs(a - b) for a, b in zip(r["losses"], eager["losses"]))
+            r["loss_matches_eager"] = r["loss_diff_vs_eager"] <= LOSS_TOLERANCE
+
+
+def failures(results: list[dict]) -> list[str]:
+    lines = []
+    for r in results:
+        name = f"{r['config']} {r['mode']} batch {r['batch']}"
+        if r["error"]:
+            lines.append(f"{name}: failed: {r['error']}")
+            continue
+        if not r["loss_ok"]:
+            lines.append(f"{name}: loss not finite or not falling ({r['loss_first']:.4f} -> {r['loss_last']:.4f})")
+        if r["loss_matches_eager"] is False:
+            lines.append(f"{name}: losses differ from the eager run's by {r['loss_diff_vs_eager']:.4f} "
+                         f"(tolerance {LOSS_TOLERANCE})")
+    return lines
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| config | mode | batch | ms/iter | vs DDP | vs eager | host ms/iter | host vs DDP | host vs eager | "
+             "peak GiB | opt B/param | resident B/param | loss first -> last | loss diff vs eager |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+    for r in results:
+        if r["error"]:
+            lines.append(f"| {r['config']} | {r['mode']} | {r['batch']} | failed: {r['error']} |"
+                         + " |" * 10)
+            continue
+        lines.append(f"| {r['config']} | {r['mode']} | {r['batch']} | {r['ms']:.1f} | {fmt(r['vs_ddp'], '.3f')} | "
+                     f"{fmt(r['vs_eager'], '.3f')} | {r['host_ms']:.2f} | {fmt(r['host_vs_ddp'], '.3f')} | "
+                     f"{fmt(r['host_vs_eager'], '.3f')} | {fmt(r['peak_gib'], '.2f')} | "
+                     f"{r['opt_bytes_per_param']:.2f} | {fmt(r['resident_bytes_per_param'], '.2f')} | "
+                     f"{r['loss_first']:.4f} -> {r['loss_last']:.4f} | {fmt(r['loss_diff_vs_eager'], '.2e')} |")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ main
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true", help=f"smoke run: {TINY}")
+    ap.add_argument("--d-model", type=int)
+    ap.add_argument("--layers", type=int)
+    ap.add_argument("--heads", type=int)
+    ap.add_argument("--vocab", type=int)
+    ap.add_argument("--seq", type=int)
+    ap.add_argument("--batches", help="batch sizes per GPU, comma-separated (default 4)")
+    ap.add_argument("--iters", type=int,
+                    help=f"timed iterations, twice (GPU time, then host time), after {WARMUP} warm-up ones "
+                         "(default 10)")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of " + ",".join(CONFIGS))
+    ap.add_argument("--modes", default=",".join(MODES),
+                    help="comma-separated subset of " + ",".join(MODES) + f" ({REFERENCE} runs eager only)")
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--bucket-cap-mb", type=float, help="DistributedFusedAdam's bucket size in MiB (default 100)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", help="write the results here as JSON")
+    args = ap.parse_args()
+    defaults = TINY if args.tiny else dict(FULL, batches="4")
+    for key, value in defaults.items():  # explicit arguments win over --tiny
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.batches = [int(b) for b in args.batches.split(",")]
+    args.configs, args.modes = args.configs.split(","), args.modes.split(",")
+    if args.iters < 1:
+        ap.error("--iters must be at least 1")
+    for option, chosen, known in (("--configs", args.configs, CONFIGS), ("--modes", args.modes, MODES)):
+        unknown = set(chosen) - set(known)
+        if unknown:
+            ap.error(f"unknown {option} {sorted(unknown)}; choose from {known}")
+    return args
+
+
+def runs(args, cuda: bool) -> list[tuple[str, str]]:
+    """(config, mode) in order: the reference first, each captured run after its eager one."""
+    modes = [m for m in MODES if m in args.modes and (cuda or m == "eager")]
+    return [(c, m) for c in CONFIGS if c in args.configs for m in (["eager"] if c == REFERENCE else modes)]
+
+
+def main() -> None:
+    args = parse_args()
+    cuda = torch.cuda.is_available()
+    if cuda:
+        dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(dev)
+        dist.init_process_group("nccl", device_id=dev)
+    else:
+        dev = torch.device("cpu")
+        dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    n_params = sum(p.numel() for p in build_model(args, torch.device("meta")).parameters())
+    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                command=shlex.join(sys.argv), torch=torch.__version__, cuda=torch.version.cuda,
+                nccl=".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
+                shardadam=shardadam.__version__, python=platform.python_version(),
+                device=torch.cuda.get_device_name(dev) if cuda else platform.processor() or "cpu",
+                backend=dist.get_backend(), world_size=world, params=n_params,
+                config={k: v for k, v in vars(args).items() if k != "out"})
+    if rank == 0:
+        print(f"{meta['device']} x {world} ({meta['backend']}), torch {meta['torch']}, shardadam "
+              f"{meta['shardadam']}: GPT d_model {args.d_model}, {args.layers} layers, {args.heads} heads, "
+              f"vocab {args.vocab}, seq {args.seq}: {n_params:,} parameters", flush=True)
+        if not cuda and "captured" in args.modes:
+            print("captured mode skipped: CUDA graphs need CUDA (this run is eager only, capturable=False)",
+                  flush=True)
+
+    results = []
+    for batch in args.batches:
+        for config, mode in runs(args, cuda):
+            r = run_one(config, mode, batch, args, dev, n_params)
+            results.append(r)
+            if rank == 0:
+                status = (f"failed: {r['error']}" if r["error"] else
+                          f"{r['ms']:.1f} ms/iter, host {r['host_ms']:.2f} ms/iter, "
+                          f"loss {r['loss_first']:.4f} -> {r['loss_last']:.4f}")
+                print(f"{config} {mode} batch {batch}: {status}", flush=True)
+    add_ratios(results)
+
+    failed = failures(results)
+    if rank == 0:
+        print()
+        print(table(results))
+        compared = sum(r.get("loss_matches_eager") is not None for r in results)
+        print("\n".join(failed) or "every loss finite and falling" + (
+            f"; {compared} captured runs within {LOSS_TOLERANCE} of their eager runs' losses" if compared else ""))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(dict(meta=meta, results=results), f, indent=1)
+    dist.destroy_process_group()
+    if rank == 0 and failed:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
