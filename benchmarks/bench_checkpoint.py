@@ -25,14 +25,21 @@ holds the maximum over ranks (JSON: every rank's values too); "save" and
 "load" rows are each rank's phases together, memory above the first phase's
 start. Before each load the files are evicted from the page cache (they are
 fsynced, so the kernel can drop them; on tmpfs it cannot), so loads read the
-disk as a restart would. Between save and load one more training iteration
-changes the state; after the load the state (every rank's pieces, the
+disk as a restart would (--warm-cache keeps them: loads then time the
+software path rather than the disk). Between save and load one more training
+iteration changes the state; after the load the state (every rank's pieces, the
 groups' steps and hyperparameters, the model's parameters) must equal the
 saved one bit for bit, and with --tiny the portable state_dict() too, or the
 run fails. Each format's files are removed once it is measured.
 
     torchrun --nproc_per_node 2 benchmarks/bench_checkpoint.py --out results.json --dir /tmp/ckpt
     torchrun --nproc_per_node 2 benchmarks/bench_checkpoint.py --tiny --dir /tmp/ckpt_tiny   # smoke run
+    torchrun --nproc_per_node 2 benchmarks/bench_checkpoint.py --d-model 512 --layers 8 --heads 8 \
+        --dir /tmp/ckpt --formats portable,sharded        # 77M parameters (a CPU run in about 30 s)
+
+Rank 0 prints every phase's figures as soon as it is measured and rewrites
+--out after each, so a run cut short by a time limit keeps what it measured;
+--formats runs a subset (portable, every-rank, sharded).
 
 --dir needs room for one checkpoint (12 bytes per parameter: about 17 GB for
 the full model). NCCL with one GPU per rank (cuda:LOCAL_RANK) when CUDA is
@@ -70,6 +77,7 @@ LR = 1e-4
 MODEL_KEYS = ("d_model", "layers", "heads", "vocab", "seq", "bucket_cap_mb")
 STATE_BYTES_PER_PARAM = 12  # fp32 master, exp_avg, exp_avg_sq: what every format moves
 PORTABLE, EVERY_RANK, SHARDED = "portable", "portable, every rank", "sharded (DCP)"
+FORMATS = ("portable", "every-rank", "sharded")  # --formats names of the three
 PAGE = os.sysconf("SC_PAGE_SIZE")
 MIB = 2**20
 _LIBC = ctypes.CDLL(None)
@@ -139,7 +147,44 @@ def phase(records: list, fmt_name: str, name: str, part: str | None, fn, cuda: b
                   device_peak=torch.cuda.max_memory_allocated() if cuda else None, bytes=None, file_bytes=None)
     records.append(record)
     dist.barrier()  # after the record: a rank's time is its own work, not its wait for the others
+    if PROGRESS is not None:
+        PROGRESS.report(records)
     return result, record
+
+
+class Progress:
+    """Rank 0 prints each phase's figures (maximum over ranks) as soon as the
+    phase ends, and each format's save/load sums after its last phase, and
+    rewrites --out with everything so far: a run stopped by a time limit
+    still leaves what it measured."""
+
+    def __init__(self, out: str | None, meta: dict):
+        self.out, self.meta, self.t0 = out, meta, time.perf_counter()
+
+    def report(self, records: list, sums: bool = False) -> None:
+        """Every rank's records so far (one collective, outside the timed
+        phases); prints the last phase's row, or with sums its format's sums."""
+        per_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, records)
+        if dist.get_rank() != 0:
+            return
+        rows = summarise(per_rank)
+        last = records[-1]
+        for r in rows:
+            if r["format"] == last["format"] and (" = " in r["phase"] if sums else r["phase"] == last["phase"]):
+                print(f"  {r['format']:<22} {r['phase']:<45} {r['seconds']:8.3f} s   peak host "
+                      f"{r['peak_host_mib']:9.1f} MiB   peak device {fmt(r['peak_device_mib'], '9.1f')} MiB",
+                      flush=True)
+        self.write(per_rank, rows)
+
+    def write(self, per_rank: list, rows: list) -> None:
+        if self.out:
+            meta = dict(self.meta, wall_seconds=time.perf_counter() - self.t0)
+            with open(self.out, "w") as f:
+                json.dump(dict(meta=meta, rows=rows, records=per_rank), f, indent=1)
+
+
+PROGRESS: Progress | None = None  # set by main(): phase() reports through it
 
 
 def size_of(path: str) -> int:
@@ -189,8 +234,8 @@ def snapshot(model, opt, portable: bool) -> dict:
     pieces are the whole state), the groups' steps and hyperparameters, and the
     model's parameters (load makes them the loaded masters); with portable, the
     whole portable state_dict() as well. Every rank must call it."""
-    pieces = [shard.tensor.clone() for entry in opt.sharded_state_dict()["state"].values()
-              for state in entry.values() for shard in state.local_shards()]
+    pieces = [shard.tensor.clone() for state in opt.sharded_state_dict()["state"].values()
+              for shard in state.local_shards()]
     return dict(pieces=pieces, groups=[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
                 params=[p.detach().clone() for p in model.parameters()],
                 portable=opt.state_dict() if portable else None)
@@ -244,7 +289,7 @@ def dcp_read(opt, directory: str) -> dict:
     return state
 
 
-def bench_portable(model, opt, batch, reference, path, records, state_bytes, cuda, dev) -> None:
+def bench_portable(model, opt, batch, reference, path, records, state_bytes, cuda, dev, evict=True) -> None:
     rank = dist.get_rank()
     sd, record = phase(records, PORTABLE, "gather", "save", partial(opt.state_dict, gather_on_root=True), cuda)
     record["bytes"] = state_bytes
@@ -252,7 +297,7 @@ def bench_portable(model, opt, batch, reference, path, records, state_bytes, cud
     record["bytes"] = record["file_bytes"] = size_of(path)
     del sd
     train_past(model, opt, batch, reference, cuda, dev)
-    if rank == 0:
+    if rank == 0 and evict:
         evict_page_cache(path)
     ckpt, record = phase(records, PORTABLE, "read", "load", partial(shardadam.checkpoint.load, path), cuda)
     record["bytes"] = record["file_bytes"] = size_of(path)
@@ -268,14 +313,14 @@ def bench_every_rank(opt, records, state_bytes, cuda) -> None:
     record["bytes"] = state_bytes
 
 
-def bench_sharded(model, opt, batch, reference, directory, records, cuda, dev) -> None:
+def bench_sharded(model, opt, batch, reference, directory, records, cuda, dev, evict=True) -> None:
     sharded, _ = phase(records, SHARDED, "sharded_state_dict", "save", opt.sharded_state_dict, cuda)
     _, record = phase(records, SHARDED, "dcp.save", "save",
                       partial(dcp.save, {"optimizer": sharded}, checkpoint_id=directory), cuda)
     record["bytes"] = record["file_bytes"] = size_of(directory)
     del sharded
     train_past(model, opt, batch, reference, cuda, dev)
-    if dist.get_rank() == 0:
+    if dist.get_rank() == 0 and evict:
         evict_page_cache(directory)
     state, record = phase(records, SHARDED, "dcp.load", "load", partial(dcp_read, opt, directory), cuda)
     record["bytes"] = record["file_bytes"] = size_of(directory)
@@ -342,15 +387,31 @@ def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", required=True, help="where the checkpoints are written (and removed once measured)")
     ap.add_argument("--tiny", action="store_true", help=f"smoke run, CPU or GPU: {TINY}")
+    ap.add_argument("--d-model", type=int, help="model width (default 2048; --tiny 64)")
+    ap.add_argument("--layers", type=int, help="transformer blocks (default 24; --tiny 2)")
+    ap.add_argument("--heads", type=int, help="attention heads (default 16; --tiny 4)")
+    ap.add_argument("--vocab", type=int, help="vocabulary (default 50304; --tiny 256)")
+    ap.add_argument("--seq", type=int, help="sequence length (default 1024; --tiny 32)")
+    ap.add_argument("--bucket-cap-mb", type=float, help="DistributedFusedAdam's bucket size in MiB (default 100)")
+    ap.add_argument("--formats", default=",".join(FORMATS),
+                    help=f"comma-separated subset of {','.join(FORMATS)} (default: all, in this order)")
+    ap.add_argument("--warm-cache", action="store_true",
+                    help="leave the written files in the page cache: loads then time the software path, not the disk")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", help="write the results here as JSON")
+    ap.add_argument("--out", help="write the results here as JSON (rewritten after every format)")
     args = ap.parse_args()
-    for key in MODEL_KEYS:
-        setattr(args, key, (TINY if args.tiny else FULL)[key])
+    args.formats = args.formats.split(",")
+    unknown = set(args.formats) - set(FORMATS)
+    if unknown:
+        ap.error(f"unknown --formats {sorted(unknown)}; choose from {','.join(FORMATS)}")
+    for key in MODEL_KEYS:  # explicit arguments win over the defaults and --tiny
+        if getattr(args, key) is None:
+            setattr(args, key, (TINY if args.tiny else FULL)[key])
     return args
 
 
 def main() -> None:
+    start = time.perf_counter()
     args = parse_args()
     cuda = torch.cuda.is_available()
     if cuda:
@@ -380,7 +441,8 @@ def main() -> None:
                 device=torch.cuda.get_device_name(dev) if cuda else platform.processor() or "cpu",
                 backend=dist.get_backend(), world_size=world, params=n_params,
                 dir=os.path.abspath(args.dir), filesystem=filesystem(args.dir),
-                config={k: v for k, v in vars(args).items() if k not in ("out", "dir")})
+                config={k: v for k, v in vars(args).items() if k not in ("out", "dir")},
+                page_cache="kept (--warm-cache)" if args.warm_cache else "evicted before each load")
     if rank == 0:
         print(f"{meta['device']} x {world} ({meta['backend']}), torch {meta['torch']}, shardadam "
               f"{meta['shardadam']}: GPT d_model {args.d_model}, {args.layers} layers, {args.heads} heads, "
@@ -388,11 +450,22 @@ def main() -> None:
               f"({meta['filesystem']})", flush=True)
 
     reference = snapshot(model, opt, portable=args.tiny)
+    if rank == 0:
+        print(f"set up in {time.perf_counter() - start:.1f} s (process group, model, optimizer, first iteration, "
+              f"reference copy of the state)", flush=True)
     records = []
     state_bytes = STATE_BYTES_PER_PARAM * n_params
-    bench_portable(model, opt, batch, reference, portable_path, records, state_bytes, cuda, dev)
-    bench_every_rank(opt, records, state_bytes, cuda)
-    bench_sharded(model, opt, batch, reference, sharded_dir, records, cuda, dev)
+    global PROGRESS
+    PROGRESS = progress = Progress(args.out, meta)
+    evict = not args.warm_cache
+    if "portable" in args.formats:
+        bench_portable(model, opt, batch, reference, portable_path, records, state_bytes, cuda, dev, evict)
+        progress.report(records, sums=True)
+    if "every-rank" in args.formats:
+        bench_every_rank(opt, records, state_bytes, cuda)
+    if "sharded" in args.formats:
+        bench_sharded(model, opt, batch, reference, sharded_dir, records, cuda, dev, evict)
+        progress.report(records, sums=True)
     per_rank = [None] * world
     dist.all_gather_object(per_rank, records)
 
@@ -400,10 +473,11 @@ def main() -> None:
         rows = summarise(per_rank)
         print()
         print(table(rows))
-        print(f"restored bit for bit after a further training iteration: {PORTABLE}, {SHARDED}")
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(dict(meta=meta, rows=rows, records=per_rank), f, indent=1)
+        restored = [name for name, key in ((PORTABLE, "portable"), (SHARDED, "sharded")) if key in args.formats]
+        if restored:
+            print(f"restored bit for bit after a further training iteration: {', '.join(restored)}")
+        progress.write(per_rank, rows)
+        print(f"whole run {time.perf_counter() - start:.1f} s (from main(): imports excluded)", flush=True)
     del opt  # before the process group goes (gloo can abort at exit otherwise: README)
     dist.destroy_process_group()
 

@@ -75,11 +75,12 @@ def _wait_for_own_params(optimizer: weakref.ref, module: torch.nn.Module, args) 
         opt._param_sync.wait_for(module.parameters(recurse=isinstance(module, _READS_CHILD_PARAMS)))
 
 
-def _unflatten(flat: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """The inverse of flat_like: an fp32 CPU tensor shaped (and laid out) like param."""
+def _unflatten(param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of flat_like, allocated before it is filled: an uninitialised
+    fp32 CPU tensor shaped (and laid out) like param, and its 1-D view in
+    memory order, into which state_dict() copies each fragment once."""
     t = torch.empty_like(param, dtype=torch.float32, device="cpu")
-    memory_flat(t).copy_(flat)
-    return t
+    return t, memory_flat(t)
 
 
 class DistributedFusedAdam(torch.optim.Optimizer):
@@ -645,28 +646,52 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         ``param`` master, ``exp_avg`` and ``exp_avg_sq`` as full tensors, plus the
         groups' hyperparameters and steps. Independent of world size and bucket
         size: it loads on any number of ranks. The shards are gathered one
-        bucket at a time (one bucket of extra device memory); every rank gets
-        the whole dict, or with gather_on_root=True only rank 0 of
-        process_group builds it in host memory and the others get None.
-        Every rank must call it."""
+        bucket at a time (one bucket of extra device memory, one copy to the
+        host per bucket and state, each fragment then copied once into its
+        parameter's tensor); every rank gets the whole dict, or with
+        gather_on_root=True only rank 0 of process_group receives the shards
+        (a gather, not an all-gather) and builds it in host memory, and the
+        others get None. Every rank must call it."""
         if not all(self._initialized):  # the state a first step would start from
             self.init_params([p for p, done in zip(self.params, self._initialized) if not done])
-        keep = not gather_on_root or dist.get_rank(self.group) == 0
+        root = self._src  # rank 0 of process_group, as a global rank
+        keep = not gather_on_root or dist.get_rank() == root
+        members = dist.get_process_group_ranks(self.dist_group if self.dist_group is not None else dist.group.WORLD)
+        if gather_on_root and root not in members:
+            return None  # redundant replicas: another distributed group holds rank 0, and gathers for it
+        size = self.layout.bucket_size(_GRAD_KEY)
+        # Only a rank that keeps the state receives it: a full bucket in device
+        # memory for the collective and, on a GPU, a pinned host bucket that
+        # one copy per bucket and state fills.
+        gathered = torch.empty(size, dtype=torch.float32, device=self.device) if keep else None
+        host = gathered
+        if keep and self.device.type == "cuda":
+            host = torch.empty(size, dtype=torch.float32, pin_memory=True)
+        parts = list(gathered.view(self.dist_size, -1).unbind(0)) if keep and gather_on_root else None
         groups, index = pack_groups(self.param_groups, plain_value)
-        full = {name: [torch.zeros(p.numel() if keep else 0, dtype=torch.float32) for p in self.params]
-                for name in self._state_names}
-        gathered = torch.empty(self.layout.bucket_size(_GRAD_KEY), dtype=torch.float32, device=self.device)
+        full = {name: [_unflatten(p) for p in self.params] if keep else None for name in self._state_names}
+        in_bucket = [[] for _ in self.layout.buckets]
+        for f in self.fragments:
+            in_bucket[f.bucket].append(f)
         for b in range(len(self.layout.buckets)):
             for name in self._state_names:
-                _all_gather(gathered, self._state_row(name, b).contiguous(), group=self.dist_group)
-                for f in self.fragments:
-                    if keep and f.bucket == b:
-                        full[name][f.param][f.param_start:f.param_end] = gathered[f.bucket_start:f.bucket_end].cpu()
+                row = self._state_row(name, b).contiguous()
+                if gather_on_root:
+                    dist.gather(row, gather_list=parts, dst=root, group=self.dist_group)
+                else:
+                    _all_gather(gathered, row, group=self.dist_group)
+                if not keep:
+                    continue
+                if host is not gathered:
+                    host.copy_(gathered)  # one device-to-host copy of the whole bucket
+                flats = full[name]
+                for f in in_bucket[b]:
+                    flats[f.param][1][f.param_start:f.param_end].copy_(host[f.bucket_start:f.bucket_end])
         if not keep:
             return None
         state = {}
         for k, p in enumerate(self.params):
-            state[index[id(p)]] = {("param" if name == "master" else name): _unflatten(full[name][k], p)
+            state[index[id(p)]] = {("param" if name == "master" else name): full[name][k][0]
                                    for name in self._state_names}
         return {"state": state, "param_groups": groups}
 
@@ -702,13 +727,17 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             group_values.append(saved_group_values(saved, group, entries))
         for values, group in zip(group_values, self.param_groups):
             set_group_values(group, values)
+        flat, flat_of = {}, None  # a parameter's loaded tensors, flattened once for its consecutive fragments
         for f in self.layout.shard_fragments(self.rank):
             entry = by_param.get(id(self.params[f.param]))
             if entry is None:
                 continue
+            if flat_of != f.param:
+                flat, flat_of = {}, f.param
             for name in self._state_names:
-                value = flat_like(entry["param" if name == "master" else name].float(), self.params[f.param])
-                self._write_state(name, f, value[f.param_start:f.param_end])
+                if name not in flat:  # a copy only where the saved layout differs from the parameter's
+                    flat[name] = flat_like(entry["param" if name == "master" else name].float(), self.params[f.param])
+                self._write_state(name, f, flat[name][f.param_start:f.param_end])
         for k, p in enumerate(self.params):  # the model's values are the loaded masters
             entry = by_param.get(id(p))
             if entry is not None:

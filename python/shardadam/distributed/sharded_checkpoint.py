@@ -1,12 +1,18 @@
 """The sharded checkpoint format of DistributedFusedAdam, for
 torch.distributed.checkpoint (DCP).
 
-Each state of each parameter (``param`` fp32 master, ``exp_avg``,
-``exp_avg_sq``, ``max_exp_avg_sq``) is one ShardedTensor of the parameter's
-flattened size (memory order); a rank contributes only the pieces its shards
-hold, at their offsets in the parameter. DCP writes every piece once and, on
-load, hands each rank the ranges its own (possibly different) layout needs, so
-a checkpoint written on N ranks loads on M with no rank holding the full state.
+Each state (``param`` fp32 master, ``exp_avg``, ``exp_avg_sq``,
+``max_exp_avg_sq``) is one 1-D ShardedTensor over the flat index space of all
+trainable parameters: the parameters in param_groups order (their index in the
+portable state dict), each flattened in memory order, one after the other
+(``params`` lists them as ``[index, numel]`` pairs). A rank contributes only
+the pieces its shards hold, one per shard fragment, at their offsets in that
+space. The space does not depend on the number of ranks or the bucket size, so
+DCP writes every piece once and, on load, hands each rank the ranges its own
+(possibly different) layout needs: a checkpoint written on N ranks loads on M
+with no rank holding the full state. Building a ShardedTensor costs a
+collective (all_gather_object of the pieces' metadata): one per state, not one
+per parameter and state.
 
     import torch.distributed.checkpoint as dcp
     dcp.save({"model": model.state_dict(), "optim": opt.sharded_state_dict()}, checkpoint_id=path)
@@ -18,6 +24,7 @@ a checkpoint written on N ranks loads on M with no rank holding the full state.
 """
 from __future__ import annotations
 
+import bisect
 import json
 import warnings
 
@@ -37,10 +44,44 @@ def _saved_name(name: str) -> str:
     return "param" if name == "master" else name
 
 
+class _FlatSpace:
+    """Where each trainable parameter lies in the checkpoint's flat index
+    space, and this rank's shard fragments in that space's order."""
+
+    def __init__(self, opt):
+        _, index = pack_groups(opt.param_groups)
+        order = sorted(range(len(opt.params)), key=lambda k: index[id(opt.params[k])])
+        self.offsets = [0] * len(opt.params)  # by position in opt.params
+        self.table, self.starts, self.order = [], [], order
+        total = 0
+        for k in order:
+            self.offsets[k] = total
+            self.starts.append(total)
+            self.table.append([index[id(opt.params[k])], opt.params[k].numel()])
+            total += opt.params[k].numel()
+        self.total = total
+        self.frags = sorted((f for f in opt._shard_fragments if f.numel > 0), key=self.start)
+
+    def start(self, f) -> int:
+        return self.offsets[f.param] + f.param_start
+
+    def ranges(self) -> list[tuple[int, int]]:
+        return [(self.start(f), self.start(f) + f.numel) for f in self.frags]
+
+    def per_param(self, ranges: list[tuple[int, int]]) -> dict[int, list[tuple[int, int]]]:
+        """Ranges grouped by parameter (position in param_groups order), relative to its start."""
+        out: dict[int, list[tuple[int, int]]] = {}
+        for start, end in ranges:
+            i = max(0, bisect.bisect_right(self.starts, start) - 1)  # past empty parameters at the same offset
+            out.setdefault(i, []).append((start - self.starts[i], end - self.starts[i]))
+        return out
+
+
 def sharded_state_dict(opt) -> dict:
-    """This rank's pieces of every state as ShardedTensors, plus the groups.
-    fp32 states are views of the optimizer's buffers (dcp.load fills them in
-    place); remainders and scaled states go through fp32 copies."""
+    """This rank's pieces of every state as one ShardedTensor per state, plus
+    the parameter table and the groups. fp32 states are views of the
+    optimizer's buffers (dcp.load fills them in place); remainders and scaled
+    states go through fp32 copies of whole bucket rows, one per bucket."""
     if opt.redundant_group is not None:
         raise NotImplementedError("sharded_state_dict with a redundant_process_group: every replica would "
                                   "write the same pieces; use state_dict() (portable)")
@@ -48,29 +89,37 @@ def sharded_state_dict(opt) -> dict:
         opt.init_params([p for p, done in zip(opt.params, opt._initialized) if not done])
     rank = dist.get_rank(opt.dist_group)
     device = f"cuda:{opt.device.index}" if opt.device.type == "cuda" else "cpu"
-    pieces = [[] for _ in opt.params]
-    for f in opt._shard_fragments:
-        pieces[f.param].append(f)
-    groups, index = pack_groups(opt.param_groups, plain_value)
+    placement = f"rank:{rank}/{device}"
+    space = _FlatSpace(opt)
+    groups, _ = pack_groups(opt.param_groups, plain_value)
     state = {}
-    for k, p in enumerate(opt.params):
-        if p.numel() == 0:
-            continue  # nothing to save
-        entry = {}
+    if space.total > 0:
         for name in opt._state_names:
-            shards = [Shard(_piece(opt, name, f), ShardMetadata([f.param_start], [f.param_end - f.param_start],
-                                                                f"rank:{rank}/{device}"))
-                      for f in pieces[k]]
-            entry[_saved_name(name)] = init_from_local_shards(shards, p.numel(), process_group=opt.dist_group)
-        state[str(index[id(p)])] = entry
-    # One string: DCP would flatten a list of dicts into keys that must
-    # already exist, key by key, when loading.
-    return {"state": state, "param_groups": json.dumps(groups)}
+            rows: dict[int, torch.Tensor] = {}
+            shards = [Shard(_piece(opt, name, f, rows), ShardMetadata([space.start(f)], [f.numel], placement))
+                      for f in space.frags]
+            state[_saved_name(name)] = init_from_local_shards(shards, space.total, process_group=opt.dist_group)
+    # Strings: DCP would flatten lists and dicts into keys that must already
+    # exist, key by key, when loading.
+    return {"state": state, "params": json.dumps(space.table), "param_groups": json.dumps(groups)}
 
 
-def _piece(opt, name: str, f) -> torch.Tensor:
+def _piece(opt, name: str, f, rows: dict) -> torch.Tensor:
     view = _live_view(opt, name, f)
-    return view if view is not None else opt._state_row(name, f.bucket)[f.shard_start:f.shard_end].clone()
+    if view is not None:
+        return view
+    if f.bucket not in rows:
+        row = opt._state_row(name, f.bucket)
+        if _shares_buffer(opt, row):  # store_params=False with fp32 parameters: the shard itself
+            row = row.clone()
+        rows[f.bucket] = row
+    return rows[f.bucket][f.shard_start:f.shard_end]
+
+
+def _shares_buffer(opt, t: torch.Tensor) -> bool:
+    buffers = (opt.master, opt.exp_avg, opt.exp_avg_sq, opt.max_exp_avg_sq, opt.param_shards, opt.remainders)
+    ptr = t.untyped_storage().data_ptr()
+    return any(b is not None and b.untyped_storage().data_ptr() == ptr for b in buffers)
 
 
 def _live_view(opt, name: str, f) -> torch.Tensor | None:
@@ -93,45 +142,66 @@ def load_sharded_state_dict(opt, sharded: dict) -> None:
     if len(saved_groups) != len(opt.param_groups):
         raise ValueError(f"the checkpoint has {len(saved_groups)} parameter groups, the optimizer "
                          f"{len(opt.param_groups)}")
-    loaded, pieces = _matched_pieces(opt, sharded["state"])
+    space = _FlatSpace(opt)
+    saved_params = json.loads(sharded["params"]) if "params" in sharded else None
+    if saved_params != space.table:
+        raise ValueError(f"the checkpoint's trainable parameters ([index, numel] in param_groups order) are "
+                         f"{_brief(saved_params)}, the optimizer's {_brief(space.table)}: another model, or "
+                         f"another choice of frozen parameters")
+    pieces = _matched_pieces(opt, sharded["state"], space)
     for saved, group in zip(saved_groups, opt.param_groups):
         set_group_values(group, {k: (tuple(v) if k == "betas" else v) for k, v in saved.items() if k != "params"})
     for name, f, tensor in pieces:
         live = _live_view(opt, name, f)
         if live is None or live.data_ptr() != tensor.data_ptr():  # else dcp.load already wrote it there
             opt._write_state(name, f, tensor.float())
-    for k in loaded:
+    for k in range(len(opt.params)):
         opt._initialized[k] = True
     _masters_into_params(opt)
 
 
-def _matched_pieces(opt, state: dict) -> tuple[list, list]:
-    """The loaded parameters (positions in opt.params) and, for every state of
-    each, (state name, fragment, loaded piece) pairs. A structure made for
-    another layout has other pieces: refused, where zip would drop or misplace them."""
-    index = {str(i): p for i, p in enumerate(q for g in opt.param_groups for q in g["params"])}
-    position = {id(p): k for k, p in enumerate(opt.params)}
-    loaded, pieces = [], []
-    for key, entry in state.items():
-        k = position[id(index[key])]
-        frags = sorted((f for f in opt._shard_fragments if f.param == k), key=lambda f: f.param_start)
-        for name in opt._state_names:
-            local = sorted(entry[_saved_name(name)].local_shards(), key=lambda s: s.metadata.shard_offsets[0])
-            _check_ranges(f"state {key} ({_saved_name(name)})", frags, local)
-            pieces += [(name, f, shard.tensor) for f, shard in zip(frags, local)]
-        loaded.append(k)
-    return loaded, pieces
+def _brief(table) -> str:
+    if not isinstance(table, list):
+        return repr(table)
+    return f"{len(table)} parameters {table[:4]}{' ...' if len(table) > 4 else ''}"
 
 
-def _check_ranges(what: str, frags: list, local: list) -> None:
-    mine = [(f.param_start, f.param_end) for f in frags]
-    given = [(s.metadata.shard_offsets[0], s.metadata.shard_offsets[0] + s.metadata.shard_sizes[0]) for s in local]
-    if len(given) != len(mine):
-        raise ValueError(f"{what}: the sharded state dict holds {len(given)} pieces on this rank, the optimizer "
-                         f"{len(mine)}: load into a sharded_state_dict() of this optimizer")
-    if given != mine:
-        raise ValueError(f"{what}: the sharded state dict holds the ranges {given} on this rank, the optimizer "
-                         f"{mine}: load into a sharded_state_dict() of this optimizer")
+def _matched_pieces(opt, state: dict, space: _FlatSpace) -> list:
+    """(state name, fragment, loaded piece) for every state and piece of this
+    rank. A structure made for another layout has other pieces: refused,
+    where zip would drop or misplace them."""
+    pieces = []
+    mine = space.ranges()
+    for name in opt._state_names if space.total > 0 else ():
+        saved = _saved_name(name)
+        if saved not in state:
+            raise ValueError(f"the sharded state dict has no state '{saved}': load into a sharded_state_dict() "
+                             f"of this optimizer")
+        tensor = state[saved]
+        if tuple(tensor.size()) != (space.total,):
+            raise ValueError(f"state '{saved}' covers {tuple(tensor.size())} elements, the optimizer's parameters "
+                             f"{space.total}: load into a sharded_state_dict() of this optimizer")
+        local = sorted(tensor.local_shards(), key=lambda s: s.metadata.shard_offsets[0])
+        given = [(s.metadata.shard_offsets[0], s.metadata.shard_offsets[0] + s.metadata.shard_sizes[0]) for s in local]
+        if given != mine:
+            raise ValueError(_mismatch(saved, space, given, mine))
+        pieces += [(name, f, shard.tensor) for f, shard in zip(space.frags, local)]
+    return pieces
+
+
+def _mismatch(saved: str, space: _FlatSpace, given: list, mine: list) -> str:
+    """The first parameter whose pieces on this rank differ, in its own offsets."""
+    have, want = space.per_param(given), space.per_param(mine)
+    for i in sorted(set(have) | set(want)):
+        g, m = have.get(i, []), want.get(i, [])
+        if g == m:
+            continue
+        what = f"state {space.table[i][0]} ({saved})"
+        hint = "load into a sharded_state_dict() of this optimizer"
+        if len(g) != len(m):
+            return f"{what}: the sharded state dict holds {len(g)} pieces on this rank, the optimizer {len(m)}: {hint}"
+        return f"{what}: the sharded state dict holds the ranges {g} on this rank, the optimizer {m}: {hint}"
+    return f"state '{saved}': the sharded state dict holds other pieces on this rank than the optimizer"
 
 
 def _masters_into_params(opt) -> None:

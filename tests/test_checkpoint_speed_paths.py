@@ -1,0 +1,232 @@
+"""The fast checkpoint paths give the same results as the straightforward ones.
+
+- state_dict(gather_on_root=True) gathers to rank 0 alone (also with
+  redundant replicas: only the distributed group holding rank 0 gathers) and
+  builds the same dict as state_dict() on every rank; the tensors are laid out
+  like their parameters (channels_last kept) and every element is written.
+- The sharded format is one ShardedTensor per state over the flat index space
+  of the trainable parameters (one collective per state to build): its pieces
+  are exactly the portable state at their offsets, and a structure of another
+  model is refused before anything is written.
+- checkpoint.save/load with many chunks: hashing beside the writes and reads,
+  background syncs, damage in the middle of a large payload still detected.
+"""
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import shardadam
+from conftest import assert_bits_equal
+from shardadam import checkpoint
+from shardadam.distributed import sharded_checkpoint
+from test_distributed import _exit, _frozen, _groups, _model, _rank_group, _spawn, _train
+
+pytestmark = pytest.mark.filterwarnings("ignore:Please use DTensor:FutureWarning")
+
+
+def _flat_np(t: torch.Tensor) -> np.ndarray:
+    """t's values in memory order (channels_last included), as numpy."""
+    return t.detach().as_strided((t.numel(),), (1,), t.storage_offset()).cpu().numpy().copy()
+
+
+def _gather_worker(rank: int, world: int, port: int, redundant: bool, out) -> None:
+    with _rank_group(rank, world, port, out):
+        model = _model()
+        frozen = _frozen(model)
+        frozen.requires_grad_(False)
+        groups = {}
+        if redundant:  # 4 ranks: shards over {0, 1} and {2, 3}, each repeated over {0, 2} / {1, 3}
+            shard_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+            replica_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+            groups = dict(distributed_process_group=shard_groups[rank // 2],
+                          redundant_process_group=replica_groups[rank % 2])
+        opt = shardadam.DistributedFusedAdam(_groups(model, frozen), lr=1e-2, weight_decay=0.1, bucket_cap_mb=1e-4,
+                                             **groups)
+        _train(model, opt, rank, world, range(3))
+        everyone = opt.state_dict()
+        on_root = opt.state_dict(gather_on_root=True)
+        params = [p for g in opt.param_groups for p in g["params"]]
+        layout_kept = all(everyone["state"][i][name].stride() == params[i].stride()
+                          for i in everyone["state"] for name in everyone["state"][i])
+        # This rank's sharded pieces, at their offsets in the flat space, equal the portable state.
+        pieces_match = True
+        if not redundant:
+            sharded = opt.sharded_state_dict()
+            table = json.loads(sharded["params"])
+            offsets, total = {}, 0
+            for index, numel in table:
+                offsets[index] = (total, numel)
+                total += numel
+            for name, tensor in sharded["state"].items():
+                for shard in tensor.local_shards():
+                    start, size = shard.metadata.shard_offsets[0], shard.metadata.shard_sizes[0]
+                    index = next(i for i, (o, n) in offsets.items() if o <= start < o + n)
+                    o, _ = offsets[index]
+                    whole = _flat_np(everyone["state"][index][name])
+                    pieces_match &= bool(np.array_equal(whole[start - o:start - o + size],
+                                                        shard.tensor.cpu().numpy()))
+        result = dict(root_is_none=on_root is None, layout_kept=layout_kept, pieces_match=pieces_match,
+                      everyone={i: {k: _flat_np(v) for k, v in e.items()} for i, e in everyone["state"].items()},
+                      on_root=None if on_root is None else
+                      {i: {k: _flat_np(v) for k, v in e.items()} for i, e in on_root["state"].items()},
+                      groups=everyone["param_groups"],
+                      root_groups=None if on_root is None else on_root["param_groups"])
+        results = [None] * world
+        dist.all_gather_object(results, {k: result[k] for k in ("root_is_none", "layout_kept", "pieces_match")})
+        if rank == 0:
+            out.put(dict(result, ranks=results))
+    _exit()
+
+
+@pytest.mark.parametrize("world,redundant", [(3, False), (4, True)], ids=["3-ranks", "redundant-2x2"])
+def test_gather_on_root_equals_the_every_rank_dict(world, redundant):
+    result = _spawn(_gather_worker, world, redundant)
+    assert [r["root_is_none"] for r in result["ranks"]] == [False] + [True] * (world - 1)
+    assert all(r["layout_kept"] for r in result["ranks"]), "state tensors are laid out like their parameters"
+    assert all(r["pieces_match"] for r in result["ranks"]), "sharded pieces differ from the portable state"
+    assert result["root_groups"] == result["groups"]
+    assert result["on_root"].keys() == result["everyone"].keys()
+    for i, entry in result["everyone"].items():
+        for name, value in entry.items():
+            assert np.array_equal(result["on_root"][i][name].view(np.int32), value.view(np.int32)), f"{i} {name}"
+
+
+# ---------------------------------------------------------------- one rank in this process
+
+@pytest.fixture
+def one_rank():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _optimizer(bucket_cap_mb: float = 1e-4, width: int = 8, **kw):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, width), nn.Tanh(), nn.Linear(width, 3))
+    opt = shardadam.DistributedFusedAdam(model.parameters(), lr=1e-2, weight_decay=0.1, bucket_cap_mb=bucket_cap_mb,
+                                         overlap_grad_sync=False, **kw)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        opt.zero_grad()
+        F.mse_loss(model(torch.randn(8, 12, generator=g)), torch.randn(8, 3, generator=g)).backward()
+        opt.step()
+    return model, opt
+
+
+def test_one_sharded_tensor_per_state(one_rank, monkeypatch):
+    """One ShardedTensor (one collective) per state, not per parameter and
+    state, covering every trainable element once."""
+    _, opt = _optimizer(amsgrad=True)
+    calls = []
+    build = sharded_checkpoint.init_from_local_shards
+    monkeypatch.setattr(sharded_checkpoint, "init_from_local_shards",
+                        lambda shards, *size, **kw: (calls.append(size), build(shards, *size, **kw))[1])
+    sharded = opt.sharded_state_dict()
+    total = sum(p.numel() for p in opt.params)
+    assert sorted(sharded["state"]) == ["exp_avg", "exp_avg_sq", "max_exp_avg_sq", "param"]
+    assert calls == [(total,)] * 4
+    for tensor in sharded["state"].values():
+        ranges = sorted((s.metadata.shard_offsets[0], s.metadata.shard_sizes[0]) for s in tensor.local_shards())
+        covered = 0
+        for start, size in ranges:  # one rank: the pieces tile the space
+            assert start == covered
+            covered += size
+        assert covered == total
+    in_groups = [q for g in opt.param_groups for q in g["params"]]
+    assert json.loads(sharded["params"]) == [[i, p.numel()] for i, p in enumerate(in_groups)]
+
+
+def test_sharded_state_of_another_model_is_refused_before_writing(one_rank, tmp_path):
+    _, small = _optimizer(width=8)
+    import torch.distributed.checkpoint as dcp
+    dcp.save({"optim": small.sharded_state_dict()}, checkpoint_id=str(tmp_path))
+    _, wide = _optimizer(width=16)
+    template = {"optim": wide.sharded_state_dict()}
+    before = {n: getattr(wide, n).clone() for n in ("master", "exp_avg", "exp_avg_sq")}
+    steps = [g["step"] for g in wide.param_groups]
+    # DCP refuses the other total size while planning, before it reads anything.
+    from torch.distributed.checkpoint.api import CheckpointException
+    with pytest.raises(CheckpointException, match="Size mismatch"):
+        dcp.load(template, checkpoint_id=str(tmp_path))
+    # A structure of another model handed over directly: refused by the parameter table.
+    other = small.sharded_state_dict()
+    with pytest.raises(ValueError, match="trainable parameters"):
+        wide.load_sharded_state_dict(other)
+    assert [g["step"] for g in wide.param_groups] == steps
+    for name, value in before.items():
+        assert_bits_equal(getattr(wide, name), value, name)
+
+
+def test_store_params_false_pieces_are_copies(one_rank):
+    """store_params=False with fp32 parameters: the master is the parameter
+    shard itself, and its pieces are copies of it (whole rows, one per
+    bucket), so dcp.load filling them changes nothing until
+    load_sharded_state_dict checks and writes them."""
+    _, opt = _optimizer(store_params=False)
+    before = opt.param_shards.clone()
+    sharded = opt.sharded_state_dict()
+    for shard in sharded["state"]["param"].local_shards():
+        shard.tensor.fill_(123.0)
+    assert_bits_equal(opt.param_shards, before, "param_shards")
+
+
+# ---------------------------------------------------------------- checkpoint files
+
+def _payload_state(n_tensors: int = 6, numel: int = 300_000):
+    g = torch.Generator().manual_seed(0)
+    return {"state": {i: {"exp_avg": torch.randn(numel, generator=g)} for i in range(n_tensors)}}
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Chunks of 256 KiB: a 7 MB payload then takes many reads, hashes and
+    background syncs."""
+    monkeypatch.setattr(checkpoint, "_PARALLEL_MIN", 1 << 12)
+    monkeypatch.setattr(checkpoint, "_SYNC_EVERY", 1 << 20)
+    monkeypatch.setattr(checkpoint, "_READ_CHUNK", 1 << 18)
+    syncs = []
+    sync = checkpoint._datasync
+    monkeypatch.setattr(checkpoint, "_datasync", lambda fd: (syncs.append(fd), sync(fd)))
+    return syncs
+
+
+def test_many_chunks_round_trip(tmp_path, small_chunks):
+    path = tmp_path / "big.pt"
+    checkpoint.save(_payload_state(), path)
+    assert len(small_chunks) >= 2, "background syncs started during the save"
+    loaded = checkpoint.load(path)
+    for i, entry in _payload_state()["state"].items():
+        assert torch.equal(loaded["state"][i]["exp_avg"], entry["exp_avg"])
+
+
+@pytest.mark.parametrize("where", [0.1, 0.5, 0.97])
+def test_damage_inside_a_large_payload_is_found(tmp_path, small_chunks, where):
+    path = tmp_path / "big.pt"
+    checkpoint.save(_payload_state(), path)
+    data = bytearray(path.read_bytes())
+    data[int(len(data) * where)] ^= 0x10
+    path.write_bytes(bytes(data))
+    with pytest.raises(checkpoint.CheckpointError, match="SHA-256"):
+        checkpoint.load(path)
+
+
+def test_payload_reader_reads_like_bytesio():
+    data = bytes(range(256)) * 40
+    ours, ref = checkpoint._PayloadReader(data), io.BytesIO(data)
+    for op in [("seek", 100), ("read", 17), ("tell",), ("seek", -5, io.SEEK_END), ("read", 100), ("tell",),
+               ("seek", 10, io.SEEK_SET), ("seek", 7, io.SEEK_CUR), ("read", 3), ("read", -1), ("read", 5)]:
+        assert getattr(ours, op[0])(*op[1:]) == getattr(ref, op[0])(*op[1:]), op
+    buf = bytearray(64)
+    ours.seek(1000), ref.seek(1000)
+    assert ours.readinto(buf) == 64 and bytes(buf) == ref.read(64)
+    ours.close()
