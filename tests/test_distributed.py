@@ -591,16 +591,20 @@ def test_checkpoints_move_between_fused_and_distributed(direction):
 def _dcp_worker(rank: int, world: int, port: int, path: str, cfg: dict, out) -> None:
     """With nothing at `path`: train steps 0-2 and save model + optimizer, with
     DCP (cfg["format"] "dcp") or as one portable file written by rank 0
-    ("portable"). Otherwise: load them from `path`, train steps 3-4, return the params."""
+    ("portable"). Otherwise: load them from `path`, train steps 3-4, return the params.
+    cfg["device"] "cuda": NCCL with one GPU per rank (capturable optimizers need it)."""
     import torch.distributed.checkpoint as dcp
-    with _rank_group(rank, world, port, out):
-        model = _model().to(dtype=cfg["dtype"])
+    cuda = cfg["device"] == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    with _rank_group(rank, world, port, out, "nccl" if cuda else "gloo"):
+        model = _model().to(f"cuda:{rank}" if cuda else "cpu", dtype=cfg["dtype"])
         frozen = _frozen(model)
         frozen.requires_grad_(False)
         opt = shardadam.DistributedFusedAdam(_groups(model, frozen), lr=1e-2, weight_decay=0.1,
                                              bucket_cap_mb=cfg["bucket_cap_mb"],
                                              store_param_remainders=cfg["remainders"],
-                                             with_scaled_states=cfg["scaled_states"])
+                                             with_scaled_states=cfg["scaled_states"], capturable=cfg["capturable"])
         if not os.path.exists(path):
             _train(model, opt, rank, world, range(3))
             if cfg["format"] == "dcp":
@@ -624,8 +628,8 @@ def _dcp_worker(rank: int, world: int, port: int, path: str, cfg: dict, out) -> 
                 model.load_state_dict(ckpt["model"])
                 opt.load_state_dict(ckpt["optim"])
             _train(model, opt, rank, world, range(3, STEPS))
-            result = dict(params=[p.detach().float().numpy().copy() for p in model.parameters()],
-                          steps=[g["step"] for g in opt.param_groups])
+            result = dict(params=[p.detach().float().cpu().numpy().copy() for p in model.parameters()],
+                          steps=[int(g["step"]) for g in opt.param_groups])
         if rank == 0:
             out.put(result)
     _exit()
@@ -638,7 +642,10 @@ def _dcp_worker(rank: int, world: int, port: int, path: str, cfg: dict, out) -> 
     (4, 1, {}),
     (2, 3, dict(dtype=torch.bfloat16, remainders=True)),
     (3, 2, dict(dtype=torch.bfloat16, scaled_states=True)),
-], ids=["2-to-3", "3-to-2-other-buckets", "4-to-1", "bf16-remainders-2-to-3", "scaled-states-3-to-2"])
+    pytest.param(2, 1, dict(device="cuda", capturable=True), marks=pytest.mark.multigpu),
+    pytest.param(1, 2, dict(device="cuda", capturable=True, load_cap=100.0), marks=pytest.mark.multigpu),
+], ids=["2-to-3", "3-to-2-other-buckets", "4-to-1", "bf16-remainders-2-to-3", "scaled-states-3-to-2",
+        "nccl-capturable-2-to-1", "nccl-capturable-1-to-2-other-buckets"])
 def test_checkpoint_formats_reshard_every_storage_mode(save_world, load_world, kw, fmt, tmp_path):
     """Saved on N ranks (DCP: each rank writes only its pieces; portable: one
     file from rank 0), loaded on M ranks with another layout: the continued run
@@ -646,7 +653,8 @@ def test_checkpoint_formats_reshard_every_storage_mode(save_world, load_world, k
     fp32 rounding apart). bf16 runs compare with their own uninterrupted run."""
     kw = dict(kw)
     load_cap = kw.pop("load_cap", 1e-4)
-    cfg = dict(dtype=torch.float32, remainders=False, scaled_states=False, bucket_cap_mb=1e-4, format=fmt)
+    cfg = dict(dtype=torch.float32, remainders=False, scaled_states=False, bucket_cap_mb=1e-4, format=fmt,
+               device="cpu", capturable=False)
     cfg.update(kw)
     path = str(tmp_path / "ckpt")
     assert _spawn(_dcp_worker, save_world, path, cfg)["saved"]
