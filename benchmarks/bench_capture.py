@@ -88,8 +88,8 @@ import shardadam
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_distributed import (FULL, TINY, WARMUP, WEIGHT_DECAY, Stopwatch, agree_on_error,  # noqa: E402
-                               build_ddp_fused, build_model, fmt, free, make_batch, max_over_ranks,
-                               optimizer_bytes, sync)
+                               build_ddp_fused, build_model, fmt, free, init_distributed, make_batch,
+                               max_over_ranks, optimizer_bytes, sync)
 
 REFERENCE = "ddp_fused"
 BF16 = dict(param_sync_dtype=torch.bfloat16)
@@ -361,14 +361,7 @@ def runs(args, cuda: bool) -> list[tuple[str, str]]:
 
 def main() -> None:
     args = parse_args()
-    cuda = torch.cuda.is_available()
-    if cuda:
-        dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(dev)
-        dist.init_process_group("nccl", device_id=dev)
-    else:
-        dev = torch.device("cpu")
-        dist.init_process_group("gloo")
+    dev, cuda = init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     n_params = sum(p.numel() for p in build_model(args, torch.device("meta")).parameters())
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

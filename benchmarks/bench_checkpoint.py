@@ -71,7 +71,8 @@ import torch.nn.functional as F
 import shardadam
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_distributed import FULL, TINY, WEIGHT_DECAY, build_model, fmt, make_batch, sync  # noqa: E402
+from bench_distributed import (FULL, TINY, WEIGHT_DECAY, build_model, fmt, init_distributed, make_batch,  # noqa: E402
+                               sync)
 
 LR = 1e-4
 MODEL_KEYS = ("d_model", "layers", "heads", "vocab", "seq", "bucket_cap_mb")
@@ -413,14 +414,7 @@ def parse_args():
 def main() -> None:
     start = time.perf_counter()
     args = parse_args()
-    cuda = torch.cuda.is_available()
-    if cuda:
-        dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(dev)
-        dist.init_process_group("nccl", device_id=dev)
-    else:
-        dev = torch.device("cpu")
-        dist.init_process_group("gloo")
+    dev, cuda = init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     portable_path = os.path.join(args.dir, "bench_checkpoint_portable.pt")
     sharded_dir = os.path.join(args.dir, "bench_checkpoint_sharded")

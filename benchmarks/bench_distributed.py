@@ -409,8 +409,9 @@ def parse_args():
     return args
 
 
-def main() -> None:
-    args = parse_args()
+def init_distributed() -> tuple[torch.device, bool]:
+    """The process group of a torchrun process: NCCL with one GPU per process
+    (cuda:LOCAL_RANK) when CUDA is available, gloo on the CPU otherwise."""
     cuda = torch.cuda.is_available()
     if cuda:
         dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
@@ -419,6 +420,12 @@ def main() -> None:
     else:
         dev = torch.device("cpu")
         dist.init_process_group("gloo")
+    return dev, cuda
+
+
+def main() -> None:
+    args = parse_args()
+    dev, cuda = init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     n_params = sum(p.numel() for p in build_model(args, torch.device("meta")).parameters())
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -101,13 +101,6 @@ def test_gather_on_root_equals_the_every_rank_dict(world, redundant):
 
 # ---------------------------------------------------------------- one rank in this process
 
-@pytest.fixture
-def one_rank():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _optimizer(bucket_cap_mb: float = 1e-4, width: int = 8, **kw):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
@@ -18,13 +17,6 @@ from conftest import assert_bits_equal
 pytestmark = pytest.mark.filterwarnings("ignore:Please use DTensor:FutureWarning")
 
 
-@pytest.fixture
-def one_rank():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _optimizer(bucket_cap_mb: float, dtype=torch.float32, lr: float = 1e-2, **kw):
