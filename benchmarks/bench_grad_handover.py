@@ -1,0 +1,80 @@
+#!/usr/bin/env python
+"""Host time of DistributedFusedAdam's gradient hand-over, per parameter and per bucket.
+
+In the GPT benchmark the iteration is bound by host time, and backward costs
+about 20 ms more host time with DistributedFusedAdam than without it
+(RESULTS.md, "Where the time goes"). This measures the Python side of that
+hand-over alone: for every parameter, in backward order, what the
+post-accumulate-grad hook runs (GradSync.pack: copy into the bucket, start the
+complete buckets' reduce-scatters), then GradSync.finish. It runs in one
+process (a world of 1: gloo on the CPU, NCCL on a GPU), so the collectives are
+real calls with nothing to wait for, and there is no autograd around it.
+
+Two runs separate the costs: one bucket holding every parameter, and the
+given number of buckets; the difference over the extra buckets is the cost
+per bucket, the one-bucket run over the parameters the cost per parameter.
+
+    python benchmarks/bench_grad_handover.py                       # CPU: 290 parameters, 57 buckets
+    python benchmarks/bench_grad_handover.py --device cuda         # the same on a GPU (host time only)
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import shardadam
+
+
+def handover_ms(params: list, grads: list, bucket_cap_mb: float, iters: int) -> tuple[float, int]:
+    """Median host ms of one iteration's hand-over, and the number of buckets."""
+    opt = shardadam.DistributedFusedAdam(params, bucket_cap_mb=bucket_cap_mb, overlap_grad_sync=True)
+    sync = opt._grad_sync
+    order = range(len(params) - 1, -1, -1)  # the layout's first guess: backward runs last to first
+    times = []
+    for i in range(iters + 5):
+        if params[0].is_cuda:
+            torch.cuda.synchronize()  # host time only: the GPU is idle when each iteration starts
+        start = time.perf_counter()
+        for k in order:
+            sync.pack(k, grads[k])
+        sync.finish()
+        times.append(time.perf_counter() - start)
+        sync.reset()
+    return statistics.median(times[5:]) * 1e3, len(opt.layout.buckets)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--params", type=int, default=290, help="parameters (the 1.4B GPT has 290)")
+    ap.add_argument("--buckets", type=int, default=57, help="buckets (the 1.4B GPT has 57 at 100 MiB)")
+    ap.add_argument("--numel", type=int, default=1024, help="elements per parameter (host time hardly depends on it)")
+    ap.add_argument("--iters", type=int, default=50)
+    args = ap.parse_args()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=0, world_size=1)
+    torch.set_num_threads(1)
+    dev = torch.device(args.device)
+    params = [torch.nn.Parameter(torch.randn(args.numel, device=dev)) for _ in range(args.params)]
+    grads = [torch.randn(args.numel, device=dev) for _ in params]
+    mib = args.numel * 4 / 2**20
+    one_ms, _ = handover_ms(params, grads, mib * args.params * 2, args.iters)
+    many_ms, buckets = handover_ms(params, grads, mib * args.params / args.buckets, args.iters)
+    per_bucket_us = (many_ms - one_ms) * 1e3 / max(buckets - 1, 1)
+    print(f"{args.device}, torch {torch.__version__}, {args.params} parameters of {args.numel} elements")
+    print("| buckets | host ms per iteration | us per parameter |")
+    print("|---:|---:|---:|")
+    print(f"| 1 | {one_ms:.2f} | {one_ms * 1e3 / args.params:.1f} |")
+    print(f"| {buckets} | {many_ms:.2f} | {many_ms * 1e3 / args.params:.1f} |")
+    print(f"per extra bucket: {per_bucket_us:.1f} us")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
