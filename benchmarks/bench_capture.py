@@ -67,12 +67,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import math
 import os
-import platform
-import shlex
 import statistics
 import sys
 import time
@@ -87,9 +84,9 @@ import torch.nn.functional as F
 import shardadam
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_distributed import (FULL, TINY, WARMUP, WEIGHT_DECAY, Stopwatch, agree_on_error,  # noqa: E402
-                               build_ddp_fused, build_model, fmt, free, init_distributed, make_batch,
-                               max_over_ranks, optimizer_bytes, sync)
+from bench_distributed import (FULL, WARMUP, WEIGHT_DECAY, Stopwatch, add_size_args, agree_on_error,  # noqa: E402
+                               build_ddp_fused, build_model, describe, fill_defaults, fmt, free,
+                               init_distributed, make_batch, max_over_ranks, optimizer_bytes, run_meta, sync)
 
 REFERENCE = "ddp_fused"
 BF16 = dict(param_sync_dtype=torch.bfloat16)
@@ -320,12 +317,7 @@ def table(results: list[dict]) -> str:
 
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tiny", action="store_true", help=f"smoke run: {TINY}")
-    ap.add_argument("--d-model", type=int)
-    ap.add_argument("--layers", type=int)
-    ap.add_argument("--heads", type=int)
-    ap.add_argument("--vocab", type=int)
-    ap.add_argument("--seq", type=int)
+    add_size_args(ap)
     ap.add_argument("--batches", help="batch sizes per GPU, comma-separated (default 4)")
     ap.add_argument("--iters", type=int,
                     help=f"timed iterations, twice (GPU time, then host time), after {WARMUP} warm-up ones "
@@ -338,10 +330,7 @@ def parse_args():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="write the results here as JSON")
     args = ap.parse_args()
-    defaults = TINY if args.tiny else dict(FULL, batches="4")
-    for key, value in defaults.items():  # explicit arguments win over --tiny
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    fill_defaults(args, dict(FULL, batches="4"))
     args.batches = [int(b) for b in args.batches.split(",")]
     args.configs, args.modes = args.configs.split(","), args.modes.split(",")
     if args.iters < 1:
@@ -362,19 +351,11 @@ def runs(args, cuda: bool) -> list[tuple[str, str]]:
 def main() -> None:
     args = parse_args()
     dev, cuda = init_distributed()
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     n_params = sum(p.numel() for p in build_model(args, torch.device("meta")).parameters())
-    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                command=shlex.join(sys.argv), torch=torch.__version__, cuda=torch.version.cuda,
-                nccl=".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
-                shardadam=shardadam.__version__, python=platform.python_version(),
-                device=torch.cuda.get_device_name(dev) if cuda else platform.processor() or "cpu",
-                backend=dist.get_backend(), world_size=world, params=n_params,
-                config={k: v for k, v in vars(args).items() if k != "out"})
+    meta = run_meta(args, dev, cuda, n_params)
     if rank == 0:
-        print(f"{meta['device']} x {world} ({meta['backend']}), torch {meta['torch']}, shardadam "
-              f"{meta['shardadam']}: GPT d_model {args.d_model}, {args.layers} layers, {args.heads} heads, "
-              f"vocab {args.vocab}, seq {args.seq}: {n_params:,} parameters", flush=True)
+        print(describe(meta, args), flush=True)
         if not cuda and "captured" in args.modes:
             print("captured mode skipped: CUDA graphs need CUDA (this run is eager only, capturable=False)",
                   flush=True)

@@ -50,12 +50,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import datetime
 import gc
 import json
 import os
-import platform
-import shlex
 import shutil
 import sys
 import threading
@@ -71,8 +68,8 @@ import torch.nn.functional as F
 import shardadam
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_distributed import (FULL, TINY, WEIGHT_DECAY, build_model, fmt, init_distributed, make_batch,  # noqa: E402
-                               sync)
+from bench_distributed import (FULL, WEIGHT_DECAY, add_size_args, build_model, describe, fill_defaults,  # noqa: E402
+                               fmt, init_distributed, make_batch, run_meta, sync)
 
 LR = 1e-4
 MODEL_KEYS = ("d_model", "layers", "heads", "vocab", "seq", "bucket_cap_mb")
@@ -387,12 +384,7 @@ def table(rows: list[dict]) -> str:
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", required=True, help="where the checkpoints are written (and removed once measured)")
-    ap.add_argument("--tiny", action="store_true", help=f"smoke run, CPU or GPU: {TINY}")
-    ap.add_argument("--d-model", type=int, help="model width (default 2048; --tiny 64)")
-    ap.add_argument("--layers", type=int, help="transformer blocks (default 24; --tiny 2)")
-    ap.add_argument("--heads", type=int, help="attention heads (default 16; --tiny 4)")
-    ap.add_argument("--vocab", type=int, help="vocabulary (default 50304; --tiny 256)")
-    ap.add_argument("--seq", type=int, help="sequence length (default 1024; --tiny 32)")
+    add_size_args(ap)
     ap.add_argument("--bucket-cap-mb", type=float, help="DistributedFusedAdam's bucket size in MiB (default 100)")
     ap.add_argument("--formats", default=",".join(FORMATS),
                     help=f"comma-separated subset of {','.join(FORMATS)} (default: all, in this order)")
@@ -405,9 +397,7 @@ def parse_args():
     unknown = set(args.formats) - set(FORMATS)
     if unknown:
         ap.error(f"unknown --formats {sorted(unknown)}; choose from {','.join(FORMATS)}")
-    for key in MODEL_KEYS:  # explicit arguments win over the defaults and --tiny
-        if getattr(args, key) is None:
-            setattr(args, key, (TINY if args.tiny else FULL)[key])
+    fill_defaults(args, FULL, MODEL_KEYS)
     return args
 
 
@@ -429,19 +419,10 @@ def main() -> None:
                                          contiguous_param_buffer=True)
     batch = make_batch(args, 1, dev)
     train_step(model, opt, *batch, cuda)
-    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                command=shlex.join(sys.argv), torch=torch.__version__, shardadam=shardadam.__version__,
-                python=platform.python_version(),
-                device=torch.cuda.get_device_name(dev) if cuda else platform.processor() or "cpu",
-                backend=dist.get_backend(), world_size=world, params=n_params,
-                dir=os.path.abspath(args.dir), filesystem=filesystem(args.dir),
-                config={k: v for k, v in vars(args).items() if k not in ("out", "dir")},
+    meta = dict(run_meta(args, dev, cuda, n_params), dir=os.path.abspath(args.dir), filesystem=filesystem(args.dir),
                 page_cache="kept (--warm-cache)" if args.warm_cache else "evicted before each load")
     if rank == 0:
-        print(f"{meta['device']} x {world} ({meta['backend']}), torch {meta['torch']}, shardadam "
-              f"{meta['shardadam']}: GPT d_model {args.d_model}, {args.layers} layers, {args.heads} heads, "
-              f"vocab {args.vocab}, seq {args.seq}: {n_params:,} parameters; checkpoints in {meta['dir']} "
-              f"({meta['filesystem']})", flush=True)
+        print(f"{describe(meta, args)}; checkpoints in {meta['dir']} ({meta['filesystem']})", flush=True)
 
     reference = snapshot(model, opt, portable=args.tiny)
     if rank == 0:

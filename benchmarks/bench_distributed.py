@@ -37,7 +37,9 @@ import json
 import math
 import os
 import platform
+import shlex
 import statistics
+import sys
 import time
 import traceback
 from itertools import pairwise
@@ -380,14 +382,27 @@ def goals(results: list[dict], world: int) -> list[str]:
 
 # ------------------------------------------------------------------ main
 
+def add_size_args(ap: argparse.ArgumentParser) -> None:
+    """The GPT's size options, shared by the benchmarks built on this model."""
+    ap.add_argument("--tiny", action="store_true", help=f"smoke run, CPU or GPU: {TINY}")
+    for name, what in (("d-model", "model width"), ("layers", "transformer blocks"), ("heads", "attention heads"),
+                       ("vocab", "vocabulary"), ("seq", "sequence length")):
+        key = name.replace("-", "_")
+        ap.add_argument(f"--{name}", type=int, help=f"{what} (default {FULL[key]}; --tiny {TINY[key]})")
+
+
+def fill_defaults(args, full: dict, keys=None) -> None:
+    """Whatever was not given (of `keys`, default all), from TINY with --tiny,
+    else from `full`: explicit arguments win."""
+    defaults = TINY if args.tiny else full
+    for key in keys or defaults:
+        if getattr(args, key, None) is None:
+            setattr(args, key, defaults[key])
+
+
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tiny", action="store_true", help=f"smoke run: {TINY}")
-    ap.add_argument("--d-model", type=int)
-    ap.add_argument("--layers", type=int)
-    ap.add_argument("--heads", type=int)
-    ap.add_argument("--vocab", type=int)
-    ap.add_argument("--seq", type=int)
+    add_size_args(ap)
     ap.add_argument("--batches", help="batch sizes per GPU, comma-separated (default 4,8)")
     ap.add_argument("--iters", type=int, help=f"timed iterations after {WARMUP} warm-up ones (default 10)")
     ap.add_argument("--impls", default=",".join(IMPLS), help="comma-separated subset of " + ",".join(IMPLS))
@@ -396,9 +411,7 @@ def parse_args():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="write the results here as JSON")
     args = ap.parse_args()
-    for key, value in (TINY if args.tiny else FULL).items():  # explicit arguments win over --tiny
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    fill_defaults(args, FULL)
     args.batches = [int(b) for b in args.batches.split(",")]
     args.impls = args.impls.split(",")
     if args.iters < 1:
@@ -407,6 +420,24 @@ def parse_args():
     if unknown:
         ap.error(f"unknown --impls {sorted(unknown)}; choose from {IMPLS}")
     return args
+
+
+def run_meta(args, dev: torch.device, cuda: bool, n_params: int) -> dict:
+    """Where, when and how a benchmark ran, for its JSON."""
+    return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                command=shlex.join(sys.argv), torch=torch.__version__, cuda=torch.version.cuda,
+                nccl=".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
+                shardadam=shardadam.__version__, python=platform.python_version(),
+                device=torch.cuda.get_device_name(dev) if cuda else platform.processor() or "cpu",
+                backend=dist.get_backend(), world_size=dist.get_world_size(), params=n_params,
+                config={k: v for k, v in vars(args).items() if k != "out"})
+
+
+def describe(meta: dict, args) -> str:
+    """The first line rank 0 prints: the machine and the model."""
+    return (f"{meta['device']} x {meta['world_size']} ({meta['backend']}), torch {meta['torch']}, shardadam "
+            f"{meta['shardadam']}: GPT d_model {args.d_model}, {args.layers} layers, {args.heads} heads, "
+            f"vocab {args.vocab}, seq {args.seq}: {meta['params']:,} parameters")
 
 
 def init_distributed() -> tuple[torch.device, bool]:
@@ -428,15 +459,9 @@ def main() -> None:
     dev, cuda = init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     n_params = sum(p.numel() for p in build_model(args, torch.device("meta")).parameters())
-    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                torch=torch.__version__, shardadam=shardadam.__version__,
-                device=torch.cuda.get_device_name(dev) if cuda else platform.processor() or "cpu",
-                backend=dist.get_backend(), world_size=world, params=n_params,
-                config={k: v for k, v in vars(args).items() if k != "out"})
+    meta = run_meta(args, dev, cuda, n_params)
     if rank == 0:
-        print(f"{meta['device']} x {world} ({meta['backend']}), torch {meta['torch']}, shardadam "
-              f"{meta['shardadam']}: GPT d_model {args.d_model}, {args.layers} layers, {args.heads} heads, "
-              f"vocab {args.vocab}, seq {args.seq}: {n_params:,} parameters", flush=True)
+        print(describe(meta, args), flush=True)
 
     results = []
     for batch in args.batches:
