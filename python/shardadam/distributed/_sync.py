@@ -146,8 +146,7 @@ class GradSync:
                 check_tensor("a parameter's gradient", grad, self.shards.device, kernels.FLOATS)
                 flat = flat_like(grad, self.params[k])
             for b, start, end, piece in self.spans[k]:
-                buffer = self.buffers[b] if self.buffers[b] is not None else self._buffer(b)
-                buffer[start:end].copy_(flat if piece is None else flat[piece])
+                self._buffer(b)[start:end].copy_(flat if piece is None else flat[piece])
         for b, _, _, _ in self.spans[k]:
             self.missing[b] -= 1
         self.packed[k] = True

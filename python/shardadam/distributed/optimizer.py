@@ -225,6 +225,11 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         """Buckets, shards, buffers, the fused plan, the sync objects and hooks
         for the parameters in this order: bucket 0 takes params[0], and the
         order buckets start in is the order gradients should arrive in."""
+        # A rebuild lets go of the old layout's buffers first: the new ones are
+        # as large, and both at once would raise peak memory by the whole state.
+        self.plan = self._grad_sync = self._param_sync = None
+        self.grad_shards = self.master = self.remainders = self.exp_avg = self.exp_avg_sq = None
+        self.max_exp_avg_sq = self.param_shards = self.param_buffer = self.grad_buffer = None
         self.params = params
         self.param_groups_of = groups_of
         elem = torch.empty((), dtype=self.grad_sync_dtype).element_size()
@@ -319,20 +324,14 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         before state exists (or carrying it through a portable state dict)."""
         self._learning_order = False
         seen = list(dict.fromkeys(self._arrivals))
-        order = seen + [k for k in range(len(self.params)) if k not in set(seen)]
+        known = set(seen)
+        order = seen + [k for k in range(len(self.params)) if k not in known]
         agreed = torch.tensor(order, dtype=torch.int64, device=self.device)
         dist.broadcast(agreed, src=self._src, group=self.group)
         order = agreed.tolist()
         if order == list(range(len(self.params))):
             return
         saved = self.state_dict() if any(self._initialized) else None
-        # The old layout's buffers go first: the new ones are as large, and
-        # both at once would raise the peak memory of the first step by the
-        # whole optimizer state.
-        self.plan = self._grad_sync = self._param_sync = self._norm_plan = self._subset_norm_plans = None
-        self.grad_shards = self.master = self.remainders = self.exp_avg = self.exp_avg_sq = None
-        self.max_exp_avg_sq = self.param_shards = None
-        self.state_scales = {}
         self._build_layout([self.params[k] for k in order], [self.param_groups_of[k] for k in order])
         if saved is not None:
             self.load_state_dict(saved)
