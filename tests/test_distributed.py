@@ -88,14 +88,19 @@ def _train(model, opt, rank: int, world: int, steps, clip: float | None = None, 
                 (scaler.scale(loss) if scaler is not None else loss).backward()
         if clip is not None:
             norms.append(float(opt.clip_grad_norm(clip)))
-        if scaler is not None:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
-        if schedule is not None:
-            schedule.step()
+        _step(opt, scaler, schedule)
     return norms
+
+
+def _step(opt, scaler=None, schedule=None) -> None:
+    """The optimizer step, through the GradScaler when there is one, then the LR schedule."""
+    if scaler is not None:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
+    if schedule is not None:
+        schedule.step()
 
 
 @contextlib.contextmanager
@@ -235,13 +240,7 @@ def _reference(world: int, adam_w_mode: bool = True, clip: float | None = None, 
                 amp.unscale_(opt)
             norms.append(float(torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad],
                                                                clip)))
-        if amp is not None:
-            amp.step(opt)
-            amp.update()
-        else:
-            opt.step()
-        if schedule is not None:
-            schedule.step()
+        _step(opt, amp, schedule)
     return [p.detach() for p in model.parameters()], norms, None if amp is None else float(amp.get_scale())
 
 

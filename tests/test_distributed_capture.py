@@ -12,11 +12,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import shardadam
-from test_distributed import GLOBAL_BATCH, STEPS, _config, _data, _exit, _rank_group, _reference, _spawn, _worker
+from test_distributed import (GLOBAL_BATCH, STEPS, _config, _data, _exit, _rank_group, _reference, _spawn, _step,
+                              _worker)
 
 WARMUP = 2  # eager steps before the capture: the first one also learns the bucket order
 
@@ -43,11 +43,7 @@ def train_captured(model, opt, rank: int, world: int, clip, scaler, inf_step, sc
         loss = F.mse_loss(model(static_x), static_y) * blowup
         (scaler.scale(loss) if scaler is not None else loss).backward()
         norm = opt.clip_grad_norm(clip) if clip is not None else None
-        if scaler is not None:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
+        _step(opt, scaler)  # the schedule steps outside the graph, between replays
         return norm
 
     norms = []
