@@ -4,7 +4,9 @@ what DDP + AdamW computes."""
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
+import queue
 import socket
 
 import numpy as np
@@ -103,17 +105,24 @@ def _step(opt, scaler=None, schedule=None) -> None:
         schedule.step()
 
 
+RANK_TIMEOUT_S = 100  # a spawned rank's whole body; the slowest CI case takes about 20 s
+
+
 @contextlib.contextmanager
 def _rank_group(rank: int, world: int, port: int, out, backend: str = "gloo"):
     """One spawned rank's process group around a worker's body; every rank
     waits for the others before tearing down, and the result queue is
     flushed. The worker then calls _exit()."""
     torch.set_num_threads(1)  # up to 8 ranks share 2 cores
+    # A rank stuck in a collective (its peer failed) prints where every thread
+    # is and exits, so the test fails with that trace instead of hanging.
+    faulthandler.dump_traceback_later(RANK_TIMEOUT_S, exit=True)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         yield
         dist.barrier()  # no rank tears down while another still talks to it
     finally:
+        faulthandler.cancel_dump_traceback_later()
         dist.destroy_process_group()
         out.close()
         out.join_thread()  # the result is flushed before the process exits
@@ -261,10 +270,20 @@ def _spawn(target, world: int, *args):
     procs = [ctx.Process(target=target, args=(r, world, port, *args, out)) for r in range(world)]
     for p in procs:
         p.start()
-    result = out.get(timeout=120)
+    try:
+        result = out.get(timeout=RANK_TIMEOUT_S + 20)
+    except queue.Empty:
+        result = None
     for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0, f"a rank failed (exit code {p.exitcode})"
+        p.join(timeout=30 if result is not None else 5)
+    codes = [p.exitcode for p in procs]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    if result is None or any(code != 0 for code in codes):
+        pytest.fail(f"ranks' exit codes {codes} (None: still running, killed); "
+                    f"{'no result' if result is None else 'a result'} from rank 0; their stderr is above")
     return result
 
 
