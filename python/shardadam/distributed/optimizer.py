@@ -541,17 +541,23 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             self._sync_in_backward = before
 
     @torch.no_grad()
-    def grad_norm(self, parameters=None, norm_type: float = 2.0) -> torch.Tensor:
+    def grad_norm(self, parameters=None, norm_type: float = 2.0, *, grad_scaler=None) -> torch.Tensor:
         """The L2 norm of the synchronised (averaged, if average_grad_sync)
         gradient of every parameter, or of `parameters`, as a 0-d tensor;
         synchronises the gradients now if step() has not yet. Under AMP the
-        norm is unscaled by the GradScaler this optimizer's step() last
-        received: from the second iteration on (the first step is where the
-        optimizer meets the scaler, so the first norm is still scaled)."""
+        norm is unscaled by the GradScaler passed here or, before, to step():
+        without grad_scaler, the first iteration's norm is still scaled (the
+        optimizer has not met the scaler yet)."""
+        self._meet_scaler(grad_scaler)
         return self._unscaled(self._scaled_grad_norm(parameters, norm_type))
 
+    def _meet_scaler(self, grad_scaler) -> None:
+        if grad_scaler is not None and grad_scaler.is_enabled():
+            self._grad_scaler = grad_scaler
+
     def _unscaled(self, norm: torch.Tensor) -> torch.Tensor:
-        if self._grad_scaler is None:
+        # A scaler that has not scaled a loss yet has no scale: the gradients are not scaled.
+        if self._grad_scaler is None or self._grad_scaler._scale is None:
             return norm
         return norm * self._grad_scaler._scale.to(self.device, torch.float32).reciprocal().reshape(())
 
@@ -587,17 +593,20 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             self._subset_norm_plans[key] = kernels.NormPlan(pieces)
         return self._subset_norm_plans[key]
 
-    def clip_grad_norm(self, max_norm: float, parameters=None, norm_type: float = 2.0) -> torch.Tensor:
+    def clip_grad_norm(self, max_norm: float, parameters=None, norm_type: float = 2.0, *,
+                       grad_scaler=None) -> torch.Tensor:
         """Scale the gradients so their global L2 norm is at most max_norm (as
         torch.nn.utils.clip_grad_norm_), inside the next step without rewriting
         gradients; under GradScaler the norm is compared unscaled, in step().
-        Returns the norm before clipping, unscaled as grad_norm()'s."""
+        Returns the norm before clipping, unscaled as grad_norm()'s (pass
+        grad_scaler for an unscaled norm in the first iteration too)."""
         if parameters is not None:
             raise NotImplementedError("clip_grad_norm of a subset of the parameters is not supported: the step "
                                       "applies one gradient scale to every parameter; call it without "
                                       "`parameters` (grad_norm(parameters) gives a subset's norm)")
         if not max_norm > 0:
             raise ValueError(f"max_norm must be > 0, got {max_norm}")
+        self._meet_scaler(grad_scaler)
         scaled = self._scaled_grad_norm(None, norm_type)
         self._clip_max_norm, self._clip_norm = float(max_norm), scaled  # unscaled in step()
         return self._unscaled(scaled)
