@@ -6,23 +6,24 @@ on the way, filled in at the end); the file is flushed to disk and renamed
 over `path`. A crash at any point leaves either the previous file or the new
 one, never a mix. The new file's mode follows the umask, as open() would.
 
-load(path): reads the header, checks length and digest, and only then hands
-the payload to torch.load; a truncated, padded or altered file raises
-CheckpointError naming what is wrong. At most the payload and the tensors
-built from it are in memory at once.
+load(path): reads the header, checks the length, hashes the payload in a
+first streaming pass and only then hands it to torch.load, which reads it a
+second time from the same open file (from the page cache, usually) straight
+into the tensors' storages; a truncated, padded or altered file raises
+CheckpointError naming what is wrong. Only the loaded tensors and two read
+buffers are in memory. (A writer changing the file in place between the two
+passes would go unnoticed; save() never does: it writes a new file and
+renames it.)
 
 Speed: hashing (SHA-256, one core) runs in a second thread, side by side with
 the file writes of a save and the file reads of a load, and a save starts
 the disk writes as it goes (a background fdatasync every few hundred MiB)
-rather than leaving them all to the final fsync. A load reads the payload
-into an anonymous mapping (populated by the kernel in one go, no zero-filling
-pass in Python) that torch.load reads from without another copy.
+rather than leaving them all to the final fsync.
 """
 from __future__ import annotations
 
 import hashlib
 import io
-import mmap
 import os
 import secrets
 import struct
@@ -47,8 +48,8 @@ _PARALLEL_MIN = 1 << 20
 # A save asks the kernel to write what it has so far to disk every this many
 # bytes (in the background), so that the final fsync has little left to wait for.
 _SYNC_EVERY = 256 << 20
-# A load reads (and hashes) the payload in pieces of this size.
-_READ_CHUNK = 64 << 20
+# A load hashes the payload in pieces of this size, one read while the other is hashed.
+_READ_CHUNK = 16 << 20
 
 
 class _HashingWriter:
@@ -135,19 +136,14 @@ def save(obj, path: str | os.PathLike) -> None:
 
 def load(path: str | os.PathLike, map_location=None, weights_only: bool = True):
     with open(path, "rb", buffering=0) as f:
-        payload = _read_payload(f, path)
-    # The reader copies from the verified payload straight into the tensors: no other copy of it.
-    reader = _PayloadReader(payload)
-    try:
-        return torch.load(reader, map_location=map_location, weights_only=weights_only)
-    finally:
-        reader.close()
-        _release(payload)  # the payload's memory goes back now, not when the collector gets to it
+        start, length = _verify(f, path)
+        # torch.load reads each record with readinto, straight into its storage.
+        return torch.load(_FileWindow(f, start, length, path), map_location=map_location, weights_only=weights_only)
 
 
-def _read_payload(f, path) -> mmap.mmap | bytes:
-    """The verified payload, read into one anonymous mapping (no other copy),
-    hashed piece by piece in a second thread while the next piece is read."""
+def _verify(f, path) -> tuple[int, int]:
+    """Checks header, length and SHA-256 of the payload; returns where the
+    payload starts in the file and its length."""
     if f.read(len(_MAGIC)) != _MAGIC:
         raise CheckpointError(f"{path}: not a shardadam checkpoint (no header); "
                               "write it with shardadam.checkpoint.save")
@@ -155,69 +151,53 @@ def _read_payload(f, path) -> mmap.mmap | bytes:
     if len(header) < _HEADER.size:
         raise CheckpointError(f"{path}: truncated inside the header")
     length, digest = _HEADER.unpack(header)
-    # Sized before reading: a wrong length is reported without allocating it.
-    size = os.fstat(f.fileno()).st_size - len(_MAGIC) - _HEADER.size
+    start = len(_MAGIC) + _HEADER.size
+    size = os.fstat(f.fileno()).st_size - start
     if size != length:
         raise CheckpointError(f"{path}: payload is {size} bytes, the header says {length} "
                               f"({'truncated' if size < length else 'trailing bytes'})")
-    if length == 0:
-        payload = b""
-        ok = hashlib.sha256(payload).digest() == digest
-    else:
-        # Anonymous memory, faulted in by the kernel in one go (MAP_POPULATE,
-        # Linux) rather than page by page as the reads land.
-        flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0) | getattr(mmap, "MAP_POPULATE", 0)
-        payload = mmap.mmap(-1, length, flags=flags) if flags else mmap.mmap(-1, length)
-        try:
-            ok = _read_and_hash(f, payload, length, path) == digest
-        except BaseException:
-            payload.close()
-            raise
-    if not ok:
-        _release(payload)
+    if _hash_stream(f, length, path) != digest:
         raise CheckpointError(f"{path}: payload does not match its SHA-256: the file is corrupted")
-    return payload
+    return start, length
 
 
-def _read_and_hash(f, payload: mmap.mmap, length: int, path) -> bytes:
+def _hash_stream(f, length: int, path) -> bytes:
+    """SHA-256 of the next `length` bytes of f, hashed in a second thread while
+    the next piece is read into the other of two buffers."""
     sha256 = hashlib.sha256()
-    view = memoryview(payload)
+    buffers = [bytearray(min(length, _READ_CHUNK)) for _ in range(2 if length > _READ_CHUNK else 1)]
     hashed = None
-    try:
-        with ThreadPoolExecutor(1, thread_name_prefix="checkpoint-sha256") as pool:
-            for start in range(0, length, _READ_CHUNK):
-                piece = view[start:min(length, start + _READ_CHUNK)]
-                done = 0
-                while done < len(piece):
-                    n = f.readinto(piece[done:])
-                    if not n:  # the file shrank after it was sized
-                        raise CheckpointError(f"{path}: truncated while reading")
-                    done += n
-                if hashed is not None:
-                    hashed.result()
-                hashed = pool.submit(sha256.update, piece)
+    with ThreadPoolExecutor(1, thread_name_prefix="checkpoint-sha256") as pool:
+        for i, begin in enumerate(range(0, length, _READ_CHUNK)):
+            piece = memoryview(buffers[i % len(buffers)])[:min(_READ_CHUNK, length - begin)]
+            _read_exactly(f, piece, path)  # into the buffer whose hash was waited for last time
             if hashed is not None:
-                hashed.result()
-    finally:
-        view.release()
+                hashed.result()  # the other buffer is free again
+            hashed = pool.submit(sha256.update, piece)
+        if hashed is not None:
+            hashed.result()
     return sha256.digest()
 
 
-def _release(payload) -> None:
-    if isinstance(payload, mmap.mmap):
-        try:
-            payload.close()
-        except BufferError:  # a view of it is still alive somewhere: the collector frees it
-            pass
+def _read_exactly(f, out: memoryview, path) -> None:
+    done = 0
+    while done < len(out):
+        n = f.readinto(out[done:])
+        if not n:  # the file shrank after it was sized
+            raise CheckpointError(f"{path}: truncated while reading")
+        done += n
 
 
-class _PayloadReader(io.RawIOBase):
-    """A read-only, seekable file over the payload; readinto copies straight
-    from the payload into the caller's buffer (torch.load's tensor storages)."""
+class _FileWindow(io.RawIOBase):
+    """A read-only, seekable file over bytes [start, start + length) of an open
+    file; readinto reads straight into the caller's buffer."""
 
-    def __init__(self, payload) -> None:
+    def __init__(self, f, start: int, length: int, path) -> None:
         super().__init__()
-        self._view = memoryview(payload)
+        self._f = f
+        self._path = path
+        self._start = start
+        self._length = length
         self._pos = 0
 
     def readable(self) -> bool:
@@ -230,7 +210,7 @@ class _PayloadReader(io.RawIOBase):
         return self._pos
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
         if base + offset < 0:
             raise ValueError("negative seek position")
         self._pos = base + offset
@@ -238,12 +218,9 @@ class _PayloadReader(io.RawIOBase):
 
     def readinto(self, buffer) -> int:
         out = memoryview(buffer).cast("B")
-        n = max(0, min(len(out), len(self._view) - self._pos))
-        out[:n] = self._view[self._pos:self._pos + n]
+        n = max(0, min(len(out), self._length - self._pos))
+        if n:
+            self._f.seek(self._start + self._pos)
+            _read_exactly(self._f, out[:n], self._path)
         self._pos += n
         return n
-
-    def close(self) -> None:
-        if not self.closed:
-            self._view.release()
-        super().close()
