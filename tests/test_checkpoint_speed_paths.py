@@ -9,7 +9,8 @@
   are exactly the portable state at their offsets, and a structure of another
   model is refused before anything is written.
 - checkpoint.save/load with many chunks: hashing beside the writes and reads,
-  background syncs, damage in the middle of a large payload still detected.
+  background syncs, damage in the middle of a large payload still detected;
+  the window over the file that torch.load reads through.
 """
 from __future__ import annotations
 
@@ -213,13 +214,18 @@ def test_damage_inside_a_large_payload_is_found(tmp_path, small_chunks, where):
         checkpoint.load(path)
 
 
-def test_payload_reader_reads_like_bytesio():
+def test_file_window_reads_like_bytesio(tmp_path):
+    """torch.load reads the payload through a window over the checkpoint file
+    (past its header): it must behave as a file holding the payload alone."""
     data = bytes(range(256)) * 40
-    ours, ref = checkpoint._PayloadReader(data), io.BytesIO(data)
-    for op in [("seek", 100), ("read", 17), ("tell",), ("seek", -5, io.SEEK_END), ("read", 100), ("tell",),
-               ("seek", 10, io.SEEK_SET), ("seek", 7, io.SEEK_CUR), ("read", 3), ("read", -1), ("read", 5)]:
-        assert getattr(ours, op[0])(*op[1:]) == getattr(ref, op[0])(*op[1:]), op
-    buf = bytearray(64)
-    ours.seek(1000), ref.seek(1000)
-    assert ours.readinto(buf) == 64 and bytes(buf) == ref.read(64)
-    ours.close()
+    path = tmp_path / "window.bin"
+    path.write_bytes(b"header--" + data + b"trailer")
+    with open(path, "rb", buffering=0) as f:
+        ours, ref = checkpoint._FileWindow(f, 8, len(data), path), io.BytesIO(data)
+        for op in [("seek", 100), ("read", 17), ("tell",), ("seek", -5, io.SEEK_END), ("read", 100), ("tell",),
+                   ("seek", 10, io.SEEK_SET), ("seek", 7, io.SEEK_CUR), ("read", 3), ("read", -1), ("read", 5)]:
+            assert getattr(ours, op[0])(*op[1:]) == getattr(ref, op[0])(*op[1:]), op
+        buf = bytearray(64)
+        ours.seek(1000), ref.seek(1000)
+        assert ours.readinto(buf) == 64 and bytes(buf) == ref.read(64)
+        ours.close()
