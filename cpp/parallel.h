@@ -10,7 +10,8 @@
 namespace shardadam {
 
 // Calls fn(begin, end) on disjoint sub-ranges of [begin, end) covering it,
-// balanced by weight(i), on up to `threads` threads (the caller's included).
+// blocks of about equal weight(i) that up to `threads` threads (the caller's
+// included) take in turn, so a slowed thread does fewer of them.
 void parallel_for(int64_t begin, int64_t end, int threads,
                   const std::function<int64_t(int64_t)>& weight,
                   const std::function<void(int64_t, int64_t)>& fn);

@@ -1,0 +1,61 @@
+#!/usr/bin/env python
+"""CPU Adam steps taken in turn with torch's: what a training loop sees.
+
+bench_kernels.py times each implementation on its own. In a training loop the
+optimizer step runs right after torch's own CPU ops, whose OpenMP worker
+threads keep spinning for a while after each parallel region (libgomp's
+default wait policy) and so share the cores with the step's threads. Here
+shardadam (kernels.adam on a plan) and torch.optim.AdamW(fused=True) step in
+turn, each on its own tensors, so each shardadam step starts right after a
+torch step: the median of each, and the ratio.
+
+    python benchmarks/bench_cpu_interleaved.py
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_cpu_interleaved.py   # torch's workers sleep at once
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from shardadam import kernels
+
+CASES = [(64, 2 ** 19), (20_000, 1000)]  # bench_kernels.py's two CPU cases
+
+
+def tensors(count: int, numel: int, generator) -> list[torch.Tensor]:
+    return [torch.randn(numel, generator=generator) for _ in range(count)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=30)
+    args = ap.parse_args()
+    g = torch.Generator().manual_seed(0)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print("| case | shardadam ms | torch fused ms | speedup |")
+    print("|---|---:|---:|---:|")
+    for count, numel in CASES:
+        plan = kernels.AdamPlan(tensors(count, numel, g), tensors(count, numel, g), tensors(count, numel, g),
+                                [t.abs() for t in tensors(count, numel, g)])
+        params = [torch.nn.Parameter(t) for t in tensors(count, numel, g)]
+        for p, grad in zip(params, tensors(count, numel, g)):
+            p.grad = grad
+        opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, fused=True)
+        ours, theirs = [], []
+        for i in range(args.reps + 3):
+            start = time.perf_counter()
+            opt.step()
+            middle = time.perf_counter()
+            kernels.adam(plan, lr=1e-3, step=i + 1, weight_decay=0.01)
+            theirs.append(middle - start)
+            ours.append(time.perf_counter() - middle)
+        o, t = statistics.median(ours[3:]) * 1e3, statistics.median(theirs[3:]) * 1e3
+        print(f"| fp32, {count} x {numel} | {o:.3f} | {t:.3f} | {t / o:.2f}x |", flush=True)
+        del plan, params, opt
+
+
+if __name__ == "__main__":
+    main()
