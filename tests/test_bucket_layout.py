@@ -128,6 +128,7 @@ def check_layout(numels, keys, world, cap_bytes, elem_sizes, alignment):
     ref_buckets, ref_frags = reference_layout(numels, keys, world, cap_bytes, elem_sizes, alignment)
     assert layout.buckets == ref_buckets
     assert layout.fragments == ref_frags
+    assert layout.fragments_by_bucket == [[f for f in ref_frags if f[3] == b] for b in range(len(ref_buckets))]
 
     B = np.asarray(layout.buckets, np.int64).reshape(-1, 3)
     F = np.asarray(layout.fragments, np.int64).reshape(-1, 5)

@@ -96,10 +96,9 @@ class GradSync:
         self.views = views
         self.bucket_size = layout.bucket_size(0)
         self.frags_of_param = [[] for _ in params]
-        self.frags_of_bucket = [[] for _ in layout.buckets]
         for f in layout.fragments:
             self.frags_of_param[f.param].append(f)
-            self.frags_of_bucket[f.bucket].append(f)
+        self.frags_of_bucket = layout.fragments_by_bucket
         self.frag_count = [len(frags) for frags in self.frags_of_bucket]
         self.gaps = [_gaps(frags, self.bucket_size, shards.device) for frags in self.frags_of_bucket]
         # pack() runs once per parameter inside backward, where its host time
@@ -236,10 +235,9 @@ class ParamSync:
         self.buffer = buffer
         self.group = group
         self.bucket_size = layout.bucket_size(0)
-        self.fragments_by_bucket = [[] for _ in layout.buckets]
+        self.fragments_by_bucket = layout.fragments_by_bucket
         self.buckets_of = {}
         for f in layout.fragments:
-            self.fragments_by_bucket[f.bucket].append(f)
             self.buckets_of.setdefault(id(params[f.param]), []).append(f.bucket)
         self.pending: dict = {}  # bucket -> (work, full buffer)
 

@@ -89,6 +89,9 @@ class BucketLayout:
                                         dict(elem_sizes), alignment)
         self.buckets: list[Bucket] = [Bucket._make(b) for b in self._core.buckets()]
         self.fragments: list[Fragment] = [Fragment._make(f) for f in self._core.fragments()]
+        self.fragments_by_bucket: list[list[Fragment]] = [[] for _ in self.buckets]
+        for f in self.fragments:
+            self.fragments_by_bucket[f.bucket].append(f)
 
     @property
     def world_size(self) -> int:

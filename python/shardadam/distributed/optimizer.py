@@ -277,10 +277,12 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         else:
             self.param_shards = torch.zeros(n_buckets, self.shard_size, dtype=self.param_sync_dtype, device=dev)
         self._state_names = ("master", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if self.amsgrad else ())
-        self.fragments = self.layout.fragments
         # This rank's pieces, ordered by group so that one launch covers them all.
         shard = sorted(self.layout.shard_fragments(self.rank), key=lambda f: self.param_groups_of[f.param])
         self._shard_fragments = shard
+        self._shard_fragments_by_bucket = [[] for _ in self.layout.buckets]
+        for f in shard:
+            self._shard_fragments_by_bucket[f.bucket].append(f)
         # Masters are taken from the parameters at the first step (or
         # init_params()), so model weights loaded after construction count.
         self._initialized = [False] * len(self.params)
@@ -370,9 +372,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             return self.param_shards[b].float()
         row = getattr(self, name)[b].float()
         if name in self.state_scales:
-            for f in self._shard_fragments:
-                if f.bucket == b:
-                    row[f.shard_start:f.shard_end] /= self.state_scales[name][self._fragment_index[(b, f.shard_start)]]
+            for f in self._shard_fragments_by_bucket[b]:
+                row[f.shard_start:f.shard_end] /= self.state_scales[name][self._fragment_index[(b, f.shard_start)]]
         return row
 
     def _write_state(self, name: str, f, values: torch.Tensor) -> None:
@@ -678,9 +679,6 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         parts = list(gathered.view(self.dist_size, -1).unbind(0)) if keep and gather_on_root else None
         groups, index = pack_groups(self.param_groups, plain_value)
         full = {name: [_unflatten(p) for p in self.params] if keep else None for name in self._state_names}
-        in_bucket = [[] for _ in self.layout.buckets]
-        for f in self.fragments:
-            in_bucket[f.bucket].append(f)
         for b in range(len(self.layout.buckets)):
             for name in self._state_names:
                 row = self._state_row(name, b).contiguous()
@@ -693,7 +691,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                 if host is not gathered:
                     host.copy_(gathered)  # one device-to-host copy of the whole bucket
                 flats = full[name]
-                for f in in_bucket[b]:
+                for f in self.layout.fragments_by_bucket[b]:
                     flats[f.param][1][f.param_start:f.param_end].copy_(host[f.bucket_start:f.bucket_end])
         if not keep:
             return None

@@ -209,9 +209,10 @@ def _masters_into_params(opt) -> None:
     (where those are a separate copy) and the parameter all-gather brings
     every parameter up to date."""
     if opt.master is not None and opt.param_shards is not opt.master:
-        for b in {f.bucket for f in opt._shard_fragments}:
+        for b, frags in enumerate(opt._shard_fragments_by_bucket):
+            if not frags:
+                continue
             row = opt._state_row("master", b)
-            for f in opt._shard_fragments:
-                if f.bucket == b:
-                    opt.param_shards[f.bucket, f.shard_start:f.shard_end].copy_(row[f.shard_start:f.shard_end])
+            for f in frags:
+                opt.param_shards[f.bucket, f.shard_start:f.shard_end].copy_(row[f.shard_start:f.shard_end])
     opt.param_sync()
