@@ -10,7 +10,10 @@ turn, the model rebuilt from the same seed each time:
 - fsdp2:     fully_shard(reshard_after_forward=False) per block and root + AdamW(fused=True)
 - zero1:     DistributedDataParallel + ZeroRedundancyOptimizer(AdamW, fused=True)
 - shardadam: shardadam.DistributedFusedAdam (no wrapper: it broadcasts the
-             parameters and synchronises the gradients itself)
+             parameters and synchronises the gradients itself); its parameter
+             all-gather runs on the copy engines between GPUs of one host
+- shardadam_contiguous_grads: the same, autograd accumulating into the buckets
+- shardadam_nccl: the same, the all-gather on NCCL (param_sync_copy_engine=False)
 
 plus compute_only, the same iteration on one rank's model with no collective
 at all (the baseline for exposed communication). For every implementation and
@@ -32,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import gc
 import json
 import math
@@ -55,9 +59,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 import shardadam
 
-IMPLS = ("ddp_fused", "fsdp2", "zero1", "shardadam", "shardadam_contiguous_grads")
+IMPLS = ("ddp_fused", "fsdp2", "zero1", "shardadam", "shardadam_contiguous_grads", "shardadam_nccl")
 BASELINE = "compute_only"
-SHARDED_STEP = {"fsdp2", "zero1", "shardadam", "shardadam_contiguous_grads"}  # each rank updates 1/N of the parameters
+SHARDED_STEP = {"fsdp2", "zero1", "shardadam", "shardadam_contiguous_grads", "shardadam_nccl"}  # each rank updates 1/N of the parameters
 WEIGHT_DECAY = 0.1
 WARMUP = 3
 
@@ -156,27 +160,21 @@ def build_zero1(model, args, cuda):
     return ddp, opt
 
 
-def build_shardadam(model, args, cuda):
+def build_shardadam(model, args, cuda, **options):
     # apex's recommended setup: both directions overlapped, all-gathers landing
-    # in the parameters themselves.
+    # in the parameters themselves (on the copy engines between GPUs of one host).
     opt = shardadam.DistributedFusedAdam(model.parameters(), lr=args.lr, weight_decay=WEIGHT_DECAY,
                                          bucket_cap_mb=args.bucket_cap_mb, overlap_grad_sync=True,
-                                         overlap_param_sync=True, contiguous_param_buffer=True)
-    return model, opt
-
-
-def build_shardadam_contiguous_grads(model, args, cuda):
-    """The same, with gradients accumulated by autograd straight into the buckets."""
-    opt = shardadam.DistributedFusedAdam(model.parameters(), lr=args.lr, weight_decay=WEIGHT_DECAY,
-                                         bucket_cap_mb=args.bucket_cap_mb, overlap_grad_sync=True,
-                                         overlap_param_sync=True, contiguous_param_buffer=True,
-                                         contiguous_grad_buffer=True)
+                                         overlap_param_sync=True, contiguous_param_buffer=True, **options)
     return model, opt
 
 
 BUILDERS = {BASELINE: build_compute_only, "ddp_fused": build_ddp_fused, "fsdp2": build_fsdp2,
             "zero1": build_zero1, "shardadam": build_shardadam,
-            "shardadam_contiguous_grads": build_shardadam_contiguous_grads}
+            # the same, with gradients accumulated by autograd straight into the buckets
+            "shardadam_contiguous_grads": functools.partial(build_shardadam, contiguous_grad_buffer=True),
+            # the same, with the all-gather on NCCL instead of the copy engines
+            "shardadam_nccl": functools.partial(build_shardadam, param_sync_copy_engine=False)}
 
 
 # ------------------------------------------------------------------ measurement

@@ -182,6 +182,21 @@ NB_MODULE(_core, m) {
            },
            "rank"_a, "(param, param_start, param_end, bucket, shard_start) of each non-empty piece rank owns.");
 
+  // CUDA IPC and peer copies for the copy-engine all-gather (distributed/_peer.py).
+  m.def(
+      "ipc_export",
+      [](int device, uint64_t ptr) {
+        PeerExport e = cuda_ipc_export(device, ptr);
+        return std::make_tuple(nb::bytes(e.handle.data(), e.handle.size()), e.offset);
+      },
+      "device"_a, "ptr"_a, "(handle, offset): the allocation holding ptr, for ipc_open in another process.");
+  m.def(
+      "ipc_open", [](int device, nb::bytes handle) { return cuda_ipc_open(device, std::string(handle.c_str(), handle.size())); },
+      "device"_a, "handle"_a, "Map a peer's exported allocation on this device; returns its base address.");
+  m.def("ipc_close", &cuda_ipc_close, "device"_a, "base"_a, "Unmap what ipc_open mapped.");
+  m.def("copy_async", &cuda_copy_async, "device"_a, "dst"_a, "src"_a, "nbytes"_a, "stream"_a,
+        "cudaMemcpyAsync of nbytes on the stream: to a peer's mapped memory it runs on the copy engines.");
+
   m.def("build_info", []() {
     nb::dict d;
     d["cuda"] = cuda_built();

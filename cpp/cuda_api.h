@@ -23,6 +23,17 @@ void cuda_scale(const TensorTable& t, const CudaTarget& where, ScalarSrc scale, 
 void cuda_l2_norm(const TensorTable& t, const CudaTarget& where, uint64_t partials,
                   uint64_t per_tensor, uint64_t total, uint64_t nonfinite);
 
+// CUDA IPC (cuda/peer_memory.cu): an exported allocation is the handle's 64
+// bytes plus the tensor's offset in it.
+struct PeerExport {
+  std::string handle;
+  uint64_t offset;
+};
+PeerExport cuda_ipc_export(int device, uint64_t ptr);
+uint64_t cuda_ipc_open(int device, const std::string& handle);  // the allocation's base in this process
+void cuda_ipc_close(int device, uint64_t base);
+void cuda_copy_async(int device, uint64_t dst, uint64_t src, uint64_t nbytes, uint64_t stream);
+
 bool cuda_built();
 std::string cuda_architectures();
 int cuda_runtime_version();  // e.g. 13000; 0 when not built

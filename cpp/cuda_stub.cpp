@@ -22,6 +22,10 @@ void cuda_scale(const TensorTable&, const CudaTarget&, ScalarSrc, uint64_t, uint
 void cuda_l2_norm(const TensorTable&, const CudaTarget&, uint64_t, uint64_t, uint64_t, uint64_t) {
   no_cuda();
 }
+PeerExport cuda_ipc_export(int, uint64_t) { no_cuda(); }
+uint64_t cuda_ipc_open(int, const std::string&) { no_cuda(); }
+void cuda_ipc_close(int, uint64_t) { no_cuda(); }
+void cuda_copy_async(int, uint64_t, uint64_t, uint64_t, uint64_t) { no_cuda(); }
 bool cuda_built() { return false; }
 std::string cuda_architectures() { return ""; }
 int cuda_runtime_version() { return 0; }

@@ -170,7 +170,8 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out) -> None:
                                              store_param_remainders=cfg["remainders"],
                                              with_scaled_states=cfg["scaled_states"],
                                              store_params=cfg["store_params"],
-                                             capturable=cfg["capturable"] or cfg["capture"], **groups)
+                                             capturable=cfg["capturable"] or cfg["capture"],
+                                             param_sync_copy_engine=cfg["copy_engine"], **groups)
         if cfg["late_load"]:  # weights loaded after the optimizer was built must be the ones trained
             model.load_state_dict(original)
             frozen_before = frozen.detach().clone()
@@ -195,7 +196,8 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out) -> None:
                          masters=masters, steps=steps,
                          same_on_all_ranks=all(torch.equal(t, flat) for t in gathered),
                          frozen_unchanged=torch.equal(frozen.detach(), frozen_before),
-                         buckets=len(opt.layout.buckets), norms=norms))
+                         buckets=len(opt.layout.buckets), norms=norms,
+                         copy_engine=opt._param_sync.peer is not None))
     _exit()
 
 
@@ -211,7 +213,7 @@ def _config(**kw) -> dict:
                overlap_param_sync=False, contiguous_param_buffer=False, redundant=False, late_load=False,
                contiguous_grad_buffer=False, amsgrad=False, scaler=False, inf_step=None,
                param_sync_dtype=None, dtype=torch.float32, remainders=False, scaled_states=False,
-               store_params=True, capturable=False, capture=False, lr_schedule=False)
+               store_params=True, capturable=False, capture=False, lr_schedule=False, copy_engine=None)
     unknown = set(kw) - set(cfg)
     assert not unknown, f"unknown config keys {unknown}"
     cfg.update(kw)
@@ -325,11 +327,15 @@ def test_matches_single_process_adam_on_the_global_batch(world, adam_w_mode, buc
                          micro=2, accumulate="every"), marks=pytest.mark.multigpu),
     pytest.param(2, dict(device="cuda", contiguous_grad_buffer=True, contiguous_param_buffer=True, micro=2,
                          redundant=False), marks=pytest.mark.multigpu),
+    pytest.param(2, dict(device="cuda", overlap_param_sync=True, contiguous_param_buffer=True, copy_engine=False),
+                 marks=pytest.mark.multigpu),
+    pytest.param(2, dict(device="cuda", contiguous_param_buffer=True, copy_engine=True, scaler=True, inf_step=2,
+                         model="reordered"), marks=pytest.mark.multigpu),
 ], ids=["world-1", "world-4", "no-overlap", "no_sync-3", "sync-every-2", "sync-every-3-pipeline-1", "reordered",
         "contiguous-params", "redundant-2x2", "weights-loaded-after-construction",
         "contiguous-grads-no_sync", "contiguous-both-no-overlap", "amsgrad", "tiny-model-3-ranks", "grad-scaler-inf-skips",
         "grad-scaler-clip", "overlap-params-3", "overlap-contiguous-params", "nccl-2-overlap-everything",
-        "nccl-2-contiguous-buffers"])
+        "nccl-2-contiguous-buffers", "nccl-2-nccl-all-gather", "nccl-2-copy-engine-no-overlap-inf-skip"])
 def test_sync_variants_match_single_process_adamw(world, kw):
     cfg = _config(**kw)
     result = _spawn(_worker, world, cfg)
@@ -343,6 +349,9 @@ def test_sync_variants_match_single_process_adamw(world, kw):
         np.testing.assert_allclose(result["norms"], want_norms, rtol=1e-5)
     steps_done = STEPS - (cfg["inf_step"] is not None)
     assert result["steps"] == [steps_done] * 4, "a skipped step must not count, on any rank"
+    # Two H200s of one host: a contiguous parameter buffer is all-gathered on the copy engines unless asked not to.
+    copy_engine = cfg["device"] == "cuda" and cfg["contiguous_param_buffer"] and cfg["copy_engine"] is not False
+    assert result["copy_engine"] == copy_engine, "the parameter all-gather took the wrong path"
     for i, (got, want) in enumerate(zip(result["params"], want_params)):
         torch.testing.assert_close(torch.from_numpy(got), want.contiguous(), rtol=1e-5, atol=1e-6,
                                    msg=lambda m: f"param {i}: {m}")
@@ -573,6 +582,33 @@ def test_unsupported_options_raise_clearly():
     model = nn.Linear(2, 2)
     with pytest.raises(NotImplementedError, match="dtype"):
         shardadam.DistributedFusedAdam(model.parameters(), dtype=torch.float16)
+
+
+def _refusal_worker(rank: int, world: int, port: int, options: dict, out) -> None:
+    """DistributedFusedAdam(Linear(4, 4) on the CPU, **options) over gloo: the
+    ValueError's message (None if none) and whether the parameters stayed as
+    they were (values, and not turned into views of a buffer)."""
+    with _rank_group(rank, world, port, out):
+        model = nn.Linear(4, 4)
+        before = [p.detach().clone() for p in model.parameters()]
+        try:
+            shardadam.DistributedFusedAdam(model.parameters(), **options)
+            message = None
+        except ValueError as e:
+            message = str(e)
+        out.put(dict(message=message, untouched=all(torch.equal(p, b) and p._base is None
+                                                    for p, b in zip(model.parameters(), before))))
+    _exit()
+
+
+def test_copy_engine_param_sync_refuses_what_cannot_use_it():
+    """Asked for on CPU parameters over gloo without a contiguous buffer: one
+    error naming each missing piece, before the parameters are touched."""
+    result = _spawn(_refusal_worker, 1, dict(param_sync_copy_engine=True))
+    assert result["message"] is not None, "param_sync_copy_engine=True on gloo/CPU must raise"
+    for needed in ("CUDA parameters", "NCCL", "contiguous_param_buffer=True"):
+        assert needed in result["message"], f"the error must name {needed!r}: {result['message']}"
+    assert result["untouched"], "the parameters changed before the error"
 
 
 def _train_global(model, opt, steps) -> None:

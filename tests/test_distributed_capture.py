@@ -14,9 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import shardadam
-from test_distributed import (GLOBAL_BATCH, STEPS, _config, _data, _exit, _rank_group, _reference, _spawn, _step,
-                              _worker)
+from test_distributed import GLOBAL_BATCH, STEPS, _config, _data, _reference, _refusal_worker, _spawn, _step, _worker
 
 WARMUP = 2  # eager steps before the capture: the first one also learns the bucket order
 
@@ -122,20 +120,7 @@ def test_captured_compact_states_equal_their_eager_runs(kw):
     assert captured["scale"] == eager["scale"]
 
 
-def _cpu_capturable_worker(rank: int, world: int, port: int, out) -> None:
-    with _rank_group(rank, world, port, out):
-        model = torch.nn.Linear(3, 2)
-        before = [p.detach().clone() for p in model.parameters()]
-        try:
-            shardadam.DistributedFusedAdam(model.parameters(), capturable=True)
-            message = None
-        except ValueError as e:
-            message = str(e)
-        out.put(dict(message=message, unchanged=all(torch.equal(p, b) for p, b in zip(model.parameters(), before))))
-    _exit()
-
-
 def test_capturable_on_cpu_raises_before_touching_anything():
-    result = _spawn(_cpu_capturable_worker, 2)
+    result = _spawn(_refusal_worker, 2, dict(capturable=True))
     assert result["message"] is not None and "capturable=True needs CUDA" in result["message"]
-    assert result["unchanged"]
+    assert result["untouched"]

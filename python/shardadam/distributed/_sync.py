@@ -15,7 +15,8 @@ Parameters: each bucket's updated shards are all-gathered, in place when the
 parameters live in one contiguous buffer, else through a temporary full bucket
 copied into the parameters; with overlap_param_sync the all-gathers run while
 the next forward starts, each module waiting for the buckets of its own
-parameters.
+parameters. Between GPUs of one host, a contiguous buffer is all-gathered on
+the copy engines instead of NCCL's kernels (distributed/_peer.py).
 
 At most ``pipeline_size`` full-size bucket buffers are alive per direction:
 the oldest collective is waited for before another one starts. torch.distributed
@@ -229,8 +230,11 @@ class ParamSync:
     parameters (a module's forward-pre hook), finish() for all of them.
     """
 
-    def __init__(self, params: list, layout, shards: torch.Tensor, buffer: torch.Tensor | None, group):
+    def __init__(self, params: list, layout, shards: torch.Tensor, buffer: torch.Tensor | None, group, peer=None):
+        """peer: a PeerParamGather over buffer, to write the shards on the copy
+        engines instead of NCCL's all-gather (distributed/_peer.py)."""
         self.params = params
+        self.peer = peer
         self.shards = shards
         self.buffer = buffer
         self.group = group
@@ -244,10 +248,14 @@ class ParamSync:
     def start(self, depth: int | None = None) -> None:
         """Launch the all-gathers; with a depth, wait so that at most that many
         temporary buffers are alive (no limit with a contiguous buffer)."""
+        if self.peer is not None:
+            self.peer.begin()
         for b in reversed(range(self.shards.shape[0])):
             full = self.buffer[b] if self.buffer is not None else torch.empty(
                 self.bucket_size, dtype=self.shards.dtype, device=self.shards.device)
-            self.pending[b] = (_all_gather(full, self.shards[b], group=self.group, async_op=True), full)
+            work = self.peer.bucket(b) if self.peer is not None else _all_gather(
+                full, self.shards[b], group=self.group, async_op=True)
+            self.pending[b] = (work, full)
             if self.buffer is None and depth is not None and len(self.pending) > depth:
                 self._finish_bucket(next(iter(self.pending)))
 
@@ -260,6 +268,12 @@ class ParamSync:
     def finish(self) -> None:
         for b in list(self.pending):
             self._finish_bucket(b)
+
+    def close(self) -> None:
+        """Before the buffers go (a layout rebuild): land everything, unmap the peers."""
+        self.finish()
+        if self.peer is not None:
+            self.peer.close()
 
     def _finish_bucket(self, b: int) -> None:
         work, full = self.pending.pop(b)

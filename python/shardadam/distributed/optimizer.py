@@ -16,7 +16,8 @@ Optimizer state and reduced gradients are sharded across the ranks of the
    parameter shards;
 3. the parameter shards are all-gathered bucket by bucket into the parameters
    (in place with contiguous_param_buffer), during the next forward with
-   overlap_param_sync.
+   overlap_param_sync; between GPUs of one host a contiguous buffer is
+   all-gathered on the copy engines (param_sync_copy_engine, _peer.py).
 
 With average_grad_sync=True the result equals DDP + torch.optim.AdamW (Adam
 with adam_w_mode=False) on the same global batch. capturable=True keeps lr and
@@ -38,6 +39,7 @@ from .._groups import adam_hyper, pack_groups, plain_value, run_closure, saved_g
 from .._state_dict import join_remainders, pow2_scale_for, split_remainders
 from .._torch import check_tensor
 from . import sharded_checkpoint
+from ._peer import PeerParamGather
 from ._sync import GradSync, ParamSync, flat_like, memory_flat
 from .layout import BucketLayout
 
@@ -103,7 +105,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                  device=None, process_group=None, distributed_process_group=None, redundant_process_group=None,
                  average_grad_sync=True, overlap_grad_sync=True, overlap_param_sync=False, bucket_cap_mb=100,
                  pipeline_size=2, contiguous_param_buffer=False, contiguous_grad_buffer=False, store_params=True,
-                 store_param_remainders=False, with_scaled_states=False, capturable=False):
+                 store_param_remainders=False, with_scaled_states=False, capturable=False,
+                 param_sync_copy_engine=None):
         if not (isinstance(pipeline_size, int) and pipeline_size >= 1):
             raise ValueError(f"pipeline_size must be an int >= 1 (buckets in flight), got {pipeline_size!r}")
         if dtype != torch.float32:
@@ -144,6 +147,9 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self.overlap_param_sync = overlap_param_sync
         self.contiguous_param_buffer = contiguous_param_buffer
         self.contiguous_grad_buffer = contiguous_grad_buffer
+        # None: the parameter all-gather on the copy engines whenever the
+        # ranks can (one host, shareable memory), else NCCL.
+        self.param_sync_copy_engine = param_sync_copy_engine
         self._sync_in_backward = overlap_grad_sync  # off inside no_sync()
         self.pipeline_size = pipeline_size
         self.bucket_cap_mb = bucket_cap_mb
@@ -209,6 +215,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                 raise ValueError(f"{option}=True needs every trainable parameter in {dtype} (the sync dtype), "
                                  f"found {', '.join(wrong)}: convert the model or set the sync dtype to the "
                                  f"parameters' dtype")
+        self._check_copy_engine()
         self._src = 0 if self.group is None else dist.get_global_rank(self.group, 0)
         for g in self.param_groups:
             if self.capturable:  # read by the kernels on the device: graphs replay with the current values
@@ -221,12 +228,41 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                 dist.broadcast(p.data, src=self._src, group=self.group)
         return params, groups
 
+    def _check_copy_engine(self) -> None:
+        """param_sync_copy_engine=True asks for what only some setups allow: say which part is missing."""
+        if not self.param_sync_copy_engine:
+            return
+        missing = [why for why, bad in (
+            ("CUDA parameters", self.device.type != "cuda"),
+            ("an NCCL distributed_process_group", "nccl" not in str(dist.get_backend(self.dist_group))),
+            ("contiguous_param_buffer=True (peers write into that buffer)", not self.contiguous_param_buffer),
+            ("capturable=False (captured collectives stay on NCCL)", self.capturable)) if bad]
+        if missing:
+            raise ValueError("param_sync_copy_engine=True needs " + ", ".join(missing) +
+                             "; leave it None to use the copy engines only where they apply")
+
+    def _copy_engine_gather(self) -> PeerParamGather | None:
+        """The copy-engine all-gather of param_buffer where it applies, else
+        None (NCCL). A collective over the distributed group."""
+        if self.param_sync_copy_engine is False or self.param_buffer is None or self.capturable or \
+                self.device.type != "cuda" or "nccl" not in str(dist.get_backend(self.dist_group)):
+            return None
+        gather = PeerParamGather.connect(self.param_buffer, self.dist_group)
+        if gather is None and self.param_sync_copy_engine and self.dist_size > 1:
+            raise RuntimeError("param_sync_copy_engine=True, but the ranks of distributed_process_group cannot map "
+                               "each other's memory (ranks on several hosts, GPUs without peer access, or "
+                               "PYTORCH_CUDA_ALLOC_CONF with expandable_segments): leave it None to fall back to "
+                               "NCCL")
+        return gather
+
     def _build_layout(self, params: list, groups_of: list) -> None:
         """Buckets, shards, buffers, the fused plan, the sync objects and hooks
         for the parameters in this order: bucket 0 takes params[0], and the
         order buckets start in is the order gradients should arrive in."""
         # A rebuild lets go of the old layout's buffers first: the new ones are
         # as large, and both at once would raise peak memory by the whole state.
+        if getattr(self, "_param_sync", None) is not None:
+            self._param_sync.close()
         self.plan = self._grad_sync = self._param_sync = None
         self.grad_shards = self.master = self.remainders = self.exp_avg = self.exp_avg_sq = None
         self.max_exp_avg_sq = self.param_shards = self.param_buffer = self.grad_buffer = None
@@ -308,7 +344,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self._norm_plan, self._subset_norm_plans = None, {}
         self._grad_sync = GradSync(self.params, self.layout, self.grad_shards, self.dist_group, self.pipeline_size,
                                    self.redundant_group, self.grad_buffer, self._grad_views)
-        self._param_sync = ParamSync(self.params, self.layout, self.param_shards, self.param_buffer, self.dist_group)
+        self._param_sync = ParamSync(self.params, self.layout, self.param_shards, self.param_buffer, self.dist_group,
+                                     self._copy_engine_gather())
         # The hooks hold the optimizer weakly: no reference cycle through the
         # model's parameters, so an optimizer that goes out of scope is freed
         # at once, before the process group is destroyed (gloo can abort at
@@ -762,12 +799,14 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                        contiguous_param_buffer=self.contiguous_param_buffer,
                        contiguous_grad_buffer=self.contiguous_grad_buffer, store_params=self.store_params,
                        store_param_remainders=self.store_param_remainders,
-                       with_scaled_states=self.with_scaled_states, capturable=self.capturable)
+                       with_scaled_states=self.with_scaled_states, capturable=self.capturable,
+                       param_sync_copy_engine=self.param_sync_copy_engine)
         lines = [f"{type(self).__name__} (world_size={self.world_size}, shard_rank={self.rank}, "
                  f"process_group={group_name(self.group)}, "
                  f"distributed_process_group={group_name(self.dist_group)}, "
                  f"redundant_process_group={group_name(self.redundant_group, 'None')}, "
-                 f"buckets={len(self.layout.buckets)}, shard_size={self.shard_size}"]
+                 f"buckets={len(self.layout.buckets)}, shard_size={self.shard_size}, "
+                 f"param_sync={'copy engines' if self._param_sync.peer is not None else 'collective'}"]
         for i, g in enumerate(self.param_groups):
             lines.append(f"  group {i}: {len(g['params'])} params, lr={plain_value(g['lr'])}, betas={g['betas']}, "
                          f"eps={g['eps']}, weight_decay={g['weight_decay']}, "
