@@ -584,6 +584,22 @@ def test_unsupported_options_raise_clearly():
         shardadam.DistributedFusedAdam(model.parameters(), dtype=torch.float16)
 
 
+@pytest.mark.multigpu
+@pytest.mark.parametrize("kw", [dict(), dict(dtype=torch.bfloat16, remainders=True)], ids=["fp32", "bf16-remainders"])
+def test_copy_engine_all_gather_equals_nccl_bit_for_bit(kw):
+    """The copy engines move the same bytes as NCCL's all-gather: the whole run,
+    parameters and masters, is bit-identical to the one with
+    param_sync_copy_engine=False."""
+    cfg = dict(device="cuda", contiguous_param_buffer=True, overlap_param_sync=True, model="reordered", **kw)
+    engines = _spawn(_worker, 2, _config(copy_engine=True, **cfg))
+    nccl = _spawn(_worker, 2, _config(copy_engine=False, **cfg))
+    assert engines["copy_engine"] and not nccl["copy_engine"], "each run must take the path it asked for"
+    assert engines["same_on_all_ranks"], "ranks disagree on the parameters"
+    for name in ("params", "masters"):
+        for i, (a, b) in enumerate(zip(engines[name], nccl[name])):
+            np.testing.assert_array_equal(a, b, err_msg=f"{name} {i}")
+
+
 def _refusal_worker(rank: int, world: int, port: int, options: dict, out) -> None:
     """DistributedFusedAdam(Linear(4, 4) on the CPU, **options) over gloo: the
     ValueError's message (None if none) and whether the parameters stayed as
