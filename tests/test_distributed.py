@@ -625,6 +625,8 @@ def test_copy_engine_param_sync_refuses_what_cannot_use_it():
     for needed in ("CUDA parameters", "NCCL", "contiguous_param_buffer=True"):
         assert needed in result["message"], f"the error must name {needed!r}: {result['message']}"
     assert result["untouched"], "the parameters changed before the error"
+    result = _spawn(_refusal_worker, 1, dict(param_sync_copy_engine="yes"))
+    assert result["message"] is not None and "None" in result["message"] and "'yes'" in result["message"]
 
 
 def _train_global(model, opt, steps) -> None:

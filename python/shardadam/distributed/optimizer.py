@@ -228,15 +228,20 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                 dist.broadcast(p.data, src=self._src, group=self.group)
         return params, groups
 
-    def _check_copy_engine(self) -> None:
-        """param_sync_copy_engine=True asks for what only some setups allow: say which part is missing."""
-        if not self.param_sync_copy_engine:
-            return
-        missing = [why for why, bad in (
+    def _copy_engine_missing(self) -> list[str]:
+        """What the options lack for the copy-engine all-gather (empty: nothing)."""
+        return [why for why, bad in (
             ("CUDA parameters", self.device.type != "cuda"),
             ("an NCCL distributed_process_group", "nccl" not in str(dist.get_backend(self.dist_group))),
             ("contiguous_param_buffer=True (peers write into that buffer)", not self.contiguous_param_buffer),
             ("capturable=False (captured collectives stay on NCCL)", self.capturable)) if bad]
+
+    def _check_copy_engine(self) -> None:
+        """param_sync_copy_engine=True asks for what only some setups allow: say which part is missing."""
+        if self.param_sync_copy_engine not in (None, True, False):
+            raise ValueError(f"param_sync_copy_engine must be None (where possible), True (required) or False "
+                             f"(NCCL), got {self.param_sync_copy_engine!r}")
+        missing = self._copy_engine_missing() if self.param_sync_copy_engine else []
         if missing:
             raise ValueError("param_sync_copy_engine=True needs " + ", ".join(missing) +
                              "; leave it None to use the copy engines only where they apply")
@@ -244,8 +249,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
     def _copy_engine_gather(self) -> PeerParamGather | None:
         """The copy-engine all-gather of param_buffer where it applies, else
         None (NCCL). A collective over the distributed group."""
-        if self.param_sync_copy_engine is False or self.param_buffer is None or self.capturable or \
-                self.device.type != "cuda" or "nccl" not in str(dist.get_backend(self.dist_group)):
+        if self.param_sync_copy_engine is False or self._copy_engine_missing():
             return None
         gather = PeerParamGather.connect(self.param_buffer, self.dist_group)
         if gather is None and self.param_sync_copy_engine and self.dist_size > 1:
@@ -279,8 +283,11 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self.grad_shards = torch.zeros(n_buckets, self.shard_size, dtype=self.grad_sync_dtype, device=dev)
         own = slice(self.rank * self.shard_size, (self.rank + 1) * self.shard_size)
         self.param_buffer, self.grad_buffer, self._grad_views = None, None, None
+        gather = None
         if self.contiguous_param_buffer:
             self.param_buffer, views = self._bucket_views(self.param_sync_dtype)
+            # Mapped by the peers before the parameters move in: a refusal leaves them as they were.
+            gather = self._copy_engine_gather()
             with torch.no_grad():
                 for p, view in zip(self.params, views):
                     view.copy_(p.data)
@@ -345,7 +352,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self._grad_sync = GradSync(self.params, self.layout, self.grad_shards, self.dist_group, self.pipeline_size,
                                    self.redundant_group, self.grad_buffer, self._grad_views)
         self._param_sync = ParamSync(self.params, self.layout, self.param_shards, self.param_buffer, self.dist_group,
-                                     self._copy_engine_gather())
+                                     gather)
         # The hooks hold the optimizer weakly: no reference cycle through the
         # model's parameters, so an optimizer that goes out of scope is freed
         # at once, before the process group is destroyed (gloo can abort at
