@@ -14,7 +14,7 @@ after it; PeerParamGather says which hazards its meetings close.
 
 The gradient reduce-scatter stays on NCCL: the same scheme for it (each rank
 writing its peers' pieces into receive slots, a meeting and an add per
-bucket) made the 1.4B GPT's backward 18-28 ms slower on 2 x H200
+bucket) made the 1.4B GPT's backward 15-28 ms slower on 2 x H200
 (benchmarks/RESULTS.md, session 5).
 """
 from __future__ import annotations
