@@ -182,7 +182,7 @@ NB_MODULE(_core, m) {
            },
            "rank"_a, "(param, param_start, param_end, bucket, shard_start) of each non-empty piece rank owns.");
 
-  // CUDA IPC and peer copies for the copy-engine all-gather (distributed/_peer.py).
+  // CUDA IPC, peer copies and counters for the copy-engine collectives (distributed/_peer.py).
   m.def(
       "ipc_export",
       [](int device, uint64_t ptr) {
@@ -196,6 +196,10 @@ NB_MODULE(_core, m) {
   m.def("ipc_close", &cuda_ipc_close, "device"_a, "base"_a, "Unmap what ipc_open mapped.");
   m.def("copy_async", &cuda_copy_async, "device"_a, "dst"_a, "src"_a, "nbytes"_a, "stream"_a,
         "cudaMemcpyAsync of nbytes on the stream: to a peer's mapped memory it runs on the copy engines.");
+  m.def("stream_write_value", &cuda_stream_write_value, "device"_a, "addr"_a, "value"_a, "stream"_a,
+        "Write the 64-bit value to addr once the stream's earlier work is done (and visible).");
+  m.def("stream_wait_value", &cuda_stream_wait_value, "device"_a, "addr"_a, "value"_a, "stream"_a,
+        "The stream's later work waits until the 64-bit counter at addr is at least value.");
 
   m.def("build_info", []() {
     nb::dict d;

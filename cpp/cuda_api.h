@@ -33,6 +33,10 @@ PeerExport cuda_ipc_export(int device, uint64_t ptr);
 uint64_t cuda_ipc_open(int device, const std::string& handle);  // the allocation's base in this process
 void cuda_ipc_close(int device, uint64_t base);
 void cuda_copy_async(int device, uint64_t dst, uint64_t src, uint64_t nbytes, uint64_t stream);
+// Stream memory operations on 64-bit counters (mapped peer memory included):
+// a write after the stream's earlier work, and a wait until *addr >= value.
+void cuda_stream_write_value(int device, uint64_t addr, uint64_t value, uint64_t stream);
+void cuda_stream_wait_value(int device, uint64_t addr, uint64_t value, uint64_t stream);
 
 bool cuda_built();
 std::string cuda_architectures();

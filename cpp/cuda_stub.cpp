@@ -26,6 +26,8 @@ PeerExport cuda_ipc_export(int, uint64_t) { no_cuda(); }
 uint64_t cuda_ipc_open(int, const std::string&) { no_cuda(); }
 void cuda_ipc_close(int, uint64_t) { no_cuda(); }
 void cuda_copy_async(int, uint64_t, uint64_t, uint64_t, uint64_t) { no_cuda(); }
+void cuda_stream_write_value(int, uint64_t, uint64_t, uint64_t) { no_cuda(); }
+void cuda_stream_wait_value(int, uint64_t, uint64_t, uint64_t) { no_cuda(); }
 bool cuda_built() { return false; }
 std::string cuda_architectures() { return ""; }
 int cuda_runtime_version() { return 0; }
