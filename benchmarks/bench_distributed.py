@@ -10,10 +10,11 @@ turn, the model rebuilt from the same seed each time:
 - fsdp2:     fully_shard(reshard_after_forward=False) per block and root + AdamW(fused=True)
 - zero1:     DistributedDataParallel + ZeroRedundancyOptimizer(AdamW, fused=True)
 - shardadam: shardadam.DistributedFusedAdam (no wrapper: it broadcasts the
-             parameters and synchronises the gradients itself); its parameter
-             all-gather runs on the copy engines between GPUs of one host
+             parameters and synchronises the gradients itself); between GPUs
+             of one host its reduce-scatter and all-gather run on the copy engines
 - shardadam_contiguous_grads: the same, autograd accumulating into the buckets
-- shardadam_nccl: the same, the all-gather on NCCL (param_sync_copy_engine=False)
+- shardadam_nccl_grads: the same, the reduce-scatter on NCCL (grad_sync_copy_engine=False)
+- shardadam_nccl: the same, both on NCCL (grad_ and param_sync_copy_engine=False)
 
 plus compute_only, the same iteration on one rank's model with no collective
 at all (the baseline for exposed communication). For every implementation and
@@ -59,9 +60,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 import shardadam
 
-IMPLS = ("ddp_fused", "fsdp2", "zero1", "shardadam", "shardadam_contiguous_grads", "shardadam_nccl")
+IMPLS = ("ddp_fused", "fsdp2", "zero1", "shardadam", "shardadam_contiguous_grads", "shardadam_nccl_grads",
+         "shardadam_nccl")
 BASELINE = "compute_only"
-SHARDED_STEP = {"fsdp2", "zero1", "shardadam", "shardadam_contiguous_grads", "shardadam_nccl"}  # each rank updates 1/N of the parameters
+SHARDED_STEP = {"fsdp2", "zero1", *(i for i in IMPLS if i.startswith("shardadam"))}  # each rank updates 1/N of the parameters
 WEIGHT_DECAY = 0.1
 WARMUP = 3
 
@@ -173,8 +175,10 @@ BUILDERS = {BASELINE: build_compute_only, "ddp_fused": build_ddp_fused, "fsdp2":
             "zero1": build_zero1, "shardadam": build_shardadam,
             # the same, with gradients accumulated by autograd straight into the buckets
             "shardadam_contiguous_grads": functools.partial(build_shardadam, contiguous_grad_buffer=True),
-            # the same, with the all-gather on NCCL instead of the copy engines
-            "shardadam_nccl": functools.partial(build_shardadam, param_sync_copy_engine=False)}
+            # the same, with the reduce-scatter (and the all-gather) on NCCL instead of the copy engines
+            "shardadam_nccl_grads": functools.partial(build_shardadam, grad_sync_copy_engine=False),
+            "shardadam_nccl": functools.partial(build_shardadam, grad_sync_copy_engine=False,
+                                                param_sync_copy_engine=False)}
 
 
 # ------------------------------------------------------------------ measurement

@@ -171,6 +171,7 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out) -> None:
                                              with_scaled_states=cfg["scaled_states"],
                                              store_params=cfg["store_params"],
                                              capturable=cfg["capturable"] or cfg["capture"],
+                                             grad_sync_copy_engine=cfg["grad_copy_engine"],
                                              param_sync_copy_engine=cfg["copy_engine"], **groups)
         if cfg["late_load"]:  # weights loaded after the optimizer was built must be the ones trained
             model.load_state_dict(original)
@@ -197,7 +198,8 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out) -> None:
                          same_on_all_ranks=all(torch.equal(t, flat) for t in gathered),
                          frozen_unchanged=torch.equal(frozen.detach(), frozen_before),
                          buckets=len(opt.layout.buckets), norms=norms,
-                         copy_engine=opt._param_sync.peer is not None))
+                         copy_engine=opt._param_sync.peer is not None,
+                         grad_copy_engine=opt._grad_sync.peer is not None))
     _exit()
 
 
@@ -213,7 +215,8 @@ def _config(**kw) -> dict:
                overlap_param_sync=False, contiguous_param_buffer=False, redundant=False, late_load=False,
                contiguous_grad_buffer=False, amsgrad=False, scaler=False, inf_step=None,
                param_sync_dtype=None, dtype=torch.float32, remainders=False, scaled_states=False,
-               store_params=True, capturable=False, capture=False, lr_schedule=False, copy_engine=None)
+               store_params=True, capturable=False, capture=False, lr_schedule=False, copy_engine=None,
+               grad_copy_engine=None)
     unknown = set(kw) - set(cfg)
     assert not unknown, f"unknown config keys {unknown}"
     cfg.update(kw)
@@ -327,7 +330,9 @@ def test_matches_single_process_adam_on_the_global_batch(world, adam_w_mode, buc
                          micro=2, accumulate="every"), marks=pytest.mark.multigpu),
     pytest.param(2, dict(device="cuda", contiguous_grad_buffer=True, contiguous_param_buffer=True, micro=2,
                          redundant=False), marks=pytest.mark.multigpu),
-    pytest.param(2, dict(device="cuda", overlap_param_sync=True, contiguous_param_buffer=True, copy_engine=False),
+    pytest.param(2, dict(device="cuda", overlap_param_sync=True, contiguous_param_buffer=True, copy_engine=False,
+                         grad_copy_engine=False), marks=pytest.mark.multigpu),
+    pytest.param(2, dict(device="cuda", grad_copy_engine=True, micro=3, accumulate="every", pipeline_size=1),
                  marks=pytest.mark.multigpu),
     pytest.param(2, dict(device="cuda", contiguous_param_buffer=True, copy_engine=True, scaler=True, inf_step=2,
                          model="reordered"), marks=pytest.mark.multigpu),
@@ -335,7 +340,8 @@ def test_matches_single_process_adam_on_the_global_batch(world, adam_w_mode, buc
         "contiguous-params", "redundant-2x2", "weights-loaded-after-construction",
         "contiguous-grads-no_sync", "contiguous-both-no-overlap", "amsgrad", "tiny-model-3-ranks", "grad-scaler-inf-skips",
         "grad-scaler-clip", "overlap-params-3", "overlap-contiguous-params", "nccl-2-overlap-everything",
-        "nccl-2-contiguous-buffers", "nccl-2-nccl-all-gather", "nccl-2-copy-engine-no-overlap-inf-skip"])
+        "nccl-2-contiguous-buffers", "nccl-2-nccl-collectives", "nccl-2-copy-engine-reduce-rounds",
+        "nccl-2-copy-engine-no-overlap-inf-skip"])
 def test_sync_variants_match_single_process_adamw(world, kw):
     cfg = _config(**kw)
     result = _spawn(_worker, world, cfg)
@@ -349,9 +355,12 @@ def test_sync_variants_match_single_process_adamw(world, kw):
         np.testing.assert_allclose(result["norms"], want_norms, rtol=1e-5)
     steps_done = STEPS - (cfg["inf_step"] is not None)
     assert result["steps"] == [steps_done] * 4, "a skipped step must not count, on any rank"
-    # Two H200s of one host: a contiguous parameter buffer is all-gathered on the copy engines unless asked not to.
+    # Two H200s of one host: gradients are reduce-scattered, and a contiguous
+    # parameter buffer is all-gathered, on the copy engines unless asked not to.
     copy_engine = cfg["device"] == "cuda" and cfg["contiguous_param_buffer"] and cfg["copy_engine"] is not False
     assert result["copy_engine"] == copy_engine, "the parameter all-gather took the wrong path"
+    grad_copy_engine = cfg["device"] == "cuda" and cfg["grad_copy_engine"] is not False
+    assert result["grad_copy_engine"] == grad_copy_engine, "the gradient reduce-scatter took the wrong path"
     for i, (got, want) in enumerate(zip(result["params"], want_params)):
         torch.testing.assert_close(torch.from_numpy(got), want.contiguous(), rtol=1e-5, atol=1e-6,
                                    msg=lambda m: f"param {i}: {m}")
@@ -585,15 +594,21 @@ def test_unsupported_options_raise_clearly():
 
 
 @pytest.mark.multigpu
-@pytest.mark.parametrize("kw", [dict(), dict(dtype=torch.bfloat16, remainders=True)], ids=["fp32", "bf16-remainders"])
-def test_copy_engine_all_gather_equals_nccl_bit_for_bit(kw):
-    """The copy engines move the same bytes as NCCL's all-gather: the whole run,
-    parameters and masters, is bit-identical to the one with
-    param_sync_copy_engine=False."""
+@pytest.mark.parametrize("option,kw", [
+    ("copy_engine", dict()),
+    ("copy_engine", dict(dtype=torch.bfloat16, remainders=True)),
+    ("grad_copy_engine", dict()),
+    ("grad_copy_engine", dict(grad_sync_dtype=torch.bfloat16, micro=2, accumulate="every")),
+], ids=["all-gather-fp32", "all-gather-bf16-remainders", "reduce-scatter-fp32", "reduce-scatter-bf16-rounds"])
+def test_copy_engines_equal_nccl_bit_for_bit(option, kw):
+    """On two ranks the copy engines compute what NCCL does: the all-gather
+    moves the same bytes, and the reduce-scatter's one addition per element
+    (commutative) rounds as NCCL's. The whole run, parameters and masters,
+    is bit-identical to the one with that direction on NCCL."""
     cfg = dict(device="cuda", contiguous_param_buffer=True, overlap_param_sync=True, model="reordered", **kw)
-    engines = _spawn(_worker, 2, _config(copy_engine=True, **cfg))
-    nccl = _spawn(_worker, 2, _config(copy_engine=False, **cfg))
-    assert engines["copy_engine"] and not nccl["copy_engine"], "each run must take the path it asked for"
+    engines = _spawn(_worker, 2, _config(**{option: True}, **cfg))
+    nccl = _spawn(_worker, 2, _config(**{option: False}, **cfg))
+    assert engines[option] and not nccl[option], "each run must take the path it asked for"
     assert engines["same_on_all_ranks"], "ranks disagree on the parameters"
     for name in ("params", "masters"):
         for i, (a, b) in enumerate(zip(engines[name], nccl[name])):
@@ -602,31 +617,43 @@ def test_copy_engine_all_gather_equals_nccl_bit_for_bit(kw):
 
 def _refusal_worker(rank: int, world: int, port: int, options: dict, out) -> None:
     """DistributedFusedAdam(Linear(4, 4) on the CPU, **options) over gloo: the
-    ValueError's message (None if none) and whether the parameters stayed as
-    they were (values, and not turned into views of a buffer)."""
+    ValueError's message (None if none), whether the parameters stayed as
+    they were (values, and not turned into views of a buffer), and the
+    optimizer's repr (None if it raised)."""
     with _rank_group(rank, world, port, out):
         model = nn.Linear(4, 4)
         before = [p.detach().clone() for p in model.parameters()]
         try:
-            shardadam.DistributedFusedAdam(model.parameters(), **options)
+            text = repr(shardadam.DistributedFusedAdam(model.parameters(), **options))
             message = None
         except ValueError as e:
-            message = str(e)
-        out.put(dict(message=message, untouched=all(torch.equal(p, b) and p._base is None
-                                                    for p, b in zip(model.parameters(), before))))
+            text, message = None, str(e)
+        out.put(dict(message=message, repr=text, untouched=all(torch.equal(p, b) and p._base is None
+                                                               for p, b in zip(model.parameters(), before))))
     _exit()
 
 
-def test_copy_engine_param_sync_refuses_what_cannot_use_it():
+@pytest.mark.parametrize("option,needs", [
+    ("param_sync_copy_engine", ("CUDA parameters", "NCCL", "contiguous_param_buffer=True")),
+    ("grad_sync_copy_engine", ("CUDA parameters", "NCCL")),
+])
+def test_copy_engines_refuse_what_cannot_use_them(option, needs):
     """Asked for on CPU parameters over gloo without a contiguous buffer: one
-    error naming each missing piece, before the parameters are touched."""
-    result = _spawn(_refusal_worker, 1, dict(param_sync_copy_engine=True))
-    assert result["message"] is not None, "param_sync_copy_engine=True on gloo/CPU must raise"
-    for needed in ("CUDA parameters", "NCCL", "contiguous_param_buffer=True"):
+    error naming the option and each missing piece (and nothing else),
+    before the parameters are touched."""
+    result = _spawn(_refusal_worker, 1, {option: True})
+    assert result["message"] is not None, f"{option}=True on gloo/CPU must raise"
+    assert result["message"].startswith(f"{option}=True needs"), result["message"]
+    for needed in needs:
         assert needed in result["message"], f"the error must name {needed!r}: {result['message']}"
+    assert ("contiguous_param_buffer" in result["message"]) == ("contiguous_param_buffer=True" in needs)
     assert result["untouched"], "the parameters changed before the error"
-    result = _spawn(_refusal_worker, 1, dict(param_sync_copy_engine="yes"))
-    assert result["message"] is not None and "None" in result["message"] and "'yes'" in result["message"]
+    result = _spawn(_refusal_worker, 1, {option: "yes"})
+    assert result["message"] is not None and option in result["message"] and "'yes'" in result["message"]
+    # Left None, the same setup falls back to the collectives, and says so.
+    result = _spawn(_refusal_worker, 1, {option: None, "contiguous_param_buffer": True})
+    assert result["message"] is None
+    assert "grad_sync=collective, param_sync=collective" in result["repr"], result["repr"]
 
 
 def _train_global(model, opt, steps) -> None:

@@ -1,21 +1,16 @@
-"""The parameter all-gather on the copy engines, between GPUs of one host.
+"""What the copy-engine collectives stand on, between GPUs of one host.
 
-NCCL's all-gather runs as kernels: while it overlaps the next forward it takes
-SMs from the forward's matmuls. Between GPUs of one host, each rank can
-instead write its updated shard of a bucket straight into every peer's
-contiguous parameter buffer: the peers' buffers are mapped into this process
-once (CUDA IPC), and cudaMemcpyAsync to peer memory runs on the copy engines
-over NVLink, with no SMs.
+NCCL's collectives run as kernels: while they overlap backward or the next
+forward they take SMs from the matmuls. Between GPUs of one host, each rank
+can instead write straight into its peers' memory: a peer's buffer is mapped
+into this process once (CUDA IPC), and cudaMemcpyAsync to peer memory runs on
+the copy engines over NVLink, with no SMs.
 
-Ordering, all on the GPU, through meetings: tiny NCCL all-reduces of a zero on
-a side stream, which complete once every rank's side stream has reached them.
-Each one orders what every rank wrote before it ahead of what any rank does
-after it; PeerParamGather says which hazards its meetings close.
-
-The gradient reduce-scatter stays on NCCL: the same scheme for it (each rank
-writing its peers' pieces into receive slots, a meeting and an add per
-bucket) made the 1.4B GPT's backward 15-28 ms slower on 2 x H200
-(benchmarks/RESULTS.md, session 5).
+Ordering, all on the GPU and without kernels: every rank holds 64-bit
+counters that its peers raise with stream writes (fenced: whatever the
+raising stream wrote before is visible to whoever sees the new value), and
+that a stream waits on with stream waits. The collectives built on these
+(_peer_gather.py, _peer_reduce.py) say which hazards their counters close.
 """
 from __future__ import annotations
 
@@ -28,27 +23,27 @@ from .. import _core
 
 
 class PeerBuffers:
-    """One tensor of every rank of a group, mapped into this process."""
+    """One tensor of every rank of a group, mapped into this process; what
+    this rank writes into them runs on ``stream``."""
 
-    def __init__(self, tensor: torch.Tensor, group, addresses: list[int], bases: list[int]):
+    def __init__(self, tensor: torch.Tensor, group, stream: torch.cuda.Stream, addresses: list[int],
+                 bases: list[int]):
         """addresses[r]: where rank r's tensor starts, in this process."""
         self.tensor = tensor
         self.group = group
+        self.stream = stream
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.addresses = addresses
         self.bases = bases  # what ipc_open mapped, for close()
-        self.stream = torch.cuda.Stream(tensor.device)
-        # Meetings carry no data: each all-reduce of a zero only synchronises.
-        self.meeting = torch.zeros(1, dtype=torch.float32, device=tensor.device)
 
     @classmethod
-    def connect(cls, tensor: torch.Tensor, group) -> PeerBuffers | None:
+    def connect(cls, tensor: torch.Tensor, group, stream: torch.cuda.Stream, probe=None) -> PeerBuffers | None:
         """Map every rank's tensor (a collective over group: every rank passes
         its own, alike in shape). None, on every rank alike, when a rank
         cannot: one rank alone, ranks on several hosts, memory that cannot be
-        shared (cudaMallocAsync or expandable segments) or GPUs that cannot
-        reach each other."""
+        shared (cudaMallocAsync or expandable segments), GPUs that cannot
+        reach each other, or probe(buffers) raising RuntimeError on a rank."""
         world, rank, device = dist.get_world_size(group), dist.get_rank(group), tensor.device.index
         if world == 1:
             return None  # nothing to exchange
@@ -60,7 +55,7 @@ class PeerBuffers:
         everyone = [None] * world
         with torch.cuda.device(tensor.device):
             dist.all_gather_object(everyone, mine, group=group)
-        bases, addresses = [], []
+        bases, addresses, buffers = [], [], None
         usable = all(host == mine[0] and e is not None for host, e in everyone)
         if usable:
             try:
@@ -70,36 +65,26 @@ class PeerBuffers:
                     else:
                         bases.append(_core.ipc_open(device, handle))
                         addresses.append(bases[-1] + offset)
+                buffers = cls(tensor, group, stream, addresses, bases)
+                if probe is not None:
+                    probe(buffers)
             except RuntimeError:
                 usable = False
         agreed = torch.tensor([float(usable)], device=tensor.device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
         if not agreed.item():
-            for base in bases:
-                _core.ipc_close(device, base)
+            if buffers is not None:
+                buffers.close()
+            else:
+                for base in bases:
+                    _core.ipc_close(device, base)
             return None
-        return cls(tensor, group, addresses, bases)
+        return buffers
 
     def write(self, rank: int, byte_offset: int, src: torch.Tensor) -> None:
-        """Copy src (contiguous, on this device) into rank's tensor at byte_offset, on the side stream."""
+        """Copy src (contiguous, on this device) into rank's tensor at byte_offset, on the stream."""
         _core.copy_async(self.tensor.device.index, self.addresses[rank] + byte_offset, src.data_ptr(),
                          src.numel() * src.element_size(), self.stream.cuda_stream)
-
-    def meet(self) -> None:
-        """A meeting on the side stream: what follows on it runs after every
-        rank's side stream got here."""
-        with torch.cuda.stream(self.stream):
-            dist.all_reduce(self.meeting, group=self.group)
-
-    def after_caller(self) -> None:
-        """The side stream waits for what the caller's stream has queued."""
-        self.stream.wait_stream(torch.cuda.current_stream(self.tensor.device))
-
-    def done(self) -> _StreamWork:
-        """What the side stream has queued so far, as a work to wait for."""
-        event = torch.cuda.Event()
-        event.record(self.stream)
-        return _StreamWork(event)
 
     def close(self) -> None:
         """Wait for this rank's writes, then unmap the peers' tensors."""
@@ -118,53 +103,69 @@ class PeerBuffers:
             pass
 
 
-class _StreamWork:
-    """A collective's work, as torch.distributed returns it: wait() orders the
-    caller's current stream after it, without blocking the host."""
+class PeerCounters:
+    """``kinds`` 64-bit counters per peer in every rank's memory: on rank r,
+    counter (kind, q) is what rank q last raised there. Counters only grow,
+    so a wait for a value passes for every later one too."""
 
-    def __init__(self, event: torch.cuda.Event):
-        self.event = event
-
-    def wait(self) -> bool:
-        torch.cuda.current_stream().wait_event(self.event)
-        return True
-
-
-class PeerParamGather:
-    """The all-gather of a contiguous parameter buffer [buckets, bucket]: this
-    rank's shard of each bucket, written into the same place of every peer's.
-
-    Meetings: one before an iteration's first bucket, which every rank enters
-    after its step, so no rank still reads (forward, backward) the rows about
-    to be written; one after each bucket's writes, after which every peer's
-    writes into this rank's bucket have landed: a forward-pre hook waits for that."""
-
-    def __init__(self, peers: PeerBuffers):
-        self.peers = peers
-        buffer = peers.tensor
-        self.row_bytes = buffer.stride(0) * buffer.element_size()
-        self.shard = buffer.shape[1] // peers.world
-        self.own = slice(peers.rank * self.shard, (peers.rank + 1) * self.shard)
+    def __init__(self, mapped: PeerBuffers):
+        self.mapped = mapped
+        self.rank, self.world = mapped.rank, mapped.world
+        self.device = mapped.tensor.device.index
+        self.stream = mapped.stream
+        self.row_bytes = mapped.tensor.stride(0) * 8
 
     @classmethod
-    def connect(cls, buffer: torch.Tensor, group) -> PeerParamGather | None:
-        peers = PeerBuffers.connect(buffer, group)
-        return None if peers is None else cls(peers)
+    def connect(cls, kinds: int, device: torch.device, group, stream: torch.cuda.Stream) -> PeerCounters | None:
+        """A collective over group; None where the peers cannot be mapped or
+        the driver has no stream memory operations."""
+        counters = torch.zeros(kinds + 1, dist.get_world_size(group), dtype=torch.int64, device=device)
 
-    def begin(self) -> None:
-        self.peers.after_caller()
-        self.peers.meet()
+        def probe(mapped: PeerBuffers) -> None:  # the last row: raise and await this rank's own counter
+            trial = cls(mapped)
+            trial.raise_on(trial.rank, kinds, 1)
+            trial.wait_for(trial.rank, kinds, 1, stream)
+            stream.synchronize()
+        mapped = PeerBuffers.connect(counters, group, stream, probe)
+        return None if mapped is None else cls(mapped)
 
-    def bucket(self, b: int):
-        """Write bucket b's shard into every peer; a work whose wait() orders
-        the caller's stream after every rank's writes of bucket b."""
-        src = self.peers.tensor[b, self.own]
-        offset = b * self.row_bytes + self.own.start * src.element_size()
-        for r in range(self.peers.world):
-            if r != self.peers.rank:
-                self.peers.write(r, offset, src)
-        self.peers.meet()
-        return self.peers.done()
+    def raise_on(self, rank: int, kind: int, value: int) -> None:
+        """Set counter (kind, this rank) on rank to value once the stream's earlier work is done."""
+        _core.stream_write_value(self.device, self.mapped.addresses[rank] + kind * self.row_bytes + self.rank * 8,
+                                 value, self.stream.cuda_stream)
+
+    def raise_on_peers(self, kind: int, value: int, and_self: bool = False) -> None:
+        for r in range(self.world):
+            if r != self.rank or and_self:
+                self.raise_on(r, kind, value)
+
+    def wait_for(self, rank: int, kind: int, value: int, stream: torch.cuda.Stream) -> None:
+        """stream's later work waits until rank raised counter kind here to value."""
+        _core.stream_wait_value(self.device, self.mapped.addresses[self.rank] + kind * self.row_bytes + rank * 8,
+                                value, stream.cuda_stream)
+
+    def wait_for_peers(self, kind: int, value: int, stream: torch.cuda.Stream, and_self: bool = False) -> None:
+        for r in range(self.world):
+            if r != self.rank or and_self:
+                self.wait_for(r, kind, value, stream)
 
     def close(self) -> None:
-        self.peers.close()
+        self.mapped.close()
+
+
+class CounterWork:
+    """A collective's work, as torch.distributed returns it, that is done
+    once counter ``kind`` reached ``value``: from this rank alone, or from
+    every rank (this one included). wait() orders the caller's current
+    stream after that, without blocking the host."""
+
+    def __init__(self, counters: PeerCounters, kind: int, value: int, every_rank: bool):
+        self.counters, self.kind, self.value, self.every_rank = counters, kind, value, every_rank
+
+    def wait(self) -> bool:
+        stream = torch.cuda.current_stream(self.counters.mapped.tensor.device)
+        if self.every_rank:
+            self.counters.wait_for_peers(self.kind, self.value, stream, and_self=True)
+        else:
+            self.counters.wait_for(self.counters.rank, self.kind, self.value, stream)
+        return True

@@ -15,8 +15,9 @@ Parameters: each bucket's updated shards are all-gathered, in place when the
 parameters live in one contiguous buffer, else through a temporary full bucket
 copied into the parameters; with overlap_param_sync the all-gathers run while
 the next forward starts, each module waiting for the buckets of its own
-parameters. Between GPUs of one host, a contiguous buffer is all-gathered on
-the copy engines instead of NCCL's kernels (distributed/_peer.py).
+parameters. Between GPUs of one host, both directions can run on the copy
+engines instead of NCCL's kernels (distributed/_peer_reduce.py and
+_peer_gather.py).
 
 At most ``pipeline_size`` full-size bucket buffers are alive per direction:
 the oldest collective is waited for before another one starts. torch.distributed
@@ -85,11 +86,14 @@ class GradSync:
     all-reduce of the shards over it."""
 
     def __init__(self, params: list, layout, shards: torch.Tensor, group, pipeline_size: int, redundant_group=None,
-                 buffer: torch.Tensor | None = None, views: list | None = None):
+                 buffer: torch.Tensor | None = None, views: list | None = None, peer=None):
         """buffer [buckets, bucket] and views (each parameter's gradient view
         into it): a contiguous gradient buffer that autograd accumulates into,
-        reduce-scattered in place; None: temporary buckets packed from .grad."""
+        reduce-scattered in place; None: temporary buckets packed from .grad.
+        peer: a PeerGradReduce, to reduce-scatter on the copy engines instead
+        of NCCL (distributed/_peer_reduce.py)."""
         self.params = params
+        self.peer = peer
         self.shards = shards
         self.group = group
         self.redundant_group = redundant_group
@@ -165,6 +169,12 @@ class GradSync:
         if self.redundant_group is not None:  # replicas of a shard add their sums
             dist.all_reduce(self.shards, group=self.redundant_group)
 
+    def close(self) -> None:
+        """Before the buffers go (a layout rebuild): wait for what is in flight, unmap the peers."""
+        self.reset()
+        if self.peer is not None:
+            self.peer.close()
+
     def _flush_round(self) -> None:
         while self.next_bucket < len(self.missing):
             self._start(self.next_bucket)
@@ -194,14 +204,18 @@ class GradSync:
         self.buffers[b] = None
         self.next_bucket = b + 1
         if self.round == 0:
-            work = _reduce_scatter(self.shards[b], buffer, group=self.group, async_op=True)
-            self.pipeline.push(work, buffer)
+            self.pipeline.push(self._reduce_scatter(self.shards[b], buffer), buffer)
             return
         # Later rounds: reduce into a scratch shard, then add (after the wait,
         # in the caller's stream order, after the earlier rounds' results).
         scratch = torch.empty_like(self.shards[b])
-        work = _reduce_scatter(scratch, buffer, group=self.group, async_op=True)
+        work = self._reduce_scatter(scratch, buffer)
         self.pipeline.push(work, (buffer, scratch), lambda held, b=b: self.shards[b].add_(held[1]))
+
+    def _reduce_scatter(self, out: torch.Tensor, bucket: torch.Tensor):
+        if self.peer is not None:
+            return self.peer.reduce_scatter(out, bucket)
+        return _reduce_scatter(out, bucket, group=self.group, async_op=True)
 
 
 def _gaps(frags: list, size: int, device) -> tuple[torch.Tensor | None, int]:
@@ -232,7 +246,7 @@ class ParamSync:
 
     def __init__(self, params: list, layout, shards: torch.Tensor, buffer: torch.Tensor | None, group, peer=None):
         """peer: a PeerParamGather over buffer, to write the shards on the copy
-        engines instead of NCCL's all-gather (distributed/_peer.py)."""
+        engines instead of NCCL's all-gather (distributed/_peer_gather.py)."""
         self.params = params
         self.peer = peer
         self.shards = shards

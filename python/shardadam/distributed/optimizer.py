@@ -8,7 +8,9 @@ Optimizer state and reduced gradients are sharded across the ranks of the
    accumulates straight into them with contiguous_grad_buffer) and each
    complete bucket is reduce-scattered while backward goes on
    (overlap_grad_sync; otherwise all of it happens in step()): each rank
-   receives the sum of its shard of every bucket (distributed/_sync.py);
+   receives the sum of its shard of every bucket (distributed/_sync.py; on
+   the copy engines between GPUs of one host, grad_sync_copy_engine,
+   _peer_reduce.py);
 2. step(): one fused Adam launch updates the rank's shard of every bucket
    (fp32 master, exp_avg, exp_avg_sq; per-fragment group hyperparameters;
    averaging, loss-scale and clipping folded into its gradient scale) and
@@ -17,7 +19,7 @@ Optimizer state and reduced gradients are sharded across the ranks of the
 3. the parameter shards are all-gathered bucket by bucket into the parameters
    (in place with contiguous_param_buffer), during the next forward with
    overlap_param_sync; between GPUs of one host a contiguous buffer is
-   all-gathered on the copy engines (param_sync_copy_engine, _peer.py).
+   all-gathered on the copy engines (param_sync_copy_engine, _peer_gather.py).
 
 With average_grad_sync=True the result equals DDP + torch.optim.AdamW (Adam
 with adam_w_mode=False) on the same global batch. capturable=True keeps lr and
@@ -39,7 +41,8 @@ from .._groups import adam_hyper, pack_groups, plain_value, run_closure, saved_g
 from .._state_dict import join_remainders, pow2_scale_for, split_remainders
 from .._torch import check_tensor
 from . import sharded_checkpoint
-from ._peer import PeerParamGather
+from ._peer_gather import PeerParamGather
+from ._peer_reduce import PeerGradReduce
 from ._sync import GradSync, ParamSync, flat_like, memory_flat
 from .layout import BucketLayout
 
@@ -106,7 +109,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                  average_grad_sync=True, overlap_grad_sync=True, overlap_param_sync=False, bucket_cap_mb=100,
                  pipeline_size=2, contiguous_param_buffer=False, contiguous_grad_buffer=False, store_params=True,
                  store_param_remainders=False, with_scaled_states=False, capturable=False,
-                 param_sync_copy_engine=None):
+                 grad_sync_copy_engine=None, param_sync_copy_engine=None):
         if not (isinstance(pipeline_size, int) and pipeline_size >= 1):
             raise ValueError(f"pipeline_size must be an int >= 1 (buckets in flight), got {pipeline_size!r}")
         if dtype != torch.float32:
@@ -147,8 +150,9 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self.overlap_param_sync = overlap_param_sync
         self.contiguous_param_buffer = contiguous_param_buffer
         self.contiguous_grad_buffer = contiguous_grad_buffer
-        # None: the parameter all-gather on the copy engines whenever the
-        # ranks can (one host, shareable memory), else NCCL.
+        # None: the reduce-scatter (all-gather) on the copy engines whenever
+        # the ranks can (one host, shareable memory), else NCCL.
+        self.grad_sync_copy_engine = grad_sync_copy_engine
         self.param_sync_copy_engine = param_sync_copy_engine
         self._sync_in_backward = overlap_grad_sync  # off inside no_sync()
         self.pipeline_size = pipeline_size
@@ -228,36 +232,41 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                 dist.broadcast(p.data, src=self._src, group=self.group)
         return params, groups
 
-    def _copy_engine_missing(self) -> list[str]:
-        """What the options lack for the copy-engine all-gather (empty: nothing)."""
+    def _copy_engine_missing(self, option: str) -> list[str]:
+        """What the options lack for the copy engines in one direction
+        (grad_sync_copy_engine or param_sync_copy_engine; empty: nothing)."""
         return [why for why, bad in (
             ("CUDA parameters", self.device.type != "cuda"),
             ("an NCCL distributed_process_group", "nccl" not in str(dist.get_backend(self.dist_group))),
-            ("contiguous_param_buffer=True (peers write into that buffer)", not self.contiguous_param_buffer),
+            ("contiguous_param_buffer=True (peers write into that buffer)",
+             option == "param_sync_copy_engine" and not self.contiguous_param_buffer),
             ("capturable=False (captured collectives stay on NCCL)", self.capturable)) if bad]
 
     def _check_copy_engine(self) -> None:
-        """param_sync_copy_engine=True asks for what only some setups allow: say which part is missing."""
-        if self.param_sync_copy_engine not in (None, True, False):
-            raise ValueError(f"param_sync_copy_engine must be None (where possible), True (required) or False "
-                             f"(NCCL), got {self.param_sync_copy_engine!r}")
-        missing = self._copy_engine_missing() if self.param_sync_copy_engine else []
-        if missing:
-            raise ValueError("param_sync_copy_engine=True needs " + ", ".join(missing) +
-                             "; leave it None to use the copy engines only where they apply")
+        """grad_sync_copy_engine / param_sync_copy_engine=True ask for what
+        only some setups allow: say which part is missing."""
+        for option in ("grad_sync_copy_engine", "param_sync_copy_engine"):
+            value = getattr(self, option)
+            if value not in (None, True, False):
+                raise ValueError(f"{option} must be None (where possible), True (required) or False (NCCL), "
+                                 f"got {value!r}")
+            missing = self._copy_engine_missing(option) if value else []
+            if missing:
+                raise ValueError(f"{option}=True needs " + ", ".join(missing) +
+                                 "; leave it None to use the copy engines only where they apply")
 
-    def _copy_engine_gather(self) -> PeerParamGather | None:
-        """The copy-engine all-gather of param_buffer where it applies, else
-        None (NCCL). A collective over the distributed group."""
-        if self.param_sync_copy_engine is False or self._copy_engine_missing():
+    def _copy_engine_connect(self, option: str, connect):
+        """connect() (a collective over the distributed group) where the
+        option and setup allow the copy engines, else None (NCCL)."""
+        if getattr(self, option) is False or self._copy_engine_missing(option):
             return None
-        gather = PeerParamGather.connect(self.param_buffer, self.dist_group)
-        if gather is None and self.param_sync_copy_engine and self.dist_size > 1:
-            raise RuntimeError("param_sync_copy_engine=True, but the ranks of distributed_process_group cannot map "
-                               "each other's memory (ranks on several hosts, GPUs without peer access, or "
-                               "PYTORCH_CUDA_ALLOC_CONF with expandable_segments): leave it None to fall back to "
-                               "NCCL")
-        return gather
+        peer = connect()
+        if peer is None and getattr(self, option) and self.dist_size > 1:
+            raise RuntimeError(f"{option}=True, but the ranks of distributed_process_group cannot map each "
+                               "other's memory (ranks on several hosts, GPUs without peer access, a driver "
+                               "without stream memory operations, or PYTORCH_CUDA_ALLOC_CONF with "
+                               "expandable_segments): leave it None to fall back to NCCL")
+        return peer
 
     def _build_layout(self, params: list, groups_of: list) -> None:
         """Buckets, shards, buffers, the fused plan, the sync objects and hooks
@@ -265,8 +274,9 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         order buckets start in is the order gradients should arrive in."""
         # A rebuild lets go of the old layout's buffers first: the new ones are
         # as large, and both at once would raise peak memory by the whole state.
-        if getattr(self, "_param_sync", None) is not None:
-            self._param_sync.close()
+        for sync in (getattr(self, "_grad_sync", None), getattr(self, "_param_sync", None)):
+            if sync is not None:
+                sync.close()
         self.plan = self._grad_sync = self._param_sync = None
         self.grad_shards = self.master = self.remainders = self.exp_avg = self.exp_avg_sq = None
         self.max_exp_avg_sq = self.param_shards = self.param_buffer = self.grad_buffer = None
@@ -283,11 +293,14 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self.grad_shards = torch.zeros(n_buckets, self.shard_size, dtype=self.grad_sync_dtype, device=dev)
         own = slice(self.rank * self.shard_size, (self.rank + 1) * self.shard_size)
         self.param_buffer, self.grad_buffer, self._grad_views = None, None, None
+        # The peers map this rank's memory before the parameters move in: a refusal leaves them as they were.
+        reduce = self._copy_engine_connect("grad_sync_copy_engine", lambda: PeerGradReduce.connect(
+            self.shard_size, self.grad_sync_dtype, dev, self.dist_group))
         gather = None
         if self.contiguous_param_buffer:
             self.param_buffer, views = self._bucket_views(self.param_sync_dtype)
-            # Mapped by the peers before the parameters move in: a refusal leaves them as they were.
-            gather = self._copy_engine_gather()
+            gather = self._copy_engine_connect(
+                "param_sync_copy_engine", lambda: PeerParamGather.connect(self.param_buffer, self.dist_group))
             with torch.no_grad():
                 for p, view in zip(self.params, views):
                     view.copy_(p.data)
@@ -350,7 +363,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             exp_avg_sq_scales=self.state_scales.get("exp_avg_sq"), device=dev)
         self._norm_plan, self._subset_norm_plans = None, {}
         self._grad_sync = GradSync(self.params, self.layout, self.grad_shards, self.dist_group, self.pipeline_size,
-                                   self.redundant_group, self.grad_buffer, self._grad_views)
+                                   self.redundant_group, self.grad_buffer, self._grad_views, reduce)
         self._param_sync = ParamSync(self.params, self.layout, self.param_shards, self.param_buffer, self.dist_group,
                                      gather)
         # The hooks hold the optimizer weakly: no reference cycle through the
@@ -807,12 +820,14 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                        contiguous_grad_buffer=self.contiguous_grad_buffer, store_params=self.store_params,
                        store_param_remainders=self.store_param_remainders,
                        with_scaled_states=self.with_scaled_states, capturable=self.capturable,
+                       grad_sync_copy_engine=self.grad_sync_copy_engine,
                        param_sync_copy_engine=self.param_sync_copy_engine)
         lines = [f"{type(self).__name__} (world_size={self.world_size}, shard_rank={self.rank}, "
                  f"process_group={group_name(self.group)}, "
                  f"distributed_process_group={group_name(self.dist_group)}, "
                  f"redundant_process_group={group_name(self.redundant_group, 'None')}, "
                  f"buckets={len(self.layout.buckets)}, shard_size={self.shard_size}, "
+                 f"grad_sync={'copy engines' if self._grad_sync.peer is not None else 'collective'}, "
                  f"param_sync={'copy engines' if self._param_sync.peer is not None else 'collective'}"]
         for i, g in enumerate(self.param_groups):
             lines.append(f"  group {i}: {len(g['params'])} params, lr={plain_value(g['lr'])}, betas={g['betas']}, "
