@@ -615,6 +615,20 @@ def test_copy_engines_equal_nccl_bit_for_bit(option, kw):
             np.testing.assert_array_equal(a, b, err_msg=f"{name} {i}")
 
 
+@pytest.mark.multigpu
+def test_copy_engines_fall_back_to_nccl_where_memory_cannot_be_shared(monkeypatch):
+    """torch's expandable segments are mapped memory that CUDA IPC cannot
+    export: left None, both directions fall back to NCCL, on every rank alike,
+    and training still equals the single-process reference."""
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # the spawned ranks inherit it
+    result = _spawn(_worker, 2, _config(device="cuda", contiguous_param_buffer=True, overlap_param_sync=True))
+    assert not result["copy_engine"] and not result["grad_copy_engine"], "expandable segments cannot be exported"
+    assert result["same_on_all_ranks"], "ranks disagree on the parameters"
+    for i, (got, want) in enumerate(zip(result["params"], _reference(2)[0])):
+        torch.testing.assert_close(torch.from_numpy(got), want.contiguous(), rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"param {i}: {m}")
+
+
 def _refusal_worker(rank: int, world: int, port: int, options: dict, out) -> None:
     """DistributedFusedAdam(Linear(4, 4) on the CPU, **options) over gloo: the
     ValueError's message (None if none), whether the parameters stayed as
