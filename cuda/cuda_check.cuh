@@ -9,9 +9,13 @@
 namespace shardadam {
 
 inline void cuda_check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess)
-    throw std::runtime_error(std::string("shardadam CUDA error in ") + what + ": " +
-                             cudaGetErrorString(err));
+  if (err == cudaSuccess) return;
+  // A failed call also leaves its error as this thread's last error, which the
+  // next launch check (cudaGetLastError) would report as its own, long after
+  // the caller caught this exception (a refused IPC export, say): clear it.
+  // Sticky errors (a broken context) stay whatever this does.
+  cudaGetLastError();
+  throw std::runtime_error(std::string("shardadam CUDA error in ") + what + ": " + cudaGetErrorString(err));
 }
 
 // Launches go to the tensors' device: switch to it for the call, then back.

@@ -176,3 +176,17 @@ def test_cpu_and_cuda_agree():
             for name, a, b in (("exp_avg", cuda[1][i], m_cpu[i]), ("exp_avg_sq", cuda[2][i], v_cpu[i])):
                 torch.testing.assert_close(a.cpu(), b, rtol=2 * 2.0 ** -23, atol=2 * 2.0 ** -23 * b.abs().max().item(),
                                            msg=lambda s: f"step {step}: {name}[{i}]: {s}")
+
+
+def test_a_caught_cuda_error_does_not_fail_the_next_launch():
+    """A refused runtime call (here, opening a CUDA IPC handle of zeros) also
+    records its error as the thread's last error; caught in Python, it must
+    not resurface as the failure of the next, unrelated kernel launch (the
+    copy engines' fallback to NCCL catches such refusals)."""
+    from shardadam import _core
+    with pytest.raises(RuntimeError, match="cudaIpcOpenMemHandle"):
+        _core.ipc_open(torch.cuda.current_device(), bytes(64))
+    x = randn(1000, dtype=torch.float32, device="cuda")
+    out = torch.empty_like(x)
+    kernels.scale(x, out, 0.5)
+    assert_bits_equal(out, x * 0.5, "scaled")
