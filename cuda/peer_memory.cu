@@ -43,8 +43,7 @@ uint64_t allocation_base(uint64_t ptr) {
   static const AddressRangeFn fn = driver_function<AddressRangeFn>("cuMemGetAddressRange");
   CUdeviceptr base = 0;
   size_t size = 0;
-  if (fn(&base, &size, CUdeviceptr(ptr)) != CUDA_SUCCESS)
-    throw std::runtime_error("cuMemGetAddressRange: the address is not in a device allocation");
+  driver_check(fn(&base, &size, CUdeviceptr(ptr)), "cuMemGetAddressRange (is the address in a device allocation?)");
   return uint64_t(base);
 }
 

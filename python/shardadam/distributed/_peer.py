@@ -153,6 +153,21 @@ class PeerCounters:
         self.mapped.close()
 
 
+def connect_with_counters(tensor: torch.Tensor, group, kinds: int) -> tuple[PeerBuffers, PeerCounters] | None:
+    """Every rank's tensor mapped, and ``kinds`` counters, with this rank's
+    writes to both on one new stream. A collective over group; None, on every
+    rank alike, where either cannot be had."""
+    stream = torch.cuda.Stream(tensor.device)
+    counters = PeerCounters.connect(kinds, tensor.device, group, stream)
+    if counters is None:
+        return None
+    buffers = PeerBuffers.connect(tensor, group, stream)
+    if buffers is None:
+        counters.close()
+        return None
+    return buffers, counters
+
+
 class CounterWork:
     """A collective's work, as torch.distributed returns it, that is done
     once counter ``kind`` reached ``value``: from this rank alone, or from

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ._peer import CounterWork, PeerBuffers, PeerCounters
+from ._peer import CounterWork, PeerBuffers, PeerCounters, connect_with_counters
 
 READY, LANDED = 0, 1
 
@@ -37,15 +37,8 @@ class PeerParamGather:
     @classmethod
     def connect(cls, buffer: torch.Tensor, group) -> PeerParamGather | None:
         """A collective over group; None (on every rank) where the copy engines cannot be used."""
-        stream = torch.cuda.Stream(buffer.device)
-        counters = PeerCounters.connect(2, buffer.device, group, stream)
-        if counters is None:
-            return None
-        buffers = PeerBuffers.connect(buffer, group, stream)
-        if buffers is None:
-            counters.close()
-            return None
-        return cls(buffers, counters)
+        connected = connect_with_counters(buffer, group, kinds=2)
+        return None if connected is None else cls(*connected)
 
     def begin(self) -> None:
         """After this rank's step (queued on the caller's stream): wait until every peer is ready too."""

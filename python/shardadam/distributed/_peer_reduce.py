@@ -16,8 +16,9 @@ short kernel. Two counters order it:
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
-from ._peer import CounterWork, PeerBuffers, PeerCounters
+from ._peer import CounterWork, PeerBuffers, PeerCounters, connect_with_counters
 
 ARRIVED, FREED = 0, 1
 
@@ -36,16 +37,9 @@ class PeerGradReduce:
     @classmethod
     def connect(cls, shard: int, dtype: torch.dtype, device: torch.device, group, depth: int = 2):
         """A collective over group; None (on every rank) where the copy engines cannot be used."""
-        stream = torch.cuda.Stream(device)
-        counters = PeerCounters.connect(2, device, group, stream)
-        if counters is None:
-            return None
-        receive = torch.empty(depth, counters.world - 1, shard, dtype=dtype, device=device)
-        slots = PeerBuffers.connect(receive, group, stream)
-        if slots is None:
-            counters.close()
-            return None
-        return cls(slots, counters, depth)
+        receive = torch.empty(depth, dist.get_world_size(group) - 1, shard, dtype=dtype, device=device)
+        connected = connect_with_counters(receive, group, kinds=2)
+        return None if connected is None else cls(*connected, depth)
 
     def reduce_scatter(self, out: torch.Tensor, bucket: torch.Tensor) -> CounterWork:
         """out = the sum over ranks of their piece ``rank`` of bucket; every
