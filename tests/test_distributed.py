@@ -28,7 +28,7 @@ def _model(kind: str = "sequential") -> nn.Module:
         return nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(3, 3))
     m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 4 * 4, 8), nn.Tanh(), nn.Linear(8, 3))
     m = m.to(memory_format=torch.channels_last)
-    return m if kind == "sequential" else _Reordered(m)
+    return m if kind == "sequential" else {"reordered": _Reordered, "branch": _Branch}[kind](m)
 
 
 class _Reordered(nn.Module):
@@ -41,6 +41,20 @@ class _Reordered(nn.Module):
 
     def forward(self, x):
         return self.head(torch.tanh(self.hidden(self.conv(x).flatten(1))))
+
+
+class _Branch(_Reordered):
+    """With an extra layer that only some ranks use (use_extra): its
+    parameters get no gradient on the others."""
+
+    def __init__(self, seq: nn.Sequential):
+        super().__init__(seq)
+        self.extra = nn.Linear(3, 3)
+        self.use_extra = True
+
+    def forward(self, x):
+        y = super().forward(x)
+        return y + self.extra(y) if self.use_extra else y
 
 
 def _frozen(model: nn.Module) -> nn.Parameter:
@@ -149,6 +163,8 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out) -> None:
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(1.0)
+        if isinstance(model, _Branch):
+            model.use_extra = rank == 0
         frozen = _frozen(model)
         frozen.requires_grad_(False)
         frozen_before = frozen.detach().clone()
@@ -242,7 +258,7 @@ def _reference(world: int, adam_w_mode: bool = True, clip: float | None = None, 
     for s in range(STEPS):
         opt.zero_grad()
         # The mean over ranks of each rank's mean loss: DDP's averaged gradient.
-        losses = [F.mse_loss(model(x[s, r * local:(r + 1) * local]), y[s, r * local:(r + 1) * local])
+        losses = [_rank_loss(model, x[s, r * local:(r + 1) * local], y[s, r * local:(r + 1) * local], r)
                   for r in range(world)]
         loss = sum(losses) / world * (float("inf") if s == inf_step else 1.0)
         if sync_dtype is not None:
@@ -256,6 +272,13 @@ def _reference(world: int, adam_w_mode: bool = True, clip: float | None = None, 
                                                                clip)))
         _step(opt, amp, schedule)
     return [p.detach() for p in model.parameters()], norms, None if amp is None else float(amp.get_scale())
+
+
+def _rank_loss(model, x, y, rank: int):
+    """Rank's loss on its piece of a batch (a _Branch uses its extra layer on rank 0 only)."""
+    if isinstance(model, _Branch):
+        model.use_extra = rank == 0
+    return F.mse_loss(model(x), y)
 
 
 def _synced_grads(model, losses, world: int, dtype) -> None:
@@ -322,6 +345,7 @@ def test_matches_single_process_adam_on_the_global_batch(world, adam_w_mode, buc
     (2, dict(contiguous_grad_buffer=True, overlap=False, contiguous_param_buffer=True)),
     (2, dict(amsgrad=True)),
     (3, dict(model="tiny", bucket_cap_mb=100.0)),          # ranks 1 and 2 own (almost) nothing
+    (2, dict(model="branch")),                              # rank 1's gradient of a layer counts as zeros
     (3, dict(scaler=True, inf_step=2)),                     # GradScaler: rank 1's inf skips the step everywhere
     (2, dict(scaler=True, clip=0.02, overlap_param_sync=True)),  # clipping deferred to the unscaled norm
     (3, dict(overlap_param_sync=True, model="reordered")),
@@ -338,7 +362,7 @@ def test_matches_single_process_adam_on_the_global_batch(world, adam_w_mode, buc
                          model="reordered"), marks=pytest.mark.multigpu),
 ], ids=["world-1", "world-4", "no-overlap", "no_sync-3", "sync-every-2", "sync-every-3-pipeline-1", "reordered",
         "contiguous-params", "redundant-2x2", "weights-loaded-after-construction",
-        "contiguous-grads-no_sync", "contiguous-both-no-overlap", "amsgrad", "tiny-model-3-ranks", "grad-scaler-inf-skips",
+        "contiguous-grads-no_sync", "contiguous-both-no-overlap", "amsgrad", "tiny-model-3-ranks", "gradients-absent-on-rank-1", "grad-scaler-inf-skips",
         "grad-scaler-clip", "overlap-params-3", "overlap-contiguous-params", "nccl-2-overlap-everything",
         "nccl-2-contiguous-buffers", "nccl-2-nccl-collectives", "nccl-2-copy-engine-reduce-rounds",
         "nccl-2-copy-engine-no-overlap-inf-skip"])
@@ -599,13 +623,15 @@ def test_unsupported_options_raise_clearly():
     ("copy_engine", dict(dtype=torch.bfloat16, remainders=True)),
     ("grad_copy_engine", dict()),
     ("grad_copy_engine", dict(grad_sync_dtype=torch.bfloat16, micro=2, accumulate="every")),
-], ids=["all-gather-fp32", "all-gather-bf16-remainders", "reduce-scatter-fp32", "reduce-scatter-bf16-rounds"])
+    ("grad_copy_engine", dict(model="branch")),
+], ids=["all-gather-fp32", "all-gather-bf16-remainders", "reduce-scatter-fp32", "reduce-scatter-bf16-rounds",
+        "reduce-scatter-gradients-absent-on-rank-1"])
 def test_copy_engines_equal_nccl_bit_for_bit(option, kw):
     """On two ranks the copy engines compute what NCCL does: the all-gather
     moves the same bytes, and the reduce-scatter's one addition per element
     (commutative) rounds as NCCL's. The whole run, parameters and masters,
     is bit-identical to the one with that direction on NCCL."""
-    cfg = dict(device="cuda", contiguous_param_buffer=True, overlap_param_sync=True, model="reordered", **kw)
+    cfg = dict(dict(device="cuda", contiguous_param_buffer=True, overlap_param_sync=True, model="reordered"), **kw)
     engines = _spawn(_worker, 2, _config(**{option: True}, **cfg))
     nccl = _spawn(_worker, 2, _config(**{option: False}, **cfg))
     assert engines[option] and not nccl[option], "each run must take the path it asked for"

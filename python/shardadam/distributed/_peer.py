@@ -81,10 +81,10 @@ class PeerBuffers:
             return None
         return buffers
 
-    def write(self, rank: int, byte_offset: int, src: torch.Tensor) -> None:
-        """Copy src (contiguous, on this device) into rank's tensor at byte_offset, on the stream."""
-        _core.copy_async(self.tensor.device.index, self.addresses[rank] + byte_offset, src.data_ptr(),
-                         src.numel() * src.element_size(), self.stream.cuda_stream)
+    def write(self, rank: int, byte_offset: int, address: int, nbytes: int) -> None:
+        """Copy nbytes from address (on this device) into rank's tensor at byte_offset, on the stream."""
+        _core.copy_async(self.tensor.device.index, self.addresses[rank] + byte_offset, address, nbytes,
+                         self.stream.cuda_stream)
 
     def close(self) -> None:
         """Wait for this rank's writes, then unmap the peers' tensors."""

@@ -55,7 +55,7 @@ class PeerParamGather:
         offset = b * self.row_bytes + self.own.start * src.element_size()
         for r in range(self.buffers.world):
             if r != self.buffers.rank:
-                self.buffers.write(r, offset, src)
+                self.buffers.write(r, offset, src.data_ptr(), src.numel() * src.element_size())
         self.buckets_written += 1
         self.counters.raise_on_peers(LANDED, self.buckets_written, and_self=True)
         return CounterWork(self.counters, LANDED, self.buckets_written, every_rank=True)

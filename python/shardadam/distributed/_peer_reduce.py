@@ -3,8 +3,9 @@
 NCCL's reduce-scatter overlaps backward as kernels that hold SMs for as long
 as the transfer lasts, and backward's matmuls slow down around them. Here
 each rank writes piece q of a bucket straight into rank q's receive slot on
-the copy engines; rank q adds what it received to its own piece with one
-short kernel. Two counters order it:
+the copy engines (from the gradients themselves, when the bucket was never
+packed); rank q adds what it received to its own piece with one short kernel.
+Two counters order it:
 
 - ARRIVED, raised on the receiver after a sender's write of a bucket: the add
   waits until every peer's piece arrived;
@@ -18,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .. import _core
 from ._peer import CounterWork, PeerBuffers, PeerCounters, connect_with_counters
 
 ARRIVED, FREED = 0, 1
@@ -42,29 +44,57 @@ class PeerGradReduce:
         return None if connected is None else cls(*connected, depth)
 
     def reduce_scatter(self, out: torch.Tensor, bucket: torch.Tensor) -> CounterWork:
-        """out = the sum over ranks of their piece ``rank`` of bucket; every
-        rank calls this for the same buckets in the same order."""
+        """out = the sum over ranks of their piece ``rank`` of a packed bucket;
+        every rank calls this or reduce_scatter_parts for the same buckets in
+        the same order."""
+        pieces = bucket.view(self.world, -1)
+        size = pieces.element_size()
+        sends = [(r, 0, pieces[r].data_ptr(), pieces[r].numel() * size) for r in range(self.world) if r != self.rank]
+        return self._reduce(out, sends, own=pieces[self.rank])
+
+    def reduce_scatter_parts(self, out: torch.Tensor, parts: list, gaps: tuple) -> CounterWork:
+        """The same for a bucket that was never packed: parts (rank, bytes
+        into its piece, source address, bytes) cover it, and this rank's own
+        parts land in out. gaps (an index or None, where the tail begins): the
+        positions of this rank's piece that no part covers."""
+        return self._reduce(out, parts, own=None, gaps=gaps)
+
+    def _reduce(self, out: torch.Tensor, sends: list, own: torch.Tensor | None, gaps: tuple | None = None):
+        """sends (rank, bytes into its piece, address, bytes), written on the
+        copy engines; this rank's own piece is ``own``, or what sends wrote
+        into out."""
         n, self.calls = self.calls, self.calls + 1
         slot = n % self.depth
         stream, receive = self.slots.stream, self.slots.tensor
-        stream.wait_stream(torch.cuda.current_stream(out.device))  # the bucket is packed
+        stream.wait_stream(torch.cuda.current_stream(out.device))  # the gradients are ready
         if n >= self.depth:  # every receiver has added what this rank last wrote into this slot
             self.counters.wait_for_peers(FREED, n - self.depth + 1, stream)
-        pieces = bucket.view(self.world, -1)
+        slot_bytes = receive.stride(0) * receive.element_size()
         row_bytes = receive.stride(1) * receive.element_size()
-        for r in range(self.world):
-            if r != self.rank:  # this rank's row among r's senders
-                row = slot * (self.world - 1) + self.rank - (self.rank > r)
-                self.slots.write(r, row * row_bytes, pieces[r])
+        device = out.device.index
+        for r, offset, address, nbytes in sends:
+            if r == self.rank:
+                _core.copy_async(device, out.data_ptr() + offset, address, nbytes, stream.cuda_stream)
+            else:  # this rank's row among r's senders
+                row = self.rank - (self.rank > r)
+                self.slots.write(r, slot * slot_bytes + row * row_bytes + offset, address, nbytes)
         self.counters.raise_on_peers(ARRIVED, n + 1)
         self.counters.wait_for_peers(ARRIVED, n + 1, stream)
         with torch.cuda.stream(stream):
             received = receive[slot]
-            if self.world == 2:
-                torch.add(pieces[self.rank], received[0], out=out)
+            if own is not None:
+                torch.add(own, received[0], out=out)
+                rest = received[1:]
             else:
-                torch.sum(received, dim=0, out=out)
-                out.add_(pieces[self.rank])
+                rest = received
+            for row in rest:  # more than 2 ranks
+                out.add_(row)
+            if gaps is not None:  # a receive slot holds what an earlier bucket left where this one has padding
+                between, tail = gaps
+                if between is not None:
+                    out.index_fill_(0, between, 0)
+                if tail < out.numel():
+                    out[tail:].zero_()
         self.counters.raise_on_peers(FREED, n + 1, and_self=True)
         return CounterWork(self.counters, FREED, n + 1, every_rank=False)
 

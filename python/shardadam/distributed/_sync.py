@@ -3,7 +3,10 @@
 Gradients: as backward produces each parameter's gradient (a post-accumulate
 hook), its fragments are copied into flat bucket buffers of grad_sync_dtype
 and the parameter's ``.grad`` is released. A bucket whose fragments are all in
-is reduce-scattered at once, asynchronously, while backward goes on. Buckets
+is reduce-scattered at once, asynchronously, while backward goes on. On the
+copy engines no bucket is packed: the gradients are held until their bucket
+starts, and each piece goes straight from the gradient to the rank that sums
+it (no copy on the caller's stream, which backward's kernels would wait for). Buckets
 start strictly in bucket order, so every rank issues the same collectives in
 the same order even when its gradients arrive in another order or some never
 arrive (those count as zeros when step() flushes the rest). A second gradient
@@ -105,7 +108,25 @@ class GradSync:
             self.frags_of_param[f.param].append(f)
         self.frags_of_bucket = layout.fragments_by_bucket
         self.frag_count = [len(frags) for frags in self.frags_of_bucket]
-        self.gaps = [_gaps(frags, self.bucket_size, shards.device) for frags in self.frags_of_bucket]
+        self.gaps = [_gaps([(f.bucket_start, f.bucket_end) for f in frags], self.bucket_size, shards.device)
+                     for frags in self.frags_of_bucket]
+        # Straight from the gradients (the copy engines, no contiguous buffer):
+        # per bucket, what each rank sums, as (param, rank, bytes into that
+        # rank's piece, bytes into the flat gradient, bytes); and the positions
+        # of this rank's piece that no fragment covers (zeroed after the sum).
+        self.direct = peer is not None and buffer is None
+        if self.direct:
+            size = shards.element_size()
+            self.sends = [[] for _ in self.frags_of_bucket]
+            for r in range(peer.world):
+                for f in layout.shard_fragments(r):
+                    self.sends[f.bucket].append((f.param, r, f.shard_start * size, f.param_start * size,
+                                                 f.numel * size))
+            own = [[] for _ in self.frags_of_bucket]
+            for f in layout.shard_fragments(peer.rank):
+                own[f.bucket].append((f.shard_start, f.shard_end))
+            self.own_gaps = [_gaps(spans, shards.shape[1], shards.device) for spans in own]
+            self.last_bucket = [max(f.bucket for f in frags) if frags else -1 for frags in self.frags_of_param]
         # pack() runs once per parameter inside backward, where its host time
         # adds to backward's: what it needs is prepared here as plain tuples.
         # A gradient laid out like its parameter (what autograd produces) is
@@ -125,6 +146,7 @@ class GradSync:
 
     def _new_round(self) -> None:
         self.buffers = [None] * len(self.frag_count)
+        self.sources = [None] * len(self.params)  # direct: flat gradients held until their buckets start
         self.missing = list(self.frag_count)
         self.packed = [False] * len(self.params)
         self.next_bucket = 0
@@ -149,8 +171,11 @@ class GradSync:
             else:
                 check_tensor("a parameter's gradient", grad, self.shards.device, kernels.FLOATS)
                 flat = flat_like(grad, self.params[k])
-            for b, start, end, piece in self.spans[k]:
-                self._buffer(b)[start:end].copy_(flat if piece is None else flat[piece])
+            if self.direct:
+                self.sources[k] = flat.to(self.shards.dtype)  # a view when the dtypes agree
+            else:
+                for b, start, end, piece in self.spans[k]:
+                    self._buffer(b)[start:end].copy_(flat if piece is None else flat[piece])
         for b, _, _, _ in self.spans[k]:
             self.missing[b] -= 1
         self.packed[k] = True
@@ -196,35 +221,54 @@ class GradSync:
         return self.buffers[b]
 
     def _start(self, b: int) -> None:
-        buffer = self._buffer(b)
-        if self.buffer is None and self.missing[b]:  # gradients that never came count as zeros
+        source = self._sources(b) if self.direct else self._buffer(b)
+        if not self.direct and self.buffer is None and self.missing[b]:  # gradients that never came count as zeros
             for f in self.frags_of_bucket[b]:
                 if not self.packed[f.param]:
-                    buffer[f.bucket_start:f.bucket_end].zero_()
+                    source[f.bucket_start:f.bucket_end].zero_()
         self.buffers[b] = None
         self.next_bucket = b + 1
         if self.round == 0:
-            self.pipeline.push(self._reduce_scatter(self.shards[b], buffer), buffer)
+            self.pipeline.push(self._reduce_scatter(self.shards[b], b, source), source)
             return
         # Later rounds: reduce into a scratch shard, then add (after the wait,
         # in the caller's stream order, after the earlier rounds' results).
         scratch = torch.empty_like(self.shards[b])
-        work = self._reduce_scatter(scratch, buffer)
-        self.pipeline.push(work, (buffer, scratch), lambda held, b=b: self.shards[b].add_(held[1]))
+        work = self._reduce_scatter(scratch, b, source)
+        self.pipeline.push(work, (source, scratch), lambda held, b=b: self.shards[b].add_(held[1]))
 
-    def _reduce_scatter(self, out: torch.Tensor, bucket: torch.Tensor):
+    def _sources(self, b: int) -> dict:
+        """Bucket b's flat gradients by parameter (zeros for those that never
+        came), each let go once its last bucket starts: the pipeline holds
+        them until the reduce-scatter that reads them is done."""
+        sources = {}
+        for f in self.frags_of_bucket[b]:
+            k = f.param
+            if self.sources[k] is None:
+                self.sources[k] = torch.zeros(self.params[k].numel(), dtype=self.shards.dtype,
+                                              device=self.shards.device)
+            sources[k] = self.sources[k]
+            if self.last_bucket[k] == b:
+                self.sources[k] = None
+        return sources
+
+    def _reduce_scatter(self, out: torch.Tensor, b: int, source):
+        """source: bucket b's packed buffer, or (direct) its flat gradients by parameter."""
+        if self.direct:
+            parts = [(r, at, source[k].data_ptr() + offset, size) for k, r, at, offset, size in self.sends[b]]
+            return self.peer.reduce_scatter_parts(out, parts, self.own_gaps[b])
         if self.peer is not None:
-            return self.peer.reduce_scatter(out, bucket)
-        return _reduce_scatter(out, bucket, group=self.group, async_op=True)
+            return self.peer.reduce_scatter(out, source)
+        return _reduce_scatter(out, source, group=self.group, async_op=True)
 
 
-def _gaps(frags: list, size: int, device) -> tuple[torch.Tensor | None, int]:
-    """What no fragment of a bucket covers: the positions between fragments
-    (alignment padding: a device index, or None) and where the tail begins."""
+def _gaps(spans: list, size: int, device) -> tuple[torch.Tensor | None, int]:
+    """What no span (start, end) of [0, size) covers: the positions between
+    spans (alignment padding: a device index, or None) and where the tail begins."""
     between, end = [], 0
-    for f in sorted(frags, key=lambda f: f.bucket_start):
-        between.extend(range(end, f.bucket_start))
-        end = f.bucket_end
+    for start, stop in sorted(spans):
+        between.extend(range(end, start))
+        end = stop
     index = torch.tensor(between, dtype=torch.int64, device=device) if between else None
     return index, end
 
