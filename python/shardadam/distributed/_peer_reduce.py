@@ -4,8 +4,9 @@ NCCL's reduce-scatter overlaps backward as kernels that hold SMs for as long
 as the transfer lasts, and backward's matmuls slow down around them. Here
 each rank writes piece q of a bucket straight into rank q's receive slot on
 the copy engines (from the gradients themselves, when the bucket was never
-packed); rank q adds what it received to its own piece with one short kernel.
-Two counters order it:
+packed); rank q adds what it received to its own piece, or to its own parts of
+the gradients where they lie, with one short kernel per part. Two counters
+order it:
 
 - ARRIVED, raised on the receiver after a sender's write of a bucket: the add
   waits until every peer's piece arrived;
@@ -19,7 +20,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import _core
 from ._peer import CounterWork, PeerBuffers, PeerCounters, connect_with_counters
 
 ARRIVED, FREED = 0, 1
@@ -50,19 +50,18 @@ class PeerGradReduce:
         pieces = bucket.view(self.world, -1)
         size = pieces.element_size()
         sends = [(r, 0, pieces[r].data_ptr(), pieces[r].numel() * size) for r in range(self.world) if r != self.rank]
-        return self._reduce(out, sends, own=pieces[self.rank])
+        return self._reduce(out, sends, [(0, pieces[self.rank])])
 
-    def reduce_scatter_parts(self, out: torch.Tensor, parts: list, gaps: tuple) -> CounterWork:
-        """The same for a bucket that was never packed: parts (rank, bytes
-        into its piece, source address, bytes) cover it, and this rank's own
-        parts land in out. gaps (an index or None, where the tail begins): the
-        positions of this rank's piece that no part covers."""
-        return self._reduce(out, parts, own=None, gaps=gaps)
+    def reduce_scatter_parts(self, out: torch.Tensor, sends: list, own: list, gaps: tuple) -> CounterWork:
+        """The same for a bucket that was never packed, in parts: sends
+        (rank, bytes into its piece, source address, bytes) for the peers,
+        own (start in out, tensor) for this rank. gaps (an index or None, where
+        the tail begins): the positions of out that no own part covers."""
+        return self._reduce(out, sends, own, gaps)
 
-    def _reduce(self, out: torch.Tensor, sends: list, own: torch.Tensor | None, gaps: tuple | None = None):
-        """sends (rank, bytes into its piece, address, bytes), written on the
-        copy engines; this rank's own piece is ``own``, or what sends wrote
-        into out."""
+    def _reduce(self, out: torch.Tensor, sends: list, own: list, gaps: tuple | None = None) -> CounterWork:
+        """sends written into the peers' receive slots on the copy engines;
+        out = own + what the peers sent, added on the same stream."""
         n, self.calls = self.calls, self.calls + 1
         slot = n % self.depth
         stream, receive = self.slots.stream, self.slots.tensor
@@ -71,23 +70,17 @@ class PeerGradReduce:
             self.counters.wait_for_peers(FREED, n - self.depth + 1, stream)
         slot_bytes = receive.stride(0) * receive.element_size()
         row_bytes = receive.stride(1) * receive.element_size()
-        device = out.device.index
         for r, offset, address, nbytes in sends:
-            if r == self.rank:
-                _core.copy_async(device, out.data_ptr() + offset, address, nbytes, stream.cuda_stream)
-            else:  # this rank's row among r's senders
-                row = self.rank - (self.rank > r)
-                self.slots.write(r, slot * slot_bytes + row * row_bytes + offset, address, nbytes)
+            row = self.rank - (self.rank > r)  # this rank's row among r's senders
+            self.slots.write(r, slot * slot_bytes + row * row_bytes + offset, address, nbytes)
         self.counters.raise_on_peers(ARRIVED, n + 1)
         self.counters.wait_for_peers(ARRIVED, n + 1, stream)
         with torch.cuda.stream(stream):
             received = receive[slot]
-            if own is not None:
-                torch.add(own, received[0], out=out)
-                rest = received[1:]
-            else:
-                rest = received
-            for row in rest:  # more than 2 ranks
+            for start, part in own:  # read from where it lies: no copy of this rank's piece first
+                end = start + part.numel()
+                torch.add(part, received[0, start:end], out=out[start:end])
+            for row in received[1:]:  # more than 2 ranks
                 out.add_(row)
             if gaps is not None:  # a receive slot holds what an earlier bucket left where this one has padding
                 between, tail = gaps

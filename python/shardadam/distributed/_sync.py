@@ -6,8 +6,8 @@ and the parameter's ``.grad`` is released. A bucket whose fragments are all in
 is reduce-scattered at once, asynchronously, while backward goes on. On the
 copy engines no bucket is packed: the gradients are held until their bucket
 starts, and each piece goes straight from the gradient to the rank that sums
-it (no copy on the caller's stream, which backward's kernels would wait for). Buckets
-start strictly in bucket order, so every rank issues the same collectives in
+it (no copies on the caller's stream, where backward's kernels would wait for
+them). Buckets start strictly in bucket order, so every rank issues the same collectives in
 the same order even when its gradients arrive in another order or some never
 arrive (those count as zeros when step() flushes the rest). A second gradient
 for a parameter in one iteration (a backward per micro-batch without
@@ -94,7 +94,8 @@ class GradSync:
         into it): a contiguous gradient buffer that autograd accumulates into,
         reduce-scattered in place; None: temporary buckets packed from .grad.
         peer: a PeerGradReduce, to reduce-scatter on the copy engines instead
-        of NCCL (distributed/_peer_reduce.py)."""
+        of NCCL (distributed/_peer_reduce.py), straight from .grad unless
+        there is a contiguous buffer."""
         self.params = params
         self.peer = peer
         self.shards = shards
@@ -110,22 +111,26 @@ class GradSync:
         self.frag_count = [len(frags) for frags in self.frags_of_bucket]
         self.gaps = [_gaps([(f.bucket_start, f.bucket_end) for f in frags], self.bucket_size, shards.device)
                      for frags in self.frags_of_bucket]
-        # Straight from the gradients (the copy engines, no contiguous buffer):
-        # per bucket, what each rank sums, as (param, rank, bytes into that
-        # rank's piece, bytes into the flat gradient, bytes); and the positions
-        # of this rank's piece that no fragment covers (zeroed after the sum).
+        # Straight from the gradients (the copy engines, no contiguous buffer),
+        # per bucket: what goes to each peer, as (param, rank, bytes into that
+        # rank's piece, bytes into the flat gradient, bytes); this rank's own
+        # parts, as (param, start in the shard, start and end in the flat
+        # gradient); and the positions of this rank's piece that no fragment
+        # covers (zeroed after the sum).
         self.direct = peer is not None and buffer is None
         if self.direct:
             size = shards.element_size()
-            self.sends = [[] for _ in self.frags_of_bucket]
+            self.peer_sends = [[] for _ in self.frags_of_bucket]
+            self.own_parts = [[] for _ in self.frags_of_bucket]
             for r in range(peer.world):
                 for f in layout.shard_fragments(r):
-                    self.sends[f.bucket].append((f.param, r, f.shard_start * size, f.param_start * size,
-                                                 f.numel * size))
-            own = [[] for _ in self.frags_of_bucket]
-            for f in layout.shard_fragments(peer.rank):
-                own[f.bucket].append((f.shard_start, f.shard_end))
-            self.own_gaps = [_gaps(spans, shards.shape[1], shards.device) for spans in own]
+                    if r == peer.rank:
+                        self.own_parts[f.bucket].append((f.param, f.shard_start, f.param_start, f.param_end))
+                    else:
+                        self.peer_sends[f.bucket].append((f.param, r, f.shard_start * size, f.param_start * size,
+                                                          f.numel * size))
+            self.own_gaps = [_gaps([(start, start + end - begin) for _, start, begin, end in parts],
+                                   shards.shape[1], shards.device) for parts in self.own_parts]
             self.last_bucket = [max(f.bucket for f in frags) if frags else -1 for frags in self.frags_of_param]
         # pack() runs once per parameter inside backward, where its host time
         # adds to backward's: what it needs is prepared here as plain tuples.
@@ -172,7 +177,7 @@ class GradSync:
                 check_tensor("a parameter's gradient", grad, self.shards.device, kernels.FLOATS)
                 flat = flat_like(grad, self.params[k])
             if self.direct:
-                self.sources[k] = flat.to(self.shards.dtype)  # a view when the dtypes agree
+                self.sources[k] = flat.to(self.shards.dtype)  # no copy when the dtypes agree
             else:
                 for b, start, end, piece in self.spans[k]:
                     self._buffer(b)[start:end].copy_(flat if piece is None else flat[piece])
@@ -255,8 +260,9 @@ class GradSync:
     def _reduce_scatter(self, out: torch.Tensor, b: int, source):
         """source: bucket b's packed buffer, or (direct) its flat gradients by parameter."""
         if self.direct:
-            parts = [(r, at, source[k].data_ptr() + offset, size) for k, r, at, offset, size in self.sends[b]]
-            return self.peer.reduce_scatter_parts(out, parts, self.own_gaps[b])
+            sends = [(r, at, source[k].data_ptr() + offset, size) for k, r, at, offset, size in self.peer_sends[b]]
+            own = [(start, source[k][begin:end]) for k, start, begin, end in self.own_parts[b]]
+            return self.peer.reduce_scatter_parts(out, sends, own, self.own_gaps[b])
         if self.peer is not None:
             return self.peer.reduce_scatter(out, source)
         return _reduce_scatter(out, source, group=self.group, async_op=True)
