@@ -109,15 +109,16 @@ class GradSync:
             self.frags_of_param[f.param].append(f)
         self.frags_of_bucket = layout.fragments_by_bucket
         self.frag_count = [len(frags) for frags in self.frags_of_bucket]
+        self.direct = peer is not None and buffer is None
+        # Temporary buckets (no contiguous buffer, not direct): what no fragment covers, zeroed per bucket.
         self.gaps = [_gaps([(f.bucket_start, f.bucket_end) for f in frags], self.bucket_size, shards.device)
-                     for frags in self.frags_of_bucket]
+                     for frags in self.frags_of_bucket] if buffer is None and not self.direct else None
         # Straight from the gradients (the copy engines, no contiguous buffer),
         # per bucket: what goes to each peer, as (param, rank, bytes into that
         # rank's piece, bytes into the flat gradient, bytes); this rank's own
         # parts, as (param, start in the shard, start and end in the flat
         # gradient); and the positions of this rank's piece that no fragment
         # covers (zeroed after the sum).
-        self.direct = peer is not None and buffer is None
         if self.direct:
             size = shards.element_size()
             self.peer_sends = [[] for _ in self.frags_of_bucket]
@@ -226,11 +227,7 @@ class GradSync:
         return self.buffers[b]
 
     def _start(self, b: int) -> None:
-        source = self._sources(b) if self.direct else self._buffer(b)
-        if not self.direct and self.buffer is None and self.missing[b]:  # gradients that never came count as zeros
-            for f in self.frags_of_bucket[b]:
-                if not self.packed[f.param]:
-                    source[f.bucket_start:f.bucket_end].zero_()
+        source = self._sources(b) if self.direct else self._packed(b)
         self.buffers[b] = None
         self.next_bucket = b + 1
         if self.round == 0:
@@ -241,6 +238,15 @@ class GradSync:
         scratch = torch.empty_like(self.shards[b])
         work = self._reduce_scatter(scratch, b, source)
         self.pipeline.push(work, (source, scratch), lambda held, b=b: self.shards[b].add_(held[1]))
+
+    def _packed(self, b: int) -> torch.Tensor:
+        """Bucket b's buffer, with zeros where gradients never came."""
+        buffer = self._buffer(b)
+        if self.buffer is None and self.missing[b]:
+            for f in self.frags_of_bucket[b]:
+                if not self.packed[f.param]:
+                    buffer[f.bucket_start:f.bucket_end].zero_()
+        return buffer
 
     def _sources(self, b: int) -> dict:
         """Bucket b's flat gradients by parameter (zeros for those that never
