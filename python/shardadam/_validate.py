@@ -1,0 +1,61 @@
+"""Checks of hyperparameter values, shared by the kernels, the optimizers'
+step() and every load_state_dict, so that each refuses the same values with
+the same words before anything is written.
+
+[Note: validate, then mutate] Every public entry point that writes (a step, a
+state-dict load, a kernel launch) first runs every check that can fail, and
+only then changes tensors, counters or groups: a refusal leaves the optimizer
+exactly as it was. Values held in device tensors (capturable lr and step,
+GradScaler's scale) are not read back to be checked: that would be a host
+sync per step; the README's "Guarantees" says so.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+
+def _number(where: str, name: str, value) -> float:
+    """A real, finite Python number (bools and strings are refused)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{where}: {name} must be a number, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{where}: {name} must be finite, got {value}")
+    return value
+
+
+def check_nonnegative(where: str, name: str, value, *, tensor_ok: bool = False) -> None:
+    """A finite number >= 0, or (tensor_ok) a one-element floating tensor,
+    whose value is not read (it may live on a device)."""
+    if tensor_ok and isinstance(value, torch.Tensor):
+        if value.numel() != 1 or not value.is_floating_point():
+            raise ValueError(f"{where}: {name} must be a number or a one-element floating tensor, got a "
+                             f"{value.dtype} tensor of {value.numel()} elements")
+        return
+    if _number(where, name, value) < 0.0:
+        raise ValueError(f"{where}: {name} must be >= 0, got {value}")
+
+
+def check_beta(where: str, name: str, value) -> None:
+    if not 0.0 <= _number(where, name, value) < 1.0:
+        raise ValueError(f"{where}: {name} must be in [0, 1), got {value}")
+
+
+def check_betas(where: str, betas) -> None:
+    if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
+        raise ValueError(f"{where}: betas must be a pair (beta1, beta2), got {betas!r}")
+    check_beta(where, "betas[0]", betas[0])
+    check_beta(where, "betas[1]", betas[1])
+
+
+def check_adam_group(where: str, group: dict) -> None:
+    """lr, betas, eps, weight_decay of one Adam parameter group (or a
+    defaults dict): finite and in range; lr may be a one-element tensor
+    (capturable optimizers and LR schedulers keep it there)."""
+    check_nonnegative(where, "lr", group["lr"], tensor_ok=True)
+    check_betas(where, group["betas"])
+    check_nonnegative(where, "eps", group["eps"])
+    check_nonnegative(where, "weight_decay", group["weight_decay"])
