@@ -9,13 +9,18 @@
   are exactly the portable state at their offsets, and a structure of another
   model is refused before anything is written.
 - checkpoint.save/load with many chunks: hashing beside the writes and reads,
-  background syncs, damage in the middle of a large payload still detected;
-  the window over the file that torch.load reads through.
+  background syncs (one each time the length passes a multiple of
+  _SYNC_EVERY, however slow the disk: a sync still running is waited for),
+  damage in the middle of a large payload still detected; the window over the
+  file that torch.load reads through.
 """
 from __future__ import annotations
 
+import hashlib
 import io
 import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -176,15 +181,15 @@ def test_store_params_false_pieces_are_copies(one_rank):
 
 # ---------------------------------------------------------------- checkpoint files
 
-def _payload_state(n_tensors: int = 6, numel: int = 300_000):
+def _payload_state(n_tensors: int = 24, numel: int = 75_000):
     g = torch.Generator().manual_seed(0)
     return {"state": {i: {"exp_avg": torch.randn(numel, generator=g)} for i in range(n_tensors)}}
 
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    """Chunks of 256 KiB: a 7 MB payload then takes many reads, hashes and
-    background syncs."""
+    """Chunks of 256 KiB: a 7 MB payload (written in chunks of 300 KB at most)
+    then takes many reads, hashes and background syncs."""
     monkeypatch.setattr(checkpoint, "_PARALLEL_MIN", 1 << 12)
     monkeypatch.setattr(checkpoint, "_SYNC_EVERY", 1 << 20)
     monkeypatch.setattr(checkpoint, "_READ_CHUNK", 1 << 18)
@@ -197,7 +202,9 @@ def small_chunks(monkeypatch):
 def test_many_chunks_round_trip(tmp_path, small_chunks):
     path = tmp_path / "big.pt"
     checkpoint.save(_payload_state(), path)
-    assert len(small_chunks) >= 2, "background syncs started during the save"
+    payload = path.stat().st_size - len(checkpoint._MAGIC) - checkpoint._HEADER.size
+    # No write is as long as _SYNC_EVERY, so each multiple passed is passed by a write of its own.
+    assert len(small_chunks) == payload // checkpoint._SYNC_EVERY == 6, "one background sync per MiB written"
     loaded = checkpoint.load(path)
     for i, entry in _payload_state()["state"].items():
         assert torch.equal(loaded["state"][i]["exp_avg"], entry["exp_avg"])
@@ -212,6 +219,79 @@ def test_damage_inside_a_large_payload_is_found(tmp_path, small_chunks, where):
     path.write_bytes(bytes(data))
     with pytest.raises(checkpoint.CheckpointError, match="SHA-256"):
         checkpoint.load(path)
+
+
+class _WatchedFile(io.BytesIO):
+    """A file for _HashingWriter that another thread can wait on: `changed`
+    is notified after each write."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.changed = threading.Condition()
+        self.written = 0
+
+    def write(self, data) -> int:
+        with self.changed:
+            n = super().write(data)
+            self.written += n
+            self.changed.notify_all()
+        return n
+
+    def fileno(self) -> int:
+        return -1  # _datasync is replaced in these tests
+
+
+@pytest.fixture
+def syncs_every_mib(monkeypatch):
+    monkeypatch.setattr(checkpoint, "_SYNC_EVERY", 1 << 20)
+    return lambda datasync: monkeypatch.setattr(checkpoint, "_datasync", datasync)
+
+
+def test_syncs_follow_the_bytes_written(syncs_every_mib):
+    """A sync each time the length passes a multiple of _SYNC_EVERY, one for
+    several multiples passed by one write."""
+    synced = []
+    syncs_every_mib(synced.append)
+    data = bytes(range(256)) * (21 << 10)  # 5.25 MiB
+    f, after_each = _WatchedFile(), []
+    with ThreadPoolExecutor(1) as pool:
+        writer = checkpoint._HashingWriter(f, pool)
+        begin = 0
+        for mib in [0.5, 0.5, 3.5, 0.25, 0.25, 0.25]:  # lengths 0.5, 1, 4.5, 4.75, 5, 5.25 MiB
+            end = begin + int(mib * 2**20)
+            assert writer.write(data[begin:end]) == end - begin
+            begin = end
+            writer.finish()  # any sync this write started has run
+            after_each.append(len(synced))
+    assert after_each == [0, 1, 2, 2, 3, 3]
+    assert f.getvalue() == data and writer.length == len(data)
+    assert writer.sha256.digest() == hashlib.sha256(data).digest()
+
+
+def test_a_sync_still_running_is_waited_for(syncs_every_mib):
+    """On a busy machine the previous background sync may still run when the
+    next multiple of _SYNC_EVERY is passed. Here the first sync returns only
+    once the writer has passed the second multiple: the writer then waits for
+    it and starts the second one, so the number of syncs does not depend on
+    how fast they are, and they never overlap."""
+    f, events = _WatchedFile(), []
+
+    def slow_first_sync(fd):
+        events.append("start")
+        if len(events) == 1:
+            with f.changed:
+                # The timeout only turns a hang into a failure: the writer passes 2 MiB without waiting.
+                passed = f.changed.wait_for(lambda: f.written >= 2 << 20, timeout=600)
+            events.append("second multiple passed" if passed else "the writer stopped")
+        events.append("end")
+
+    syncs_every_mib(slow_first_sync)
+    with ThreadPoolExecutor(1) as pool:
+        writer = checkpoint._HashingWriter(f, pool)
+        for _ in range(10):
+            writer.write(bytes(256 << 10))  # 2.5 MiB in all: multiples passed at the 4th and 8th write
+        writer.finish()
+    assert events == ["start", "second multiple passed", "end", "start", "end"]
 
 
 def test_file_window_reads_like_bytesio(tmp_path):
