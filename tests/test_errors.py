@@ -111,6 +111,20 @@ CASES = {
     "plan-with-plan-keyword": (lambda pr: (lambda plan: (
         lambda: kernels.adam(plan, lr=1e-3, step=1, params_out=pr.g), []))(
         kernels.AdamPlan(pr.p, pr.g, pr.m, pr.v)), TypeError, ["AdamPlan"]),
+    # Numbers must be finite; beta1, beta2, eps, weight_decay are host numbers.
+    "inf-lr": (lambda pr: (pr.adam(lr=float("inf")), []), ValueError, ["lr", "finite"]),
+    "inf-eps": (lambda pr: (pr.adam(eps=float("inf")), []), ValueError, ["eps", "finite"]),
+    "inf-weight-decay": (lambda pr: (pr.adam(weight_decay=float("inf")), []), ValueError, ["weight_decay"]),
+    "str-beta1": (lambda pr: (pr.adam(beta1="0.9"), []), TypeError, ["beta1"]),
+    "tensor-beta2": (lambda pr: (pr.adam(beta2=torch.tensor(0.999, device=pr.device)), []), TypeError,
+                     ["beta2", "Python number"]),
+    "inf-step": (lambda pr: (pr.adam(step=float("inf")), []), ValueError, ["step", "finite"]),
+    "inf-grad-scale": (lambda pr: (pr.adam(grad_scale=float("inf")), []), ValueError, ["grad_scale", "finite"]),
+    "nan-grad-scale": (lambda pr: (pr.adam(grad_scale=float("nan")), []), ValueError, ["grad_scale"]),
+    "zero-grad-scale": (lambda pr: (pr.adam(grad_scale=0.0), []), ValueError, ["grad_scale", "> 0"]),
+    "negative-grad-scale": (lambda pr: (pr.adam(grad_scale=-1.0), []), ValueError, ["grad_scale", "> 0"]),
+    "inf-lr-last-group": (lambda pr: (pr.adam(lr=[1e-3, float("inf")], group_sizes=[1, 1]), []), ValueError,
+                          ["lr[1]"]),
 }
 
 
@@ -152,6 +166,8 @@ def test_scale_rejects(device):
                  ["outputs[0]", "dense"], everything)
     plan = kernels.ScalePlan([a], [a])
     check_raises(lambda: kernels.scale(plan, [b], 2.0), TypeError, ["ScalePlan"], everything)
+    check_raises(lambda: kernels.scale([a], [c], float("inf")), ValueError, ["scale", "finite"], everything)
+    check_raises(lambda: kernels.scale(plan, scale=float("nan")), ValueError, ["scale", "finite"], everything)
 
 
 def test_scale_in_place_rejects_a_tensor_given_twice(device):

@@ -6,9 +6,11 @@ compiled core never sees a torch object.
 from __future__ import annotations
 
 import numbers
+import operator
 from typing import Sequence
 
 import torch
+from torch.autograd.graph import increment_version
 
 from . import _core
 
@@ -148,3 +150,54 @@ def first_device(lists: Sequence[list[torch.Tensor] | None]) -> torch.device:
         if tensors:
             return tensors[0].device
     return torch.device("cpu")
+
+
+# ---------------------------------------------------------------- per-launch checks and version counters
+
+# C-level callables for one map() pass over a list of tensors.
+data_ptr_of = torch.Tensor.data_ptr
+numel_of = torch.Tensor.numel
+dtype_of = operator.attrgetter("dtype")
+
+
+def version_roots(tensors) -> list[torch.Tensor]:
+    """The tensors whose version counters stand for those of `tensors`: a view
+    shares its counter with its base (``_base`` is always the root of a chain
+    of views), so the base is bumped instead, once (deduplicated by identity).
+    Inference tensors have no counter and are left out."""
+    seen, roots = set(), []
+    for t in tensors:
+        base = t._base
+        root = t if base is None else base
+        if id(root) not in seen and not root.is_inference():
+            seen.add(id(root))
+            roots.append(root)
+    return roots
+
+
+def _list_bumps_supported() -> bool:
+    # torch >= 2.5 takes a list in one call; torch 2.4 takes one tensor.
+    try:
+        increment_version([torch.empty(0)])
+    except (TypeError, RuntimeError):
+        return False
+    return True
+
+
+if _list_bumps_supported():
+    def bump_versions(tensors: list[torch.Tensor]) -> None:
+        """Tell autograd that the kernel changed these tensors in place, as torch's
+        own in-place ops do: backward through a graph that saved one of them
+        then raises "modified by an inplace operation"."""
+        if tensors:
+            increment_version(tensors)
+else:  # pragma: no cover - torch 2.4
+    def bump_versions(tensors: list[torch.Tensor]) -> None:
+        for t in tensors:
+            increment_version(t)
+
+
+def bump_flag(flag: torch.Tensor | None) -> None:
+    """Bump a found_inf style flag that a kernel writes (given by the caller)."""
+    if flag is not None and not flag.is_inference():
+        increment_version(flag)

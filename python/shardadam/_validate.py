@@ -59,3 +59,66 @@ def check_adam_group(where: str, group: dict) -> None:
     check_betas(where, group["betas"])
     check_nonnegative(where, "eps", group["eps"])
     check_nonnegative(where, "weight_decay", group["weight_decay"])
+
+
+# ---------------------------------------------------------------- kernel hyperparameters
+#
+# The kernels take lr, step and grad_scale (and scale's factor) either as
+# Python numbers, checked here, or as one-element tensors that the kernel
+# reads on the device: those are never read back (no host sync, CUDA-graph
+# capturable), so their values are not checked. beta1, beta2, eps and
+# weight_decay are host numbers only.
+
+def check_host_number(where: str, name: str, value) -> float:
+    """A finite real Python number (numbers.Real: int, float, numpy scalars;
+    bools, strings and tensors are refused with TypeError)."""
+    if isinstance(value, torch.Tensor):
+        raise TypeError(f"{where}: {name} must be a Python number, got a tensor (only lr, step and grad_scale "
+                        "may be tensors, read by the kernel on the device)")
+    return _number(where, name, value)
+
+
+def check_finite(where: str, name: str, value) -> None:
+    """A finite number of any sign (kernels.scale's factor)."""
+    _number(where, name, value)
+
+
+def check_positive(where: str, name: str, value) -> None:
+    """A finite number > 0 (grad_scale: a multiplier of the gradients;
+    torch.amp.GradScaler's scales and their inverses are always positive)."""
+    if not _number(where, name, value) > 0.0:
+        raise ValueError(f"{where}: {name} must be > 0 (it multiplies every gradient), got {value}")
+
+
+def check_update_step(where: str, name: str, value, bias_correction: bool) -> None:
+    """kernels.adam's step, the number of this update: finite, and >= 1 when
+    bias correction divides by 1 - beta**step."""
+    if not _number(where, name, value) >= 1.0 and bias_correction:
+        raise ValueError(f"{where}: {name} must be >= 1 (the number of this update) with bias correction, "
+                         f"got {value}")
+
+
+def check_step_count(where: str, name: str, value) -> int:
+    """A step counter as a Python int: an integer-valued finite number >= 0,
+    or a one-element real tensor holding one (torch.optim keeps a float32
+    tensor per parameter). Read once, at load time."""
+    if isinstance(value, torch.Tensor):
+        if value.device.type == "meta" or value.numel() != 1 or value.is_complex() or value.dtype == torch.bool:
+            raise ValueError(f"{where}: {name} must be a number or a one-element real tensor, got a "
+                             f"{str(value.dtype).replace('torch.', '')} tensor of shape {tuple(value.shape)} "
+                             f"on {value.device}")
+        value = value.item()
+    try:
+        number = _number(where, name, value)
+    except TypeError as e:
+        raise ValueError(str(e)) from None
+    if number < 0 or not number.is_integer():
+        raise ValueError(f"{where}: {name} must be a whole number >= 0 (steps taken), got {value!r}")
+    return int(number)
+
+
+def check_flag(where: str, name: str, value) -> bool:
+    """A boolean option (True/False, or apex's 0/1)."""
+    if isinstance(value, bool) or (isinstance(value, numbers.Integral) and value in (0, 1)):
+        return bool(value)
+    raise ValueError(f"{where}: {name} must be True or False, got {value!r}")

@@ -8,6 +8,15 @@ Building the table of tensors costs host time per tensor; build a plan once
 (``AdamPlan``, ``ScalePlan``, ``NormPlan``) and pass it instead of the lists to
 make every later call cost the same whatever the number of tensors. Plans
 built before CUDA graph capture can be launched inside it.
+
+Safety at launch: a plan checks (check_addresses=True, the default) that its
+tensors were not re-pointed since it was built (``t.data = ...``, ``set_()``,
+``resize_()``, a freed storage) and raises RuntimeError if one was, before
+launching. Every launch bumps the autograd version counters of the tensors it
+writes, like torch's in-place ops. Hyperparameters given as Python numbers are
+checked (finite, in range); one-element tensor hyperparameters (lr, step,
+grad_scale, scale) are read by the kernel on the device and never read back,
+so their values are not checked.
 """
 from __future__ import annotations
 
@@ -17,7 +26,9 @@ import torch
 
 from . import _core
 from ._plan import TensorPlan
-from ._torch import as_list, flag_ptr, per_tensor_ptr, scalar
+from ._torch import as_list, bump_flag, flag_ptr, per_tensor_ptr, scalar
+from ._validate import (check_beta, check_finite, check_host_number, check_nonnegative, check_positive,
+                        check_update_step)
 
 __all__ = ["AdamPlan", "ScalePlan", "NormPlan", "Norms", "adam", "scale", "copy", "l2_norm"]
 
@@ -36,12 +47,16 @@ class AdamPlan(TensorPlan):
     (stored = true * scale, powers of two; start them at 1); the kernel picks new
     scales every step. group_sizes: split the tensors, in order, into groups with
     their own hyperparameters. device: where a plan of no tensors runs (a rank
-    whose shard is empty); otherwise taken from the tensors.
+    whose shard is empty); otherwise taken from the tensors. check_addresses:
+    verify at every launch that no tensor (scales included) was re-pointed
+    since the plan was built (see TensorPlan); False skips that check.
+    Every launch bumps the version counters of params, exp_avgs, exp_avg_sqs,
+    max_exp_avg_sqs, params_out, param_remainders and the scales.
     """
 
     def __init__(self, params, grads, exp_avgs, exp_avg_sqs, *, max_exp_avg_sqs=None, params_out=None,
                  param_remainders=None, exp_avg_scales=None, exp_avg_sq_scales=None, master_scales=None,
-                 group_sizes: Sequence[int] | None = None, device=None):
+                 group_sizes: Sequence[int] | None = None, device=None, check_addresses: bool = True):
         lists = {
             "params": (as_list("params", params), True, FLOATS),
             "grads": (as_list("grads", grads), False, FLOATS),
@@ -56,7 +71,8 @@ class AdamPlan(TensorPlan):
                 raise ValueError(f"adam: {name} must be given")
         n = len(lists["params"][0] or [])
         super().__init__("adam", lists, groups=_group_index(group_sizes, n),
-                         num_groups=len(group_sizes) if group_sizes is not None else 1, device=device)
+                         num_groups=len(group_sizes) if group_sizes is not None else 1, device=device,
+                         check_addresses=check_addresses)
         self._scale_tensors = (master_scales, exp_avg_scales, exp_avg_sq_scales)
         self.scale_ptrs = (
             per_tensor_ptr("master_scales", master_scales, n, self.device),
@@ -64,25 +80,33 @@ class AdamPlan(TensorPlan):
             per_tensor_ptr("exp_avg_sq_scales", exp_avg_sq_scales, n, self.device),
         )
         _core.check_adam_table(self.table, master_scales is not None)
+        # The kernel reads and writes the scales through their addresses too.
+        for name, t in (("master_scales", master_scales), ("exp_avg_scales", exp_avg_scales),
+                        ("exp_avg_sq_scales", exp_avg_sq_scales)):
+            self._watch(name, t, written=True)
 
 
 class ScalePlan(TensorPlan):
-    """outputs[i] = inputs[i] * scale, across float dtypes; in place when outputs is inputs."""
+    """outputs[i] = inputs[i] * scale, across float dtypes; in place when outputs is inputs.
 
-    def __init__(self, inputs, outputs):
+    check_addresses: see TensorPlan. Every launch bumps the outputs' version counters.
+    """
+
+    def __init__(self, inputs, outputs, *, check_addresses: bool = True):
         super().__init__("scale", {
             "inputs": (as_list("inputs", inputs), False, FLOATS),
             "outputs": (as_list("outputs", outputs), True, FLOATS),
-        }, alias_list=0)
+        }, alias_list=0, check_addresses=check_addresses)
         if self.lists["outputs"] is None:
             raise ValueError("scale: outputs must be given (pass inputs again to scale in place)")
 
 
 class NormPlan(TensorPlan):
-    """Tensors whose L2 norms are taken together."""
+    """Tensors whose L2 norms are taken together (read only). check_addresses: see TensorPlan."""
 
-    def __init__(self, tensors):
-        super().__init__("l2_norm", {"tensors": (as_list("tensors", tensors), False, FLOATS)})
+    def __init__(self, tensors, *, check_addresses: bool = True):
+        super().__init__("l2_norm", {"tensors": (as_list("tensors", tensors), False, FLOATS)},
+                         check_addresses=check_addresses)
 
 
 class Norms(NamedTuple):
@@ -101,19 +125,24 @@ def _group_index(group_sizes, n: int) -> list[int]:
     return [g for g, size in enumerate(sizes) for _ in range(size)]
 
 
-def _per_group(name: str, value, g: int, count: int):
-    """A hyperparameter given once for all groups, or as one value per group."""
+def _per_group(name: str, value, count: int) -> list[tuple[str, object]]:
+    """(name for messages, value) per group: a hyperparameter given once for
+    all groups, or as one value per group (then named name[g])."""
     if isinstance(value, (list, tuple)):
         if len(value) != count:
             raise ValueError(f"{name} has {len(value)} values for {count} groups")
-        return value[g]
-    return value
+        return [(f"{name}[{g}]", v) for g, v in enumerate(value)]
+    return [(name, value)] * count
 
 
-def _plan(cls, first, rest_given: bool, *args, **kwargs):
+def _plan(cls, first, rest_given: bool, *args, **kwargs) -> TensorPlan:
+    """The caller's plan, address-checked now (before anything else runs), or
+    one built from the lists (just built: nothing to check)."""
     if isinstance(first, cls):
         if rest_given:
             raise TypeError(f"pass either a {cls.__name__} or the tensor lists, not both")
+        if first._check_addresses:
+            first._check_launch()
         return first
     return cls(first, *args, **kwargs)
 
@@ -129,24 +158,38 @@ def adam(params, grads=None, exp_avgs=None, exp_avg_sqs=None, *, lr, step, beta1
     the number of this update, starting at 1. grad_scale multiplies every
     gradient. When found_inf (float32 [1]) is nonzero nothing is written.
     Hyperparameters may be sequences with one value per group of the plan.
+
+    Numbers are checked before anything is launched, for every group: lr, eps,
+    weight_decay finite and >= 0; beta1, beta2 in [0, 1); grad_scale finite and
+    > 0; step finite (>= 1 with bias correction); beta1, beta2, eps and
+    weight_decay must be numbers. lr, step and grad_scale given as tensors are
+    read on the device, never read back: their values are not checked (a NaN
+    lr tensor makes NaN params). A plan with check_addresses verifies its
+    tensors' addresses first (RuntimeError if one was re-pointed). The launch
+    bumps the version counters of the written tensors.
     """
     plan = _plan(AdamPlan, params, grads is not None or bool(plan_lists),
                  grads, exp_avgs, exp_avg_sqs, **plan_lists)
     count = plan.table.num_groups
+    columns = [_per_group(name, value, count) for name, value in (
+        ("beta1", beta1), ("beta2", beta2), ("eps", eps), ("weight_decay", weight_decay), ("lr", lr),
+        ("step", step), ("bias_correction", bias_correction), ("adam_w_mode", adam_w_mode),
+        ("maximize", maximize))]
+    rows = list(zip(*columns))
+    # Every group's numbers first: a refusal leaves everything as it was.
+    for (b1, b2, e, wd, lr_g, step_g, bc, _, _) in rows:
+        _check_group(b1, b2, e, wd, lr_g, step_g, bool(bc[1]))
+    if not isinstance(grad_scale, torch.Tensor):
+        check_positive("adam", "grad_scale", grad_scale)
     groups = []
-    for g in range(count):
+    for (b1, b2, e, wd, lr_g, step_g, bc, w_mode, maxi) in rows:
         group = _core.AdamGroup()
-        b1, b2 = _per_group("beta1", beta1, g, count), _per_group("beta2", beta2, g, count)
-        e, wd = _per_group("eps", eps, g, count), _per_group("weight_decay", weight_decay, g, count)
-        lr_g, step_g = _per_group("lr", lr, g, count), _per_group("step", step, g, count)
-        bc = bool(_per_group("bias_correction", bias_correction, g, count))
-        _check_hyper(b1, b2, e, wd, lr_g, step_g, bc)
-        group.beta1, group.beta2, group.eps, group.weight_decay = b1, b2, e, wd
-        group.adam_w_mode = bool(_per_group("adam_w_mode", adam_w_mode, g, count))
-        group.bias_correction = bc
-        group.maximize = bool(_per_group("maximize", maximize, g, count))
-        group.lr = scalar("lr", lr_g, plan.device)
-        group.step = scalar("step", step_g, plan.device)
+        group.beta1, group.beta2, group.eps, group.weight_decay = b1[1], b2[1], e[1], wd[1]
+        group.adam_w_mode = bool(w_mode[1])
+        group.bias_correction = bool(bc[1])
+        group.maximize = bool(maxi[1])
+        group.lr = scalar(lr_g[0], lr_g[1], plan.device)
+        group.step = scalar(step_g[0], step_g[1], plan.device)
         groups.append(group)
     extras = _core.AdamExtras()
     extras.grad_scale = scalar("grad_scale", grad_scale, plan.device)
@@ -157,21 +200,21 @@ def adam(params, grads=None, exp_avgs=None, exp_avg_sqs=None, *, lr, step, beta1
         scratch = torch.empty(3 * plan.num_tensors, dtype=torch.float32, device=plan.device)
         extras.amax_scratch = scratch.data_ptr()
     _core.adam(plan.table, groups, extras, *plan.target())
+    plan._bump_versions()
 
 
-def _check_hyper(beta1, beta2, eps, weight_decay, lr, step, bias_correction) -> None:
-    if not 0.0 <= beta1 < 1.0:
-        raise ValueError(f"beta1 must be in [0, 1), got {beta1}")
-    if not 0.0 <= beta2 < 1.0:
-        raise ValueError(f"beta2 must be in [0, 1), got {beta2}")
-    if not eps >= 0.0:
-        raise ValueError(f"eps must be >= 0, got {eps}")
-    if not weight_decay >= 0.0:
-        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
-    if not isinstance(lr, torch.Tensor) and not lr >= 0.0:
-        raise ValueError(f"lr must be >= 0, got {lr}")
-    if bias_correction and not isinstance(step, torch.Tensor) and not step >= 1:
-        raise ValueError(f"step must be >= 1 (the number of this update) with bias correction, got {step}")
+def _check_group(beta1, beta2, eps, weight_decay, lr, step, bias_correction: bool) -> None:
+    """One group's hyperparameters, each a (name, value) pair."""
+    for name, value in (beta1, beta2, eps, weight_decay):
+        check_host_number("adam", name, value)
+    check_beta("adam", *beta1)
+    check_beta("adam", *beta2)
+    check_nonnegative("adam", *eps)
+    check_nonnegative("adam", *weight_decay)
+    if not isinstance(lr[1], torch.Tensor):
+        check_nonnegative("adam", *lr)
+    if not isinstance(step[1], torch.Tensor):
+        check_update_step("adam", *step, bias_correction)
 
 
 def scale(inputs, outputs=None, scale=1.0, *, found_inf=None, skip_if=None) -> None:
@@ -180,11 +223,20 @@ def scale(inputs, outputs=None, scale=1.0, *, found_inf=None, skip_if=None) -> N
     inputs is a ScalePlan or a list; outputs may be inputs itself (in place).
     found_inf (float32 [1]) is set to 1 if any input is inf or NaN. When skip_if
     (float32 [1]) is nonzero nothing is written.
+
+    scale given as a number must be finite (any sign); a one-element tensor is
+    read on the device and not checked. A plan with check_addresses verifies
+    its tensors' addresses first. The launch bumps the version counters of
+    the outputs and of found_inf.
     """
     plan = _plan(ScalePlan, inputs, False, outputs) if not isinstance(inputs, ScalePlan) \
         else _plan(ScalePlan, inputs, outputs is not None)
+    if not isinstance(scale, torch.Tensor):
+        check_finite("scale", "scale", scale)
     _core.scale(plan.table, scalar("scale", scale, plan.device), flag_ptr("found_inf", found_inf, plan.device),
                 flag_ptr("skip_if", skip_if, plan.device), *plan.target())
+    plan._bump_versions()
+    bump_flag(found_inf)
 
 
 def copy(inputs, outputs=None, *, skip_if=None) -> None:
@@ -197,9 +249,10 @@ def l2_norm(tensors, *, per_tensor: bool = False, found_inf=None) -> Norms:
 
     Deterministic: the same inputs give the same bits on every call. Non-finite
     elements set Norms.nonfinite, which is found_inf itself when given (it is
-    set, never cleared).
+    set, never cleared). A NormPlan with check_addresses verifies its tensors'
+    addresses first; a given found_inf has its version counter bumped.
     """
-    plan = tensors if isinstance(tensors, NormPlan) else NormPlan(tensors)
+    plan = _plan(NormPlan, tensors, False)
     dev = plan.device
     partials = torch.empty(max(plan.table.num_chunks, 1), dtype=torch.float32, device=dev)
     total = torch.empty((), dtype=torch.float32, device=dev)
@@ -207,4 +260,5 @@ def l2_norm(tensors, *, per_tensor: bool = False, found_inf=None) -> Norms:
     flag = torch.zeros(1, dtype=torch.float32, device=dev) if found_inf is None else found_inf
     _core.l2_norm(plan.table, partials.data_ptr(), per.data_ptr() if per is not None else 0, total.data_ptr(),
                   flag_ptr("found_inf", flag, dev), *plan.target())
+    bump_flag(found_inf)
     return Norms(total, per, flag)

@@ -1,0 +1,118 @@
+#!/usr/bin/env python
+"""Host cost of what a plan launch checks and records, side by side in one run.
+
+Two AdamPlans over the same tensors (params, grads, exp_avgs, exp_avg_sqs):
+
+  baseline  check_addresses=False and no version bump: the launch as it was
+            before plans checked anything (the bump is switched off by
+            emptying the plan's private list of version roots)
+  checked   check_addresses=True (the default) and the version bump
+
+For each it times the host time of kernels.adam(plan, ...): on CUDA the time
+for the call to return from an idle GPU (the launch is asynchronous); on the
+CPU the call runs the update too, so tensors are kept tiny there and the
+two parts are also timed alone: the address check (plan._check_launch) and
+the bump (plan._bump_versions). Costs per tensor are per parameter (one index
+of the plan: 4 tensors are checked, 3 bumped) and per tensor checked/bumped.
+
+With --views the states are views of flat buffers (as in the optimizers):
+the bump then touches one base per list instead of every tensor.
+
+    python benchmarks/bench_plan_checks.py --device cpu
+    python benchmarks/bench_plan_checks.py --device cuda [--tensors 20000 --numel 12800] [--views]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from shardadam import kernels
+
+HYPER = dict(lr=1e-3, step=1, weight_decay=0.01)
+
+
+def make_lists(n: int, numel: int, device: str, views: bool) -> list[list[torch.Tensor]]:
+    if views:
+        flats = [torch.randn(n * numel, device=device) for _ in range(2)] + \
+                [torch.zeros(n * numel, device=device) for _ in range(2)]
+        flats[3].fill_(1e-4)
+        return [list(f.view(n, numel).unbind(0)) for f in flats]
+    p, g = ([torch.randn(numel, device=device) for _ in range(n)] for _ in range(2))
+    m = [torch.zeros(numel, device=device) for _ in range(n)]
+    v = [torch.full((numel,), 1e-4, device=device) for _ in range(n)]
+    return [p, g, m, v]
+
+
+def median_ns(fn, reps: int, device: str, sync_each: bool) -> float:
+    """Median host nanoseconds of one call (after a sync when sync_each: the
+    call starts from an idle device)."""
+    times = []
+    for _ in range(reps):
+        if sync_each and device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter_ns()
+        fn()
+        times.append(time.perf_counter_ns() - t0)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--tensors", type=int, default=20000, help="parameters in the plan (default 20000)")
+    ap.add_argument("--numel", type=int, default=None,
+                    help="elements per tensor (default 12800 on cuda, 16 on cpu, where the call runs the update)")
+    ap.add_argument("--reps", type=int, default=None, help="timed calls per case (default 40 on cuda, 20 on cpu)")
+    ap.add_argument("--views", action="store_true", help="tensors are views of flat buffers (one base per list)")
+    args = ap.parse_args()
+    dev = args.device
+    if dev == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no GPU")
+    n = args.tensors
+    numel = args.numel or (12800 if dev == "cuda" else 16)
+    reps = args.reps or (40 if dev == "cuda" else 20)
+
+    lists = make_lists(n, numel, dev, args.views)
+    base = kernels.AdamPlan(*lists, check_addresses=False)
+    base._roots = []  # no version bump: the launch as it was before
+    checked = kernels.AdamPlan(*lists)
+    watched, roots = len(checked._watched), len(checked._roots)
+
+    def launch(plan):
+        return lambda: kernels.adam(plan, **HYPER)
+
+    for plan in (base, checked):  # warm up
+        for _ in range(3):
+            launch(plan)()
+    # Interleave the two cases so that drift (clocks, other load) hits both.
+    t_base, t_checked = [], []
+    for _ in range(5):
+        t_base.append(median_ns(launch(base), max(reps // 5, 1), dev, sync_each=True))
+        t_checked.append(median_ns(launch(checked), max(reps // 5, 1), dev, sync_each=True))
+    t_base, t_checked = statistics.median(t_base), statistics.median(t_checked)
+    t_check = median_ns(checked._check_launch, reps, dev, sync_each=False)
+    t_bump = median_ns(checked._bump_versions, reps, dev, sync_each=False)
+
+    print(f"device {dev}, torch {torch.__version__}, {n} parameters x {numel} elements, "
+          f"{'views of flat buffers' if args.views else 'separate tensors'}: "
+          f"{watched} tensors checked, {roots} version counters bumped per launch")
+    print(f"{'kernels.adam(plan) host time':34s} {'baseline':>12s} {'checked':>12s} {'ratio':>7s} "
+          f"{'added/param':>12s}")
+    print(f"{'per call':34s} {t_base / 1e3:10.1f}us {t_checked / 1e3:10.1f}us {t_checked / t_base:7.2f} "
+          f"{(t_checked - t_base) / n:10.1f}ns")
+    print("parts, timed alone:")
+    print(f"  address check  {t_check / 1e3:10.1f}us per launch = {t_check / n:6.1f} ns per parameter, "
+          f"{t_check / max(watched, 1):6.1f} ns per tensor checked")
+    print(f"  version bump   {t_bump / 1e3:10.1f}us per launch = {t_bump / n:6.1f} ns per parameter, "
+          f"{t_bump / max(roots, 1):6.1f} ns per counter bumped")
+    if dev == "cpu":
+        print("(on the CPU the call includes the update itself; the parts timed alone are the added host cost)")
+
+
+if __name__ == "__main__":
+    main()
