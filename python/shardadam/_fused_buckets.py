@@ -16,13 +16,13 @@ number of parameters.
 """
 from __future__ import annotations
 
-import itertools
 import operator
 
 import torch
 
 from . import kernels
 from ._torch import check_tensor
+from ._tracked import DATA_PTR, GRAD, moved_indices
 
 # Offsets of every parameter's state are multiples of this many elements, so
 # each view starts 64-byte aligned and the kernels can use vector access.
@@ -51,9 +51,11 @@ def _dense_view(flat: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Te
 class Bucket:
     """The parameters of one device and one storage kind, with their flat state."""
 
-    def __init__(self, kind: str, params: list, group_of: list[int], num_groups: int, opts: dict):
+    def __init__(self, kind: str, params: list, group_of: list[int], num_groups: int, opts: dict, names: list[str]):
+        """names: how errors call each parameter (``param_groups[g]['params'][i]``)."""
         self.kind = kind
         self.params = params
+        self.names = names
         self.device = params[0].device
         self.group_sizes = [0] * num_groups
         for g in group_of:
@@ -84,12 +86,20 @@ class Bucket:
         for i, p in enumerate(params):
             if self.master is not None:
                 self.views[i]["master_param"].copy_(p.detach())
+        # [Note: tracked storage] What the plan's table holds of the
+        # parameters, checked every step (moved_params).
+        self.param_ptrs = list(map(DATA_PTR, params))
+        self.param_shapes = [p.shape for p in params]
         self._strides = [p.stride() for p in params]
+        self._numels = [p.numel() for p in params]
+        self._device_index = self.device.index if self.device.type == "cuda" else -1
         self._all_contiguous = all(p.is_contiguous() for p in params)
         self.flat_grads = None
         self._flat_views: list | None = None  # set by use_flat_grads
         self._plan = None
-        self._grads: list | None = None
+        # What the plan's gradient column holds: addresses and dtypes.
+        self._grad_ptrs: list | None = None
+        self._grad_dtypes: list | None = None
 
     def _views_of(self, i: int) -> dict:
         """state[p] for parameter i: views into the flat buffers, scales as 0-d views."""
@@ -122,7 +132,7 @@ class Bucket:
                 view.copy_(p.grad)
             p.grad = view
         self._flat_views = [p.grad for p in self.params]
-        self._check_at = 0
+        self._flat_ptrs = list(map(DATA_PTR, self._flat_views))
 
     def zero_flat_grads(self) -> None:
         if self.flat_grads is not None:
@@ -130,52 +140,73 @@ class Bucket:
         else:
             torch._foreach_zero_(self._flat_views)
 
-    def check_flat_grads(self, window: int) -> None:
-        """Confirm that a rotating window of parameters still has the bucket's
-        gradient views (model.zero_grad() would have dropped them): every
-        parameter is checked once per len(params) / window steps, and a
-        model-wide reset is seen at once."""
-        n = len(self.params)
-        start = self._check_at
-        for i in range(start, min(start + window, n)):
-            if self.params[i].grad is not self._flat_views[i]:
+    def check_flat_grads(self) -> None:
+        """Every parameter still has the bucket's gradient view, still on the
+        bucket's memory: model.zero_grad(), ``p.grad = t`` or ``p.grad.data = t``
+        would leave backward writing where the step does not read. Two C-level
+        passes over the parameters (see README, "Guarantees")."""
+        if all(map(operator.is_, map(GRAD, self.params), self._flat_views)) \
+                and list(map(DATA_PTR, self._flat_views)) == self._flat_ptrs:
+            return
+        for i, p in enumerate(self.params):
+            if p.grad is not self._flat_views[i] or p.grad.data_ptr() != self._flat_ptrs[i]:
+                what = "set to None" if p.grad is None else "replaced"
                 raise RuntimeError(
-                    "FusedAdam(flat_grads=True): the gradient of a parameter was replaced or set to None "
-                    "(e.g. by model.zero_grad()); with flat_grads use optimizer.zero_grad() only")
-        self._check_at = 0 if start + window >= n else start + window
+                    f"FusedAdam(flat_grads=True): the gradient of {self.names[i]} (shape {tuple(p.shape)}) was "
+                    f"{what} since the last step (model.zero_grad(), p.grad = ..., p.grad.data = ...): backward no "
+                    "longer writes into the optimizer's gradient buffer. With flat_grads, reset gradients with "
+                    "optimizer.zero_grad() only")
 
     def _current_grads(self) -> list | None:
-        """The parameters' gradients, re-pointing the plan when autograd made
-        new ones; None when some parameter has no gradient this step."""
-        grads = [p.grad for p in self.params]
-        cached = self._grads
-        if cached is not None and all(map(operator.is_, grads, cached)):
-            return grads
-        if any(map(operator.is_, grads, itertools.repeat(None))):
-            return None
-        # torch keeps a gradient's shape, dtype and device equal to its
-        # parameter's; what can differ is the layout and the memory order.
-        # All-contiguous buckets (the common case) take one C-level pass.
+        """The parameters' gradients, re-pointing the plan when they moved
+        (new gradient tensors, or ``p.grad.data = t``); None when some
+        parameter has no gradient this step."""
+        grads = list(map(GRAD, self.params))
         try:
-            fast_ok = self._all_contiguous and all(map(torch.Tensor.is_contiguous, grads))
+            ptrs = list(map(DATA_PTR, grads))
+        except (TypeError, RuntimeError):  # None (no gradient), or a sparse gradient: told apart below
+            ptrs = None
+        if ptrs is not None and ptrs == self._grad_ptrs:
+            return grads
+        if any(map(operator.is_, grads, [None] * len(grads))):
+            return None
+        dtypes = self._check_grads(grads)
+        if self._plan is not None:
+            if dtypes != self._grad_dtypes:  # the table's dtype codes are fixed: a new table
+                self._plan = None
+            else:
+                self._plan.refresh_read_list(GRAD_LIST, grads)
+        self._grad_ptrs, self._grad_dtypes = ptrs, dtypes
+        return grads
+
+    def _check_grads(self, grads: list, idx: list[int] | None = None) -> list:
+        """Every gradient fits its parameter: strided, on the bucket's device,
+        a float dtype, as many elements, the same element order. torch's
+        ``p.grad = t`` checks some of this, ``p.grad.data = t`` none of it.
+        C-level passes for the common case; the checked path names the first
+        offender. Returns the gradients' dtypes."""
+        numels = self._numels if idx is None else [self._numels[i] for i in idx]
+        idx = range(len(self.params)) if idx is None else idx
+        dtypes = [g.dtype for g in grads]
+        try:
+            fast_ok = (list(map(torch.Tensor.numel, grads)) == numels
+                       and list(map(torch.Tensor.get_device, grads)) == [self._device_index] * len(grads)
+                       and all(d in kernels.FLOATS for d in set(dtypes))
+                       and self._all_contiguous and all(map(torch.Tensor.is_contiguous, grads)))
         except RuntimeError:  # sparse gradients have no is_contiguous: the checks below say so
             fast_ok = False
         if not fast_ok:
-            self._check_grad_layouts(grads, cached)
-        if self._plan is not None:
-            self._plan.refresh_read_list(GRAD_LIST, grads)
-        self._grads = grads
-        return grads
-
-    def _check_grad_layouts(self, grads: list, cached: list | None) -> None:
-        strided = torch.strided
-        for i, (g, stride) in enumerate(zip(grads, self._strides)):
-            if (cached is None or g is not cached[i]) and (g.layout is not strided or g.stride() != stride):
+            for i, g in zip(idx, grads):
                 p = self.params[i]
-                check_tensor(f"params[{i}].grad", g, self.device, kernels.FLOATS)
-                if not (g.is_contiguous() and p.is_contiguous()):
-                    raise ValueError(f"the gradient of a parameter of shape {tuple(p.shape)} has strides "
-                                     f"{g.stride()} but the parameter {p.stride()}: element orders differ")
+                where = f"the gradient of {self.names[i]}"
+                check_tensor(where, g, self.device, kernels.FLOATS)
+                if g.numel() != p.numel():
+                    raise ValueError(f"{where} has {g.numel()} elements (shape {tuple(g.shape)}), the parameter "
+                                     f"{p.numel()} (shape {tuple(p.shape)}): was it set with p.grad.data = ...?")
+                if g.stride() != self._strides[i] and not (g.is_contiguous() and p.is_contiguous()):
+                    raise ValueError(f"{where} has strides {g.stride()} but the parameter {p.stride()}: "
+                                     "element orders differ")
+        return dtypes
 
     # ------------------------------------------------------------ the step
 
@@ -215,7 +246,7 @@ class Bucket:
         grads = [None] * len(self.params)
         for i in idx:
             grads[i] = self.params[i].grad
-            check_tensor(f"params[{i}].grad", grads[i], self.device, kernels.FLOATS)
+        self._check_grads([grads[i] for i in idx], idx)
         lists = self._lists(idx, grads)
         sizes = [0] * len(self.group_sizes)
         bounds = [sum(self.group_sizes[:g + 1]) for g in range(len(self.group_sizes))]
@@ -235,6 +266,8 @@ class Bucket:
                     scales[idx] = plan.subset_scales[name]
 
 def _adam_plan(lists: dict, group_sizes: list[int]) -> kernels.AdamPlan:
+    """The bucket checks its parameters and gradients every step (Bucket.prepare,
+    FusedAdam._params_moved) and owns the rest: the plan need not re-check."""
     rest = dict(lists)
     return kernels.AdamPlan(rest.pop("params"), rest.pop("grads"), rest.pop("exp_avgs"), rest.pop("exp_avg_sqs"),
-                            group_sizes=group_sizes, **rest)
+                            group_sizes=group_sizes, check_addresses=False, **rest)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from ._validate import check_adam_group
+
 
 def run_closure(closure):
     """torch.optim's contract: re-evaluate the loss with gradients enabled."""
@@ -10,6 +12,13 @@ def run_closure(closure):
         return None
     with torch.enable_grad():
         return closure()
+
+
+def check_step_groups(param_groups: list[dict]) -> None:
+    """Every group's hyperparameters, before a step changes anything (a
+    scheduler or the caller may have set them since the last step). O(groups)."""
+    for i, g in enumerate(param_groups):
+        check_adam_group(f"param_groups[{i}]", g)
 
 
 def adam_hyper(param_groups: list[dict], adam_w_mode: bool) -> dict:

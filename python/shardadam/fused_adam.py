@@ -13,16 +13,16 @@ from collections import defaultdict
 import torch
 
 from ._fused_buckets import Bucket, storage_kind
-from ._groups import adam_hyper, plain_value, run_closure
+from ._groups import adam_hyper, check_step_groups, plain_value, run_closure
 from ._state_dict import load_buckets_state, pack_state
 from ._torch import check_tensor
+from ._tracked import ReplacedParams, moved_indices
+from ._validate import check_adam_group
 from .kernels import FLOATS
 
 __all__ = ["FusedAdam"]
 
 _STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Parameters whose gradient views are re-checked per step with flat_grads.
-_FLAT_GRAD_CHECK_WINDOW = 64
 
 
 class FusedAdam(torch.optim.Optimizer):
@@ -68,9 +68,10 @@ class FusedAdam(torch.optim.Optimizer):
         self._buckets: list[Bucket] | None = None
         self._structure = None
         self._frozen: list = []
+        self._replaced = ReplacedParams(type(self).__name__)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, maximize=maximize)
-        _check_group_values(defaults)
+        check_adam_group("FusedAdam", defaults)
         super().__init__(params, defaults)
         # GradScaler hands its scale and found-inf to the step (no host sync)
         # when the step counters live on the device.
@@ -88,7 +89,7 @@ class FusedAdam(torch.optim.Optimizer):
         self._structure = None  # the layout is rebuilt at the next step
 
     def _check_new_group(self, group: dict) -> None:
-        _check_group_values(group)
+        check_adam_group(f"param_groups[{len(self.param_groups) - 1}]", group)
         seen = {id(p) for g in self.param_groups[:-1] for p in g["params"]}
         devices = set()
         for i, p in enumerate(group["params"]):
@@ -122,25 +123,30 @@ class FusedAdam(torch.optim.Optimizer):
                 tuple((id(g["params"]), len(g["params"])) for g in self.param_groups))
 
     def _layout(self) -> list[Bucket]:
-        """The buckets, rebuilt when the groups changed (detected by _structure_key);
-        state of parameters that were already there is carried over."""
+        """The buckets, rebuilt when the groups changed (detected by
+        _structure_key) or a parameter's storage moved (see [Note: tracked
+        storage] in _tracked.py); state of parameters that were already there
+        is carried over, converted to the new storage's dtype and device."""
         key = self._structure_key()
-        if self._buckets is not None and key == self._structure:
+        if self._buckets is not None and key == self._structure and not self._params_moved():
             return self._buckets
         old = {id(p): views for b in (self._buckets or []) for p, views in zip(b.params, b.views)}
         o = self._opts
-        members = defaultdict(lambda: ([], []))
+        members = defaultdict(lambda: ([], [], []))
         self._frozen = []  # never touched, and given no state, unless they get gradients later
         for gi, group in enumerate(self.param_groups):
-            for p in group["params"]:
+            for pi, p in enumerate(group["params"]):
                 if not p.requires_grad:
                     self._frozen.append(p)
                     continue
                 kind = storage_kind(p, o["master_weights"], o["store_param_remainders"])
-                ps, gs = members[(p.device, kind)]
+                ps, gs, names = members[(p.device, kind)]
                 ps.append(p)
                 gs.append(gi)
-        self._buckets = [Bucket(kind, ps, gs, len(self.param_groups), o) for (_, kind), (ps, gs) in members.items()]
+                names.append(f"param_groups[{gi}]['params'][{pi}]")
+        self._buckets = [Bucket(kind, ps, gs, len(self.param_groups), o, names)
+                         for (_, kind), (ps, gs, names) in members.items()]
+        self._replaced.track(p for g in self.param_groups for p in g["params"])
         for b in self._buckets:
             for p, views in zip(b.params, b.views):
                 for name, view in views.items():
@@ -152,19 +158,38 @@ class FusedAdam(torch.optim.Optimizer):
         self._structure = key
         return self._buckets
 
+    def _params_moved(self) -> bool:
+        """True when a parameter now lives in other memory (model.to(...),
+        p.data = ...): the buckets must follow. A new shape cannot be followed
+        (its state has the old one): that raises, before anything changes."""
+        moved = False
+        for b in self._buckets:
+            for i in moved_indices(b.params, b.param_ptrs):
+                p = b.params[i]
+                if p.shape != b.param_shapes[i]:
+                    raise ValueError(
+                        f"{b.names[i]} changed shape from {tuple(b.param_shapes[i])} to {tuple(p.shape)} since the "
+                        "optimizer last saw it (p.data = ... with another shape): its optimizer state has the old "
+                        "shape. Build a new optimizer for the new parameter (or load a state dict of its shape)")
+                moved = True
+        return moved
+
     # ------------------------------------------------------------ step
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = run_closure(closure)
+        # What can fail (hyperparameters, storage, gradients, plans) is checked
+        # before anything changes: [Note: validate, then mutate] in _validate.py.
+        check_step_groups(self.param_groups)
+        self._replaced.check()
         if any(p.grad is not None for p in self._frozen):  # unfrozen since the layout was built
             self._structure = None
         buckets = self._layout()
-        # What can fail (gradient checks, plans) happens before anything changes.
         prepared = []
         for b in buckets:
             if self._opts["flat_grads"]:
-                b.check_flat_grads(_FLAT_GRAD_CHECK_WINDOW)
+                b.check_flat_grads()
             prepared.append(b.prepare())
         # Set by torch.amp.GradScaler.step (capturable only): the scale the
         # gradients still carry and the device flag of inf/NaN gradients.
@@ -223,16 +248,3 @@ def _as_device_scalar(value, device: torch.device) -> torch.Tensor:
             raise ValueError("lr must be a number or a one-element tensor")
         return value.to(device=device, dtype=torch.float32).reshape(())
     return torch.tensor(float(value), dtype=torch.float32, device=device)
-
-
-def _check_group_values(g: dict) -> None:
-    lr = g["lr"]
-    if not isinstance(lr, torch.Tensor) and not lr >= 0.0:
-        raise ValueError(f"lr must be >= 0, got {lr}")
-    betas = g["betas"]
-    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-        raise ValueError(f"betas must be two values in [0, 1), got {betas}")
-    if not g["eps"] >= 0.0:
-        raise ValueError(f"eps must be >= 0, got {g['eps']}")
-    if not g["weight_decay"] >= 0.0:
-        raise ValueError(f"weight_decay must be >= 0, got {g['weight_decay']}")

@@ -1,0 +1,380 @@
+#!/usr/bin/env python
+"""Soak run: DistributedFusedAdam trains for many steps while each rank's memory is sampled.
+
+A leak shows as memory that keeps rising with the step count. Every
+`--sample-every` steps each rank records its current host RSS (from
+/proc/self/statm, not the peak), the bytes glibc's malloc has in use, the
+number of Python objects the garbage collector tracks, and on CUDA
+torch.cuda.memory_allocated / memory_reserved.
+Every `--checkpoint-every` steps the optimizer does a state_dict() +
+load_state_dict() round trip, so the checkpoint path is soaked too.
+
+The optimizer runs as in training: several small buckets, overlap_grad_sync
+and overlap_param_sync, contiguous_param_buffer, an LR scheduler,
+clip_grad_norm every step and zero_grad(set_to_none=True).
+
+    torchrun --standalone --nproc_per_node 2 benchmarks/soak.py --steps 5000 --out benchmarks/results/soak_gloo.json
+    torchrun --standalone --nproc_per_node 2 benchmarks/soak.py --steps 200             # smoke run
+    NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc_per_node 2 benchmarks/soak.py --device cuda --copy-engines \\
+        --steps 1000 --out benchmarks/results/soak_2xh200.json
+
+CPU (default): gloo, a small MLP of four Linear layers. CUDA: NCCL with one GPU
+per rank, the small GPT of bench_distributed.py under bf16 autocast; the
+copy-engine paths are used wherever they can be (grad/param_sync_copy_engine
+None), or required with --copy-engines (the run then fails if they cannot be).
+
+Flatness, per rank: the first 10% of samples are warm-up (allocator pools,
+the bucket-order rebuild at the first step, lazily built plans); from the
+first sample after them to the last, the growth and a least-squares slope
+in bytes per step. The run exits 1 if on any rank the RSS grows, end to end
+or along the fitted line, by more than max(--rss-tolerance-pct of its level,
+--rss-tolerance-mib), or GPU allocated memory by more than
+--gpu-tolerance-mib, or GPU reserved memory by more than the RSS limit
+(computed on its own level). The JSON holds every sample; an SVG plot of
+memory against step is written next to it.
+
+What moves host memory without leaking (gloo run, benchmarks/RESULTS.md):
+RSS rises by ~12 MiB over the first ~200 steps; glibc's heap then grows in
+steps of 0.25-1 MiB now and then, and RSS creeps by tens of bytes per step
+while malloc'd bytes stay flat (pages of the heap touched for the first
+time). torch's c10d flight recorder keeps the last TORCH_FR_BUFFER_SIZE
+(default 2000) collectives, about 1 KiB each: ~2 MiB in use until it is
+full, after 2000 / (collectives per step) steps: about 220 on the CPU run
+(4 reduce-scatters, 4 all-gathers, clipping's all-reduce); on the copy
+engines most transfers are no c10d collectives, so it fills more slowly.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import gc
+import json
+import os
+import pathlib
+import platform
+import re
+import shlex
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import shardadam
+from bench_distributed import GPT  # the benchmarks' GPT (this script's directory is on sys.path)
+from plot_soak import write_svg
+
+MIB = 2**20
+PAGE = os.sysconf("SC_PAGE_SIZE")
+WARMUP_FRACTION = 0.1
+
+# The CPU model: 9,668 parameters; 0.01 MiB buckets (2,621 fp32 elements)
+# make 4 of them, with parameters split across buckets, so several
+# reduce-scatters and all-gathers overlap backward and forward every step.
+MLP = dict(d_in=16, width=64, d_out=4, batch=32, bucket_cap_mb=0.01)
+# The GPU model: 21.1M parameters (d_model 512, 4 layers; 80.6 MiB in fp32), 8 MiB buckets: about 11.
+SMALL_GPT = dict(d=512, layers=4, heads=8, vocab=8192, seq=256, batch=8, bucket_cap_mb=8)
+
+
+# ------------------------------------------------------------------ model and data
+
+def build_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    m = MLP
+    return nn.Sequential(nn.Linear(m["d_in"], m["width"]), nn.Tanh(), nn.Linear(m["width"], m["width"]), nn.Tanh(),
+                         nn.Linear(m["width"], m["width"]), nn.Tanh(), nn.Linear(m["width"], m["d_out"]))
+
+
+def build_gpt(dev: torch.device) -> nn.Module:
+    torch.manual_seed(0)
+    g = SMALL_GPT
+    with dev:
+        return GPT(g["d"], g["layers"], g["heads"], g["vocab"], g["seq"])
+
+
+def mlp_batches(dev: torch.device):
+    """Fresh inputs every step (so the data path allocates as a real loader's
+    would), targets from a fixed random teacher, so the loss falls."""
+    g = torch.Generator().manual_seed(1 + dist.get_rank())
+    teacher = torch.randn(MLP["d_in"], MLP["d_out"], generator=torch.Generator().manual_seed(123))
+    while True:
+        x = torch.randn(MLP["batch"], MLP["d_in"], generator=g)
+        yield x.to(dev), torch.tanh(x @ teacher).to(dev)
+
+
+def gpt_batches(dev: torch.device):
+    """Fresh random tokens every step: the loss stays near ln(vocab), which is
+    fine here (the soak is about memory; bench_distributed.py checks learning)."""
+    g = torch.Generator(device=dev).manual_seed(1 + dist.get_rank())
+    while True:
+        tokens = torch.randint(SMALL_GPT["vocab"], (SMALL_GPT["batch"], SMALL_GPT["seq"] + 1), generator=g, device=dev)
+        yield tokens[:, :-1], tokens[:, 1:]
+
+
+def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cuda: bool) -> torch.Tensor:
+    if not cuda:
+        return F.mse_loss(model(x), y)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        logits = model(x)
+    return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+
+# ------------------------------------------------------------------ sampling
+
+def rss_bytes() -> int:
+    """Current resident set size: field 2 of /proc/self/statm, in pages
+    (resource.getrusage's ru_maxrss is the peak, which can never fall)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+
+
+def _glibc_mallinfo2():
+    try:
+        fn = ctypes.CDLL(None).mallinfo2  # glibc >= 2.33
+    except (AttributeError, OSError):
+        return None
+    fn.restype = _MallInfo2
+    return fn
+
+
+MALLINFO2 = _glibc_mallinfo2()
+
+
+def malloc_in_use() -> int | None:
+    """Bytes that malloc has handed out and not had back, over all arenas and
+    mmapped chunks (torch's CPU tensors included). RSS also moves when the
+    allocator first touches pages of heap it already holds; this does not,
+    so it tells a leak from allocator layout. None where malloc is not glibc's."""
+    if MALLINFO2 is None:
+        return None
+    info = MALLINFO2()
+    return info.uordblks + info.hblkhd
+
+
+def sample(step: int, t0: float, loss: float | None, cuda: bool) -> dict:
+    """One rank's memory at the end of an iteration (after zero_grad)."""
+    if cuda:
+        torch.cuda.synchronize()  # the same point of every iteration: nothing queued
+    return dict(step=step, seconds=time.perf_counter() - t0, rss=rss_bytes(), malloc_in_use=malloc_in_use(),
+                py_objects=len(gc.get_objects()),
+                gpu_allocated=torch.cuda.memory_allocated() if cuda else None,
+                gpu_reserved=torch.cuda.memory_reserved() if cuda else None, loss=loss)
+
+
+# ------------------------------------------------------------------ the soak
+
+def build_optimizer(model: nn.Module, args) -> shardadam.DistributedFusedAdam:
+    copy_engines = True if args.copy_engines else None  # None: wherever every rank can
+    return shardadam.DistributedFusedAdam(
+        model.parameters(), lr=args.lr, weight_decay=0.1, bucket_cap_mb=args.bucket_cap_mb,
+        overlap_grad_sync=True, overlap_param_sync=True, contiguous_param_buffer=True,
+        grad_sync_copy_engine=copy_engines, param_sync_copy_engine=copy_engines)
+
+
+def checkpoint_round_trip(opt) -> None:
+    """The portable path (every rank gathers the whole state, then takes its
+    own pieces back): everything it allocates must be released again."""
+    state = opt.state_dict()
+    opt.load_state_dict(state)
+
+
+def soak(args, dev: torch.device) -> tuple[list[dict], dict]:
+    """Train for args.steps steps; this rank's samples and what ran. The model
+    and optimizer are local, so they are gone (hooks removed) on return."""
+    cuda = dev.type == "cuda"
+    model = build_gpt(dev) if cuda else build_mlp()
+    opt = build_optimizer(model, args)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps, eta_min=args.lr / 10)
+    data = gpt_batches(dev) if cuda else mlp_batches(dev)
+    t0 = time.perf_counter()
+    samples = [sample(0, t0, None, cuda)]
+    for step in range(1, args.steps + 1):
+        x, y = next(data)
+        loss = loss_of(model, x, y, cuda)
+        loss.backward()  # buckets reduce-scattered during backward
+        opt.clip_grad_norm(1.0)
+        opt.step()  # all-gathers left running into the next forward
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if step % args.checkpoint_every == 0:
+            checkpoint_round_trip(opt)
+        if step % args.sample_every == 0 or step == args.steps:
+            samples.append(sample(step, t0, loss.item(), cuda))
+        del x, y, loss  # nothing of this iteration lives on into the next sample
+    opt.param_sync()
+    paths = re.search(r"grad_sync=([\w ]+), param_sync=([\w ]+)", repr(opt))
+    info = dict(params=sum(p.numel() for p in model.parameters()), buckets=len(opt.layout.buckets),
+                grad_sync=paths[1], param_sync=paths[2])
+    return samples, info
+
+
+# ------------------------------------------------------------------ flatness
+
+def fit_slope(steps: list[int], values: list[int]) -> float:
+    """Least-squares slope of values against steps (bytes per step)."""
+    ms, mv = sum(steps) / len(steps), sum(values) / len(values)
+    var = sum((s - ms) ** 2 for s in steps)
+    return sum((s - ms) * (v - mv) for s, v in zip(steps, values)) / var if var else 0.0
+
+
+def flatness(samples: list[dict], key: str, limit_of) -> dict | None:
+    """Growth of samples[key] after the warm-up: end to end (last minus first
+    kept sample) and along the fitted line (slope times the steps spanned);
+    failed if either exceeds limit_of(base level)."""
+    if samples[0][key] is None:
+        return None
+    kept = samples[int(len(samples) * WARMUP_FRACTION):]
+    steps, values = [s["step"] for s in kept], [s[key] for s in kept]
+    slope = fit_slope(steps, values)
+    growth, fitted = values[-1] - values[0], slope * (steps[-1] - steps[0])
+    limit = limit_of(values[0])  # None: reported only
+    return dict(base_step=steps[0], base=values[0], last=values[-1], min=min(values), max=max(values),
+                growth=growth, slope=slope, fitted_growth=fitted, limit=limit,
+                ok=limit is None or (growth <= limit and fitted <= limit))
+
+
+def judge(samples: list[dict], args) -> dict:
+    """Every metric's flatness for one rank. malloc'd bytes and Python
+    object counts are reported, not judged: if RSS rises, they tell whether
+    the memory is in use (C/C++ or Python objects) or allocator layout."""
+    rss_limit = lambda base: max(base * args.rss_tolerance_pct / 100, args.rss_tolerance_mib * MIB)  # noqa: E731
+    result = dict(rss=flatness(samples, "rss", rss_limit),
+                  gpu_allocated=flatness(samples, "gpu_allocated", lambda base: args.gpu_tolerance_mib * MIB),
+                  gpu_reserved=flatness(samples, "gpu_reserved", rss_limit),
+                  malloc_in_use=flatness(samples, "malloc_in_use", lambda base: None),
+                  py_objects=flatness(samples, "py_objects", lambda base: None))
+    result["ok"] = all(r["ok"] for r in result.values() if r is not None)
+    return result
+
+
+# ------------------------------------------------------------------ report
+
+def table(verdicts: list[dict], key: str, title: str) -> str:
+    lines = [f"{title}:",
+             "| rank | base step | base MiB | last MiB | min..max MiB | growth MiB | slope B/step | fitted growth MiB "
+             "| limit MiB | flat |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for rank, v in enumerate(verdicts):
+        r = v[key]
+        lines.append(f"| {rank} | {r['base_step']} | {r['base'] / MIB:.2f} | {r['last'] / MIB:.2f} | "
+                     f"{r['min'] / MIB:.2f}..{r['max'] / MIB:.2f} | {r['growth'] / MIB:+.3f} | {r['slope']:+.1f} | "
+                     f"{r['fitted_growth'] / MIB:+.3f} | {r['limit'] / MIB:.2f} | {'yes' if r['ok'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+def report(verdicts: list[dict], everyone: list[list[dict]]) -> str:
+    """The judged metrics as tables, then one line per rank of what explains them."""
+    tables = [table(verdicts, key, title) for key, title in
+              (("rss", "Host RSS"), ("gpu_allocated", "GPU allocated"), ("gpu_reserved", "GPU reserved"))
+              if verdicts[0][key] is not None]
+    lines = []
+    for rank, (v, samples) in enumerate(zip(verdicts, everyone)):
+        objs, malloced, last = v["py_objects"], v["malloc_in_use"], samples[-1]
+        in_use = (f"malloc in use {malloced['base'] / MIB:.3f} -> {malloced['last'] / MIB:.3f} MiB "
+                  f"({malloced['growth'] / MIB:+.3f}, {malloced['slope']:+.1f} B/step); " if malloced else "")
+        lines.append(f"rank {rank}: {in_use}Python objects {objs['base']} -> {objs['last']} ({objs['growth']:+d}); "
+                     f"{1e3 * last['seconds'] / last['step']:.2f} ms/step; loss {samples[1]['loss']:.4f} -> "
+                     f"{last['loss']:.4f}")
+    return "\n\n".join(tables + ["\n".join(lines)])
+
+
+# ------------------------------------------------------------------ main
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu: gloo, cuda: NCCL (one GPU per rank)")
+    ap.add_argument("--steps", type=int, default=5000)
+    ap.add_argument("--sample-every", type=int,
+                    help="steps between memory samples (default: steps/100, at most 50: about 100 samples)")
+    ap.add_argument("--checkpoint-every", type=int,
+                    help="steps between state_dict + load_state_dict round trips (default: every 1000 steps, "
+                         "or steps/5 when that is smaller, so that short runs do several)")
+    ap.add_argument("--copy-engines", action="store_true",
+                    help="CUDA: require the copy-engine reduce-scatter and all-gather (default: used where possible)")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--bucket-cap-mb", type=float, help="default: 0.01 on the CPU, 8 on CUDA")
+    # RSS: glibc's heap grows in steps of 0.25-1 MiB now and then, up to ~2 MiB in all after the
+    # warm-up of a 200-step run (RESULTS.md); the limit is about four times that.
+    ap.add_argument("--rss-tolerance-pct", type=float, default=2.0, help="allowed RSS growth, %% of its level")
+    ap.add_argument("--rss-tolerance-mib", type=float, default=8.0, help="... or this, whichever is larger")
+    # GPU allocated memory is exact bytes of live tensors, sampled at the same point of every step:
+    # it has no reason to move at all. Reserved memory takes the RSS rule, since the caching
+    # allocator may add a segment (2-20 MiB) for a new size without anything leaking.
+    ap.add_argument("--gpu-tolerance-mib", type=float, default=1.0, help="allowed growth of GPU allocated memory")
+    ap.add_argument("--out", help="write every sample and the verdicts here as JSON (and an SVG plot beside it)")
+    args = ap.parse_args()
+    args.sample_every = args.sample_every or max(1, min(50, args.steps // 100))
+    if args.sample_every < 1 or args.steps // args.sample_every < 10:
+        ap.error("need at least 10 samples (--steps / --sample-every >= 10): the first 10% are warm-up")
+    if args.copy_engines and args.device != "cuda":
+        ap.error("--copy-engines needs --device cuda")
+    if args.device == "cuda" and not (torch.cuda.is_available() and shardadam.build_info()["cuda"]):
+        ap.error(f"--device cuda needs a GPU (torch sees {torch.cuda.device_count()}) and a shardadam build "
+                 f"with CUDA kernels (build_info cuda={shardadam.build_info()['cuda']})")
+    args.checkpoint_every = args.checkpoint_every or max(1, min(1000, args.steps // 5))
+    if args.bucket_cap_mb is None:
+        args.bucket_cap_mb = (SMALL_GPT if args.device == "cuda" else MLP)["bucket_cap_mb"]
+    return args
+
+
+def init_distributed(device: str) -> torch.device:
+    if device == "cuda":
+        dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(dev)
+        dist.init_process_group("nccl", device_id=dev)
+        return dev
+    torch.set_num_threads(1)  # the ranks share the machine's cores
+    dist.init_process_group("gloo")
+    return torch.device("cpu")
+
+
+def run_meta(args, dev: torch.device, info: dict) -> dict:
+    cuda = dev.type == "cuda"
+    return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                argv=shlex.join(sys.argv),  # under torchrun: the script and its arguments
+                torch=torch.__version__, shardadam=shardadam.__version__, python=platform.python_version(),
+                device=torch.cuda.get_device_name(dev) if cuda else platform.processor() or "cpu",
+                cpus=os.cpu_count(), backend=dist.get_backend(), world_size=dist.get_world_size(),
+                model="small GPT " + json.dumps(SMALL_GPT) if cuda else "MLP " + json.dumps(MLP), **info,
+                warmup_fraction=WARMUP_FRACTION, config={k: v for k, v in vars(args).items() if k != "out"})
+
+
+def main() -> None:
+    args = parse_args()
+    dev = init_distributed(args.device)
+    rank = dist.get_rank()
+    samples, info = soak(args, dev)
+    gc.collect()  # the optimizer's reference cycles, if any, go before the process group does
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, samples)
+    verdicts = [judge(s, args) for s in everyone]  # the same on every rank: all exit alike
+    ok = all(v["ok"] for v in verdicts)
+    if rank == 0:
+        meta = run_meta(args, dev, info)
+        print(f"{meta['device']} x {meta['world_size']} ({meta['backend']}), torch {meta['torch']}: {meta['model']}, "
+              f"{info['params']:,} parameters, {info['buckets']} buckets, grad_sync on {info['grad_sync']}, "
+              f"param_sync on {info['param_sync']}; {args.steps} steps, a sample every {args.sample_every}, "
+              f"a checkpoint round trip every {args.checkpoint_every}\n")
+        print(report(verdicts, everyone))
+        print(f"\n{'PASS' if ok else 'FAIL'}: memory {'flat' if ok else 'grows'} after the first "
+              f"{WARMUP_FRACTION:.0%} of samples")
+        if args.out:
+            data = dict(meta=meta, passed=ok, verdicts=verdicts, samples=everyone)
+            pathlib.Path(args.out).write_text(json.dumps(data, indent=1))
+            svg = pathlib.Path(args.out).with_suffix(".svg")
+            write_svg(data, svg)
+            print(f"wrote {args.out} and {svg}")
+    dist.destroy_process_group()
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""What the optimizers cache about their parameters, and how they notice that
+it went stale.
+
+[Note: tracked storage] A plan's table holds raw addresses: the kernels read
+and write there without asking torch. Anything that gives a tensor other
+memory (``model.to(dtype)``, ``module.to(device)``, ``p.data = t``,
+``p.grad.data = t``, ``torch.utils.swap_tensors`` conversions, a new gradient
+after ``zero_grad(set_to_none=True)``) would leave the table pointing at
+memory the optimizer no longer owns. So every step compares the addresses of
+what the table holds with the tensors' current ones, in one C-level pass per
+list (``list(map(DATA_PTR, tensors)) == cached``: tens of nanoseconds per
+tensor), and takes the checked path only when they differ: it follows the new
+memory (a new table, state carried over) where the optimizer can, and raises,
+naming the parameter and what changed, where it cannot. The optimizer's own
+buffers (states, masters, flat gradients, shards) are never handed out in a
+way that lets a caller re-point them under a table.
+
+A parameter *object* replaced in its module (``load_state_dict(assign=True)``,
+``module.weight = nn.Parameter(...)``) leaves the old object alive and
+unchanged, so no address check can see it: a module parameter-registration
+hook (ReplacedParams) notices the replacement of a parameter the optimizer
+holds, and the next step refuses to train an object the model no longer uses.
+"""
+from __future__ import annotations
+
+import operator
+import weakref
+
+import torch
+
+DATA_PTR = torch.Tensor.data_ptr
+GRAD = operator.attrgetter("grad")
+
+
+def moved_indices(tensors: list, cached_ptrs: list) -> list[int]:
+    """Positions whose address differs from the cached one (empty in the
+    common case, found by one C-level pass)."""
+    ptrs = list(map(DATA_PTR, tensors))
+    if ptrs == cached_ptrs:
+        return []
+    return [i for i, (a, b) in enumerate(zip(ptrs, cached_ptrs)) if a != b]
+
+
+def _on_register(tracker: weakref.ref, module: torch.nn.Module, name: str, param):
+    """Module parameter-registration hook: runs before ``module.name = param``
+    takes effect, so the attribute still holds the parameter being replaced."""
+    this = tracker()
+    if this is None:
+        return None
+    old = getattr(module, name, None)
+    if old is not None and old is not param and id(old) in this.ids:
+        this.replaced.append(f"{type(module).__name__}.{name} (shape {tuple(old.shape)})")
+    return None
+
+
+class ReplacedParams:
+    """Notices when a module replaces a parameter this optimizer holds by
+    another object (see the note above). ``check()`` raises from then on."""
+
+    def __init__(self, owner: str):
+        self.owner = owner
+        self.ids: set[int] = set()
+        self.replaced: list[str] = []
+        self._handle = torch.nn.modules.module.register_module_parameter_registration_hook(
+            lambda module, name, param, tracker=weakref.ref(self): _on_register(tracker, module, name, param))
+
+    def track(self, params) -> None:
+        """The parameters to watch (the optimizer holds them: their ids stay theirs)."""
+        self.ids = {id(p) for p in params}
+
+    def check(self) -> None:
+        if self.replaced:
+            raise RuntimeError(
+                f"{self.owner}: the model replaced {self.replaced[0]} by a new Parameter object "
+                "(module.load_state_dict(..., assign=True), or assigning module.<name> = ...): the optimizer holds "
+                "the old one, which the model no longer uses (torch.optim would keep training it without a word). "
+                "Build the optimizer after loading, load with assign=False, or convert with "
+                "torch.__future__.set_swap_module_params_on_conversion(True), which keeps the objects")
+
+    def close(self) -> None:
+        self._handle.remove()
+
+    def __del__(self):
+        handle = getattr(self, "_handle", None)
+        if handle is not None:
+            handle.remove()
