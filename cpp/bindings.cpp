@@ -194,12 +194,17 @@ NB_MODULE(_core, m) {
       "ipc_open", [](int device, nb::bytes handle) { return cuda_ipc_open(device, std::string(handle.c_str(), handle.size())); },
       "device"_a, "handle"_a, "Map a peer's exported allocation on this device; returns its base address.");
   m.def("ipc_close", &cuda_ipc_close, "device"_a, "base"_a, "Unmap what ipc_open mapped.");
+  // These three may block while the stream's queue is full: without the GIL,
+  // so that the copy-engine watchdog thread (distributed/_watchdog.py) runs.
   m.def("copy_async", &cuda_copy_async, "device"_a, "dst"_a, "src"_a, "nbytes"_a, "stream"_a,
-        "cudaMemcpyAsync of nbytes on the stream: to a peer's mapped memory it runs on the copy engines.");
+        "cudaMemcpyAsync of nbytes on the stream: to a peer's mapped memory it runs on the copy engines.",
+        nb::call_guard<nb::gil_scoped_release>());
   m.def("stream_write_value", &cuda_stream_write_value, "device"_a, "addr"_a, "value"_a, "stream"_a,
-        "Write the 64-bit value to addr once the stream's earlier work is done (and visible).");
+        "Write the 64-bit value to addr once the stream's earlier work is done (and visible).",
+        nb::call_guard<nb::gil_scoped_release>());
   m.def("stream_wait_value", &cuda_stream_wait_value, "device"_a, "addr"_a, "value"_a, "stream"_a,
-        "The stream's later work waits until the 64-bit counter at addr is at least value.");
+        "The stream's later work waits until the 64-bit counter at addr is at least value.",
+        nb::call_guard<nb::gil_scoped_release>());
 
   m.def("build_info", []() {
     nb::dict d;

@@ -13,12 +13,12 @@ SIZES = [5, 7]
 class Problem:
     """A valid Adam call's tensors; a case breaks one thing."""
 
-    def __init__(self, device):
+    def __init__(self, device, sizes=SIZES):
         self.device = device
-        self.p = [randn(n, device=device) for n in SIZES]
-        self.g = [randn(n, device=device) for n in SIZES]
-        self.m = [randn(n, device=device, scale=0.1) for n in SIZES]
-        self.v = [rand_pos(n, device=device) for n in SIZES]
+        self.p = [randn(n, device=device) for n in sizes]
+        self.g = [randn(n, device=device) for n in sizes]
+        self.m = [randn(n, device=device, scale=0.1) for n in sizes]
+        self.v = [rand_pos(n, device=device) for n in sizes]
 
     def all(self):
         return self.p + self.g + self.m + self.v

@@ -11,6 +11,7 @@ import torch
 
 from conftest import assert_all_bits_equal, assert_bits_equal, rand_pos, randn, snapshot
 from shardadam import kernels
+from test_errors import Problem  # a valid Adam call's tensors (p, g, m, v; all())
 
 SIZES = [5, 7, 3]
 BF16 = torch.bfloat16
@@ -386,17 +387,6 @@ def test_adam_states_saved_by_a_graph_are_seen(device):
 
 # ---------------------------------------------------------------- hyperparameter numbers
 
-class Lists:
-    def __init__(self, device):
-        self.p = [randn(n, device=device) for n in SIZES]
-        self.g = [randn(n, device=device) for n in SIZES]
-        self.m = [randn(n, device=device, scale=0.1) for n in SIZES]
-        self.v = [rand_pos(n, device=device) for n in SIZES]
-
-    def all(self):
-        return self.p + self.g + self.m + self.v
-
-
 BAD_NUMBERS = [("inf", float("inf"), ValueError), ("-inf", float("-inf"), ValueError),
                ("nan", float("nan"), ValueError), ("str", "0.1", TypeError), ("bool", True, TypeError)]
 
@@ -414,7 +404,7 @@ def _refused(call, exc, words, tensors, versions=True):
 
 @pytest.mark.parametrize("name", ["lr", "weight_decay", "eps", "beta1", "beta2", "grad_scale", "step"])
 def test_adam_refuses_bad_numbers(device, name):
-    pr = Lists(device)
+    pr = Problem(device, SIZES)
     plan = kernels.AdamPlan(pr.p, pr.g, pr.m, pr.v)
     for label, value, exc in BAD_NUMBERS:
         if name == "step" and label == "-inf":
@@ -425,7 +415,7 @@ def test_adam_refuses_bad_numbers(device, name):
 
 
 def test_adam_grad_scale_must_be_positive(device):
-    pr = Lists(device)
+    pr = Problem(device, SIZES)
     for value in (0.0, -1.0, -2.0 ** -10):
         _refused(lambda: kernels.adam(pr.p, pr.g, pr.m, pr.v, grad_scale=value, **HYPER), ValueError,
                  ["grad_scale", "> 0"], pr.all())
@@ -436,13 +426,13 @@ def test_adam_grad_scale_must_be_positive(device):
 def test_adam_host_hyperparameters_are_not_tensors(device, name):
     """beta1, beta2, eps, weight_decay are host numbers: a tensor would be
     read back (a sync) without its value being checked."""
-    pr = Lists(device)
+    pr = Problem(device, SIZES)
     kw = dict(HYPER, **{name: torch.tensor(0.5, device=device)})
     _refused(lambda: kernels.adam(pr.p, pr.g, pr.m, pr.v, **kw), TypeError, [name, "Python number"], pr.all())
 
 
 def test_every_group_is_checked_before_anything_is_written(device):
-    pr = Lists(device)
+    pr = Problem(device, SIZES)
     plan = kernels.AdamPlan(pr.p, pr.g, pr.m, pr.v, group_sizes=[1, 1, 1])
     cases = [(dict(lr=[1e-3, 1e-3, float("inf")]), ValueError, ["lr[2]", "finite"]),
              (dict(eps=[1e-8, float("nan"), 1e-8]), ValueError, ["eps[1]"]),

@@ -107,3 +107,176 @@ def test_dcp_load_copies_only_temporaries(one_rank, tmp_path, dtype, kw, tempora
         # stored master.
         expected = want["state"][i]["param"].to(dtype).view_as(q) if "with_scaled_states" in kw else q.detach()
         assert_bits_equal(p.detach(), expected, f"param {i}")
+
+
+# ---------------------------------------------------------------- checkpoints of another layout
+#
+# sharded_state_dict() hands DCP live views of the optimizer's fp32 buffers, so
+# dcp.load writes into the optimizer before load_sharded_state_dict can check
+# anything. A checkpoint of other parameters must therefore be refused by DCP
+# while it plans, before it reads: the structure holds a small tensor under
+# layout_<hash of the [index, shape] table>, which such a checkpoint lacks.
+
+
+class _Shaped(nn.Module):
+    """Parameters of the given shapes (and memory formats), filled from `seed`."""
+
+    def __init__(self, shapes, seed: int, channels_last=()):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        tensors = [torch.randn(s, generator=g) for s in shapes]
+        tensors = [t.to(memory_format=torch.channels_last) if i in channels_last else t for i, t in enumerate(tensors)]
+        self.ps = nn.ParameterList([nn.Parameter(t) for t in tensors])
+
+
+SAVED = [(8, 12), (8,), (3, 8), (3,)]
+OTHER_LAYOUTS = {
+    "transposed": [(12, 8), (8,), (8, 3), (3,)],       # the same numel everywhere: passes DCP's size check
+    "other-count": [(8, 12), (8,), (27,)],             # the same total size, one parameter fewer
+}
+
+
+def _shaped_optimizer(shapes, seed: int, steps: int = 2, **kw):
+    model = _Shaped(shapes, seed, **kw)
+    opt = shardadam.DistributedFusedAdam(model.parameters(), lr=1e-2, bucket_cap_mb=1e-4, overlap_grad_sync=False)
+    g = torch.Generator().manual_seed(seed + 100)
+    for _ in range(steps):  # states that differ from the other model's
+        for p in model.parameters():  # in the parameter's memory format
+            p.grad = torch.empty_like(p).copy_(torch.randn(p.shape, generator=g))
+        opt.step()
+    return model, opt
+
+
+def _live(opt, model) -> dict:
+    out = _buffers(opt)
+    out.update({f"param {i}": p.detach().clone() for i, p in enumerate(model.parameters())})
+    return out
+
+
+def _assert_same(now: dict, before: dict, what: str) -> None:
+    for name, value in before.items():
+        assert_bits_equal(now[name], value, f"{what}: {name}")
+
+
+@pytest.mark.parametrize("layout", list(OTHER_LAYOUTS))
+def test_dcp_refuses_another_layout_while_planning(one_rank, tmp_path, layout):
+    """dcp.load of a checkpoint of other parameters (equal numel, or an equal
+    total size) fails in DCP's planning with a missing-key error naming the
+    layout key, and every live buffer and parameter is bit-identical after it."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    _, saved = _shaped_optimizer(SAVED, seed=0)
+    dcp.save({"optim": saved.sharded_state_dict()}, checkpoint_id=str(tmp_path))
+    model, opt = _shaped_optimizer(OTHER_LAYOUTS[layout], seed=1)
+    template = {"optim": opt.sharded_state_dict()}
+    key = next(k for k in template["optim"] if k.startswith("layout_"))
+    before = _live(opt, model)
+    with pytest.raises(CheckpointException, match=rf"Missing key in checkpoint state_dict: optim\.{key}\."):
+        dcp.load(template, checkpoint_id=str(tmp_path))
+    _assert_same(_live(opt, model), before, "after the refused dcp.load")
+    # Handed over directly, the other optimizer's structure is refused by the tables, naming the parameter.
+    words = {"transposed": r"param_groups\[0\]\['params'\]\[0\] \(index 0\) has shape \(8, 12\) in the checkpoint, "
+                           r"\(12, 8\) in the optimizer",
+             "other-count": r"sharded\['param_groups'\]\[0\] lists 4 parameters, the optimizer's group 0 has 3"}[layout]
+    with pytest.raises(ValueError, match=words):
+        opt.load_sharded_state_dict(saved.sharded_state_dict())
+    _assert_same(_live(opt, model), before, "after the refused load_sharded_state_dict")
+
+
+def test_without_the_layout_key_dcp_would_write_the_live_buffers(one_rank, tmp_path):
+    """The control, as checkpoints were before the layout key and the shape
+    table: the transposed model passes DCP (equal sizes) and dcp.load writes
+    the optimizer's live buffers; its [index, numel] table is equal too, so
+    nothing can tell. With the key (the tests above) nothing is written."""
+    _, saved = _shaped_optimizer(SAVED, seed=0)
+    def old(sharded):  # the structure of a checkpoint written before the layout key and the shape table
+        return {k: v for k, v in sharded.items() if not k.startswith("layout_") and k != "shapes"}
+    dcp.save({"optim": old(saved.sharded_state_dict())}, checkpoint_id=str(tmp_path))
+    model, opt = _shaped_optimizer(OTHER_LAYOUTS["transposed"], seed=1)
+    before = _live(opt, model)
+    template = {"optim": old(opt.sharded_state_dict())}
+    dcp.load(template, checkpoint_id=str(tmp_path))
+    assert not torch.equal(opt.exp_avg, before["exp_avg"]), "dcp.load wrote the live exp_avg"
+    assert template["optim"]["params"] == old(opt.sharded_state_dict())["params"], "equal [index, numel] tables"
+
+
+def test_memory_format_is_part_of_the_layout(one_rank, tmp_path):
+    """The flat space holds each parameter in memory order: a channels_last
+    checkpoint into a contiguous parameter would scramble it, and is refused."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    shapes = [(4, 3, 2, 2), (4,)]
+    _, saved = _shaped_optimizer(shapes, seed=0, channels_last=(0,))
+    dcp.save({"optim": saved.sharded_state_dict()}, checkpoint_id=str(tmp_path))
+    model, opt = _shaped_optimizer(shapes, seed=1)
+    before = _live(opt, model)
+    with pytest.raises(CheckpointException, match="Missing key in checkpoint state_dict: optim.layout_"):
+        dcp.load({"optim": opt.sharded_state_dict()}, checkpoint_id=str(tmp_path))
+    with pytest.raises(ValueError, match=r"lies in memory with its dims in the order \(0, 2, 3, 1\) in the "
+                                         r"checkpoint, \(0, 1, 2, 3\) in the optimizer"):
+        opt.load_sharded_state_dict(saved.sharded_state_dict())
+    _assert_same(_live(opt, model), before, "after the refusals")
+
+
+def test_checkpoints_without_the_layout_key_load_with_partial_planning(one_rank, tmp_path):
+    """A checkpoint written before the layout key and shape table (only
+    [index, numel]): strict dcp.load refuses it (missing layout key); with
+    DefaultLoadPlanner(allow_partial_load=True) it loads, the numel table
+    is compared, and the state is the saved one."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint.api import CheckpointException
+    _, saved = _shaped_optimizer(SAVED, seed=0)
+    old = {k: v for k, v in saved.sharded_state_dict().items() if not k.startswith("layout_") and k != "shapes"}
+    dcp.save({"optim": old}, checkpoint_id=str(tmp_path))
+    want = saved.state_dict()
+    model, opt = _shaped_optimizer(SAVED, seed=1)
+    with pytest.raises(CheckpointException, match="Missing key in checkpoint state_dict: optim.layout_"):
+        dcp.load({"optim": opt.sharded_state_dict()}, checkpoint_id=str(tmp_path))
+    state = {"optim": opt.sharded_state_dict()}
+    dcp.load(state, checkpoint_id=str(tmp_path), planner=DefaultLoadPlanner(allow_partial_load=True))
+    opt.load_sharded_state_dict(state["optim"])
+    got = opt.state_dict()
+    assert got["param_groups"] == want["param_groups"]
+    for k, entry in want["state"].items():
+        for name, value in entry.items():
+            assert_bits_equal(got["state"][k][name], value, f"state {k} {name}")
+
+
+def _dcp_layout_worker(rank: int, world: int, port: int, path: str, out) -> None:
+    """2 ranks: save a checkpoint of SAVED, then dcp.load it into an optimizer
+    of each other layout: both ranks must get DCP's missing-key error and
+    keep every live buffer and parameter bit-identical."""
+    from test_distributed import _exit, _rank_group
+    from torch.distributed.checkpoint.api import CheckpointException
+    with _rank_group(rank, world, port, out):
+        _, saved = _shaped_optimizer(SAVED, seed=0)
+        dcp.save({"optim": saved.sharded_state_dict()}, checkpoint_id=path)
+        result = {}
+        for name, shapes in OTHER_LAYOUTS.items():
+            model, opt = _shaped_optimizer(shapes, seed=1)
+            template = {"optim": opt.sharded_state_dict()}
+            before = _live(opt, model)
+            try:
+                dcp.load(template, checkpoint_id=path)
+                message = None
+            except CheckpointException as e:
+                message = str(e)
+            try:
+                _assert_same(_live(opt, model), before, f"rank {rank}, {name}")
+                unchanged = None
+            except AssertionError as e:
+                unchanged = str(e)
+            key = next(k for k in template["optim"] if k.startswith("layout_"))
+            result[name] = dict(message=message, unchanged=unchanged, key=key)
+            del opt
+        del saved
+        out.put((rank, result))
+    _exit()
+
+
+def test_dcp_refuses_another_layout_on_two_ranks(tmp_path):
+    from test_rank_agreement import spawn_all
+    results = spawn_all(_dcp_layout_worker, 2, str(tmp_path / "ckpt"))
+    for rank, result in enumerate(results):
+        for name, r in result.items():
+            assert r["message"] is not None, f"rank {rank}, {name}: dcp.load did not refuse"
+            assert f"Missing key in checkpoint state_dict: optim.{r['key']}." in r["message"], r["message"][-600:]
+            assert r["unchanged"] is None, r["unchanged"]

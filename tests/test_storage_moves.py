@@ -174,8 +174,13 @@ def test_grad_data_replaced_is_read_where_it_now_lives(device, grad_dtype):
         q.grad = g.float()
     opt.step()
     oopt.step()
-    for i, (p, q) in enumerate(zip(model.parameters(), other.parameters())):
-        assert_bits_equal(p, q, f"param[{i}]")
+    if device == "cuda" and grad_dtype == BF16:
+        # The GPU runs fp32 params with bf16 gradients through a kernel of
+        # their own, whose fused multiply-adds may round 1 ulp apart.
+        assert_params_match(model.parameters(), other.parameters(), atol_rel=1e-7)
+    else:
+        for i, (p, q) in enumerate(zip(model.parameters(), other.parameters())):
+            assert_bits_equal(p, q, f"param[{i}]")
     for h, c in zip(held, copies):
         assert_bits_equal(h, c, "a replaced gradient was touched")
 

@@ -141,15 +141,19 @@ class Bucket:
             torch._foreach_zero_(self._flat_views)
 
     def check_flat_grads(self) -> None:
-        """Every parameter still has the bucket's gradient view, still on the
-        bucket's memory: model.zero_grad(), ``p.grad = t`` or ``p.grad.data = t``
-        would leave backward writing where the step does not read. Two C-level
-        passes over the parameters (see README, "Guarantees")."""
-        if all(map(operator.is_, map(GRAD, self.params), self._flat_views)) \
-                and list(map(DATA_PTR, self._flat_views)) == self._flat_ptrs:
-            return
+        """Every parameter's gradient still lies in the bucket's memory:
+        model.zero_grad(), ``p.grad = t`` or ``p.grad.data = t`` would leave
+        backward writing where the step does not read. Two C-level passes over
+        the parameters (README, "Guarantees"): the gradients' addresses, which
+        tell all three apart from a gradient that still is (a view of) the
+        bucket's own."""
+        try:
+            if list(map(DATA_PTR, map(GRAD, self.params))) == self._flat_ptrs:
+                return
+        except TypeError:  # a gradient set to None: named below
+            pass
         for i, p in enumerate(self.params):
-            if p.grad is not self._flat_views[i] or p.grad.data_ptr() != self._flat_ptrs[i]:
+            if p.grad is None or p.grad.data_ptr() != self._flat_ptrs[i]:
                 what = "set to None" if p.grad is None else "replaced"
                 raise RuntimeError(
                     f"FusedAdam(flat_grads=True): the gradient of {self.names[i]} (shape {tuple(p.shape)}) was "

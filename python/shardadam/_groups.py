@@ -62,16 +62,3 @@ def set_group_values(group: dict, values: dict) -> None:
             group[k].fill_(float(v))
         else:
             group[k] = v
-
-
-def saved_group_values(saved: dict, group: dict, entries: list) -> dict:
-    """What a saved group sets in a live one: the hyperparameters the live
-    group has, and its step. torch.optim.Adam/AdamW keep the step per
-    parameter (``state[i]["step"]``) and not in the group: then the group's
-    step is the largest of its parameters' (all equal after ordinary training)."""
-    values = {k: (tuple(v) if k == "betas" else v) for k, v in saved.items() if k in group and k != "params"}
-    if "step" not in saved:
-        steps = [float(e["step"]) for e in entries if e is not None and "step" in e]
-        if steps:
-            values["step"] = int(max(steps))
-    return values

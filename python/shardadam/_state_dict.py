@@ -14,9 +14,8 @@ import math
 import torch
 
 from ._fused_buckets import MASTER, REMAINDER
-from ._groups import pack_groups, plain_value, saved_group_values, set_group_values
-
-STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+from ._groups import pack_groups, plain_value, set_group_values
+from ._state_dict_check import STATE_KEYS, check_state_dict
 
 
 def pow2_scale_for(amax: float, old_scale: float = 1.0) -> float:
@@ -67,34 +66,6 @@ def pack_state(opt, buckets) -> dict:
     return {"state": state, "param_groups": groups}
 
 
-def _check(opt, state_dict: dict) -> list:
-    """Every mismatch is found before anything is written. Returns (param, saved state) pairs."""
-    if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
-        raise ValueError("not an optimizer state dict: it needs 'state' and 'param_groups'")
-    saved_groups = state_dict["param_groups"]
-    if len(saved_groups) != len(opt.param_groups):
-        raise ValueError(f"the state dict has {len(saved_groups)} parameter groups, the optimizer "
-                         f"{len(opt.param_groups)}")
-    pairs = []
-    for gi, (saved, group) in enumerate(zip(saved_groups, opt.param_groups)):
-        if len(saved["params"]) != len(group["params"]):
-            raise ValueError(f"group {gi} has {len(saved['params'])} parameters in the state dict and "
-                             f"{len(group['params'])} in the optimizer")
-        for pi, (key, p) in enumerate(zip(saved["params"], group["params"])):
-            entry = state_dict["state"].get(key)
-            if entry is None:
-                continue
-            for name, value in entry.items():
-                if name not in STATE_KEYS + ("master_param", "param", "step"):
-                    raise ValueError(f"group {gi} parameter {pi}: unknown state '{name}'")
-                if name != "step" and (not isinstance(value, torch.Tensor) or value.shape != p.shape):
-                    shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-                    raise ValueError(f"group {gi} parameter {pi}: state '{name}' has shape {shape}, "
-                                     f"the parameter {tuple(p.shape)}")
-            pairs.append((p, entry))
-    return pairs
-
-
 def _store(view: torch.Tensor, value: torch.Tensor, scale_view) -> None:
     """Write true values into a (possibly scaled) state view."""
     value = value.to(device=view.device, dtype=torch.float32)
@@ -105,15 +76,19 @@ def _store(view: torch.Tensor, value: torch.Tensor, scale_view) -> None:
     view.copy_(value)
 
 
-def load_buckets_state(opt, buckets, state_dict: dict) -> None:
-    """Loads a FusedAdam, DistributedFusedAdam (portable) or torch.optim.Adam/AdamW state dict."""
-    pairs = _check(opt, state_dict)
+def load_buckets_state(opt, layout, state_dict: dict) -> None:
+    """Loads a FusedAdam, DistributedFusedAdam (portable) or torch.optim.Adam/AdamW
+    state dict. Everything is checked first (_state_dict_check.py): a refused
+    load raises ValueError and changes nothing, not even the buckets, which
+    ``layout()`` builds only then; the caller's dict is only read."""
+    states = STATE_KEYS if opt._opts["amsgrad"] else STATE_KEYS[:2]
+    checked = check_state_dict(state_dict, opt.param_groups, states)
+    buckets = layout()
     where = {id(p): (b, j) for b in buckets for j, p in enumerate(b.params)}
     with torch.no_grad():
-        for saved, group in zip(state_dict["param_groups"], opt.param_groups):
-            entries = [state_dict["state"].get(key) for key in saved["params"]]
-            set_group_values(group, saved_group_values(saved, group, entries))
-        for p, entry in pairs:
+        for values, group in zip(checked.group_values, opt.param_groups):
+            set_group_values(group, values)
+        for p, entry in checked.entries:
             if id(p) not in where:
                 continue  # frozen: no state
             b, j = where[id(p)]
@@ -121,7 +96,7 @@ def load_buckets_state(opt, buckets, state_dict: dict) -> None:
             for k in STATE_KEYS:
                 if k in entry and k in views:
                     _store(views[k], entry[k], views.get(k + "_scale"))
-            master = entry.get("master_param", entry.get("param"))  # "param": DistributedFusedAdam's name
+            master = entry["master"]
             if master is None:
                 if b.kind == MASTER:
                     _store(views["master_param"], p.detach(), views.get("master_scale"))

@@ -41,16 +41,24 @@ def moved_indices(tensors: list, cached_ptrs: list) -> list[int]:
     return [i for i, (a, b) in enumerate(zip(ptrs, cached_ptrs)) if a != b]
 
 
-def _on_register(tracker: weakref.ref, module: torch.nn.Module, name: str, param):
-    """Module parameter-registration hook: runs before ``module.name = param``
-    takes effect, so the attribute still holds the parameter being replaced."""
-    this = tracker()
-    if this is None:
-        return None
+def _on_register(module: torch.nn.Module, name: str, param):
+    """Module parameter-registration hook (one for the process): runs before
+    ``module.name = param`` takes effect, so the attribute still holds the
+    parameter being replaced."""
     old = getattr(module, name, None)
-    if old is not None and old is not param and id(old) in this.ids:
-        this.replaced.append(f"{type(module).__name__}.{name} (shape {tuple(old.shape)})")
+    if old is None or old is param:
+        return None
+    for tracker in list(_TRACKERS):
+        if id(old) in tracker.ids:
+            tracker.replaced.append(f"{type(module).__name__}.{name} (shape {tuple(old.shape)})")
     return None
+
+
+# The live trackers. One hook serves them all and is never removed: a tracker
+# that goes away leaves the set by itself, and removing a hook from inside
+# garbage collection could mutate torch's hook dict while it is iterated.
+_TRACKERS: weakref.WeakSet = weakref.WeakSet()
+_HOOK: list = []
 
 
 class ReplacedParams:
@@ -61,8 +69,9 @@ class ReplacedParams:
         self.owner = owner
         self.ids: set[int] = set()
         self.replaced: list[str] = []
-        self._handle = torch.nn.modules.module.register_module_parameter_registration_hook(
-            lambda module, name, param, tracker=weakref.ref(self): _on_register(tracker, module, name, param))
+        if not _HOOK:
+            _HOOK.append(torch.nn.modules.module.register_module_parameter_registration_hook(_on_register))
+        _TRACKERS.add(self)
 
     def track(self, params) -> None:
         """The parameters to watch (the optimizer holds them: their ids stay theirs)."""
@@ -76,11 +85,3 @@ class ReplacedParams:
                 "the old one, which the model no longer uses (torch.optim would keep training it without a word). "
                 "Build the optimizer after loading, load with assign=False, or convert with "
                 "torch.__future__.set_swap_module_params_on_conversion(True), which keeps the objects")
-
-    def close(self) -> None:
-        self._handle.remove()
-
-    def __del__(self):
-        handle = getattr(self, "_handle", None)
-        if handle is not None:
-            handle.remove()

@@ -227,7 +227,7 @@ class FusedAdam(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restores states and hyperparameters; the caller's dict is not modified."""
-        load_buckets_state(self, self._layout(), state_dict)
+        load_buckets_state(self, self._layout, state_dict)
 
     def __repr__(self) -> str:
         lines = [f"{type(self).__name__} ("]

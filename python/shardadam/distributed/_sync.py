@@ -137,7 +137,7 @@ class GradSync:
         # adds to backward's: what it needs is prepared here as plain tuples.
         # A gradient laid out like its parameter (what autograd produces) is
         # flattened without checks; anything else takes the checked path.
-        self.expected = [(p.dtype, p.stride(), p.is_contiguous()) for p in params]
+        self.expected = [(p.dtype, p.stride(), p.is_contiguous(), p.numel()) for p in params]
         self.spans = [[(f.bucket, f.bucket_start, f.bucket_end,
                         None if f.numel == p.numel() else slice(f.param_start, f.param_end))
                        for f in frags] for p, frags in zip(params, self.frags_of_param)]
@@ -171,11 +171,18 @@ class GradSync:
         in_place = self.views is not None and grad.data_ptr() == self.views[k].data_ptr() \
             and grad.stride() == self.views[k].stride()
         if not in_place:  # not the buffer's view (e.g. model.zero_grad() dropped it): copy
-            dtype, stride, contiguous = self.expected[k]
-            if grad.dtype is dtype and grad.stride() == stride and grad.device == self.shards.device:
+            dtype, stride, contiguous, numel = self.expected[k]
+            # The element count too: ``p.grad.data = t`` can give a gradient
+            # any size, and the copies read as many bytes as the layout says.
+            if grad.dtype is dtype and grad.stride() == stride and grad.numel() == numel \
+                    and grad.device == self.shards.device:
                 flat = grad.view(-1) if contiguous else memory_flat(grad)
             else:
                 check_tensor("a parameter's gradient", grad, self.shards.device, kernels.FLOATS)
+                if grad.numel() != self.params[k].numel():
+                    raise ValueError(f"the gradient of a parameter of shape {tuple(self.params[k].shape)} has "
+                                     f"{grad.numel()} elements (shape {tuple(grad.shape)}): was it set with "
+                                     "p.grad.data = ...?")
                 flat = flat_like(grad, self.params[k])
             if self.direct:
                 self.sources[k] = flat.to(self.shards.dtype)  # no copy when the dtypes agree
@@ -268,9 +275,9 @@ class GradSync:
         if self.direct:
             sends = [(r, at, source[k].data_ptr() + offset, size) for k, r, at, offset, size in self.peer_sends[b]]
             own = [(start, source[k][begin:end]) for k, start, begin, end in self.own_parts[b]]
-            return self.peer.reduce_scatter_parts(out, sends, own, self.own_gaps[b])
+            return self.peer.reduce_scatter_parts(out, sends, own, self.own_gaps[b], bucket_index=b)
         if self.peer is not None:
-            return self.peer.reduce_scatter(out, source)
+            return self.peer.reduce_scatter(out, source, bucket_index=b)
         return _reduce_scatter(out, source, group=self.group, async_op=True)
 
 

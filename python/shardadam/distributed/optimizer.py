@@ -31,22 +31,29 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import weakref
 
 import torch
 import torch.distributed as dist
 
 from .. import kernels
-from .._groups import adam_hyper, pack_groups, plain_value, run_closure, saved_group_values, set_group_values
+from .._groups import adam_hyper, check_step_groups, pack_groups, plain_value, run_closure, set_group_values
 from .._state_dict import join_remainders, pow2_scale_for, split_remainders
 from .._torch import check_tensor
-from . import sharded_checkpoint
+from .._tracked import DATA_PTR, ReplacedParams, moved_indices
+from .._state_dict_check import check_state_dict
+from .._validate import check_adam_group
+from . import _watchdog, sharded_checkpoint
+from ._agreement import check_same_setup, validate_then_agree
 from ._peer_gather import PeerParamGather
 from ._peer_reduce import PeerGradReduce
 from ._sync import GradSync, ParamSync, flat_like, memory_flat
 from .layout import BucketLayout
 
 __all__ = ["DistributedFusedAdam"]
+
+_log = logging.getLogger("shardadam")
 
 _GRAD_KEY = 0  # every gradient is synchronised in grad_sync_dtype: one bucket key
 
@@ -109,7 +116,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                  average_grad_sync=True, overlap_grad_sync=True, overlap_param_sync=False, bucket_cap_mb=100,
                  pipeline_size=2, contiguous_param_buffer=False, contiguous_grad_buffer=False, store_params=True,
                  store_param_remainders=False, with_scaled_states=False, capturable=False,
-                 grad_sync_copy_engine=None, param_sync_copy_engine=None):
+                 grad_sync_copy_engine=None, param_sync_copy_engine=None, skip_nonfinite_grads=False,
+                 copy_engine_timeout=_watchdog.DEFAULT_TIMEOUT_S):
         if not (isinstance(pipeline_size, int) and pipeline_size >= 1):
             raise ValueError(f"pipeline_size must be an int >= 1 (buckets in flight), got {pipeline_size!r}")
         if dtype != torch.float32:
@@ -118,8 +126,17 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction)
+        check_adam_group("DistributedFusedAdam", defaults)
         super().__init__(params, defaults)
         self.capturable = capturable
+        # Opt-in (as Megatron's check_for_nan_in_grad, but skipping instead of
+        # raising): a step whose reduced gradients hold inf/NaN on any rank is
+        # skipped on every rank; skipped_steps counts them.
+        self.skip_nonfinite_grads = bool(skip_nonfinite_grads)
+        # Seconds a copy-engine wait on a peer may last before every rank
+        # still alive raises (distributed/_watchdog.py), as NCCL's timeout.
+        self.copy_engine_timeout = _watchdog.validate_timeout(copy_engine_timeout)
+        self._replaced = ReplacedParams(type(self).__name__)
         # None stays None (the default group, looked up per call): holding the
         # WORLD object would keep it alive past destroy_process_group(), and
         # gloo can abort when it is torn down at interpreter exit.
@@ -188,6 +205,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
     # ------------------------------------------------------------ layout
 
     def _build(self, grad_sync_dtype, param_sync_dtype, device) -> None:
+        check_same_setup(self, grad_sync_dtype, param_sync_dtype, device)  # every rank alike, before any broadcast
         params, groups = [], []
         for gi, g in enumerate(self.param_groups):
             for i, p in enumerate(g["params"]):
@@ -220,6 +238,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                                  f"found {', '.join(wrong)}: convert the model or set the sync dtype to the "
                                  f"parameters' dtype")
         self._check_copy_engine()
+        # With capturable=True the count stays on the device (no host sync), as the step counters do.
+        self.skipped_steps = torch.zeros((), dtype=torch.int64, device=self.device) if self.capturable else 0
         self._src = 0 if self.group is None else dist.get_global_rank(self.group, 0)
         for g in self.param_groups:
             if self.capturable:  # read by the kernels on the device: graphs replay with the current values
@@ -295,12 +315,13 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self.param_buffer, self.grad_buffer, self._grad_views = None, None, None
         # The peers map this rank's memory before the parameters move in: a refusal leaves them as they were.
         reduce = self._copy_engine_connect("grad_sync_copy_engine", lambda: PeerGradReduce.connect(
-            self.shard_size, self.grad_sync_dtype, dev, self.dist_group))
+            self.shard_size, self.grad_sync_dtype, dev, self.dist_group, timeout=self.copy_engine_timeout))
         gather = None
         if self.contiguous_param_buffer:
             self.param_buffer, views = self._bucket_views(self.param_sync_dtype)
             gather = self._copy_engine_connect(
-                "param_sync_copy_engine", lambda: PeerParamGather.connect(self.param_buffer, self.dist_group))
+                "param_sync_copy_engine", lambda: PeerParamGather.connect(self.param_buffer, self.dist_group,
+                                                                     timeout=self.copy_engine_timeout))
             with torch.no_grad():
                 for p, view in zip(self.params, views):
                     view.copy_(p.data)
@@ -360,7 +381,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             max_exp_avg_sqs=[self.max_exp_avg_sq[b, s:e] for b, s, e in pieces] if self.amsgrad else None,
             param_remainders=[self.remainders[b, s:e] for b, s, e in pieces] if rem else None,
             master_scales=self.state_scales.get("master"), exp_avg_scales=self.state_scales.get("exp_avg"),
-            exp_avg_sq_scales=self.state_scales.get("exp_avg_sq"), device=dev)
+            exp_avg_sq_scales=self.state_scales.get("exp_avg_sq"), device=dev,
+            check_addresses=False)  # views of this optimizer's own buffers, which never move
         self._norm_plan, self._subset_norm_plans = None, {}
         self._grad_sync = GradSync(self.params, self.layout, self.grad_shards, self.dist_group, self.pipeline_size,
                                    self.redundant_group, self.grad_buffer, self._grad_views, reduce)
@@ -375,6 +397,10 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         this = weakref.ref(self)
         self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(_grad_ready, this, k))
                        for k, p in enumerate(self.params)] if self.overlap_grad_sync else []
+        # [Note: tracked storage] (_tracked.py): what step() compares the parameters against.
+        self._param_ptrs = list(map(DATA_PTR, self.params))
+        self._param_shapes = [p.shape for p in self.params]
+        self._replaced.track(p for g in self.param_groups for p in g["params"])
 
     def _adopt_backward_order(self) -> None:
         """Rebuild the layout in the order the first backward produced gradients
@@ -500,8 +526,21 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         the scaler so that ``scaler.update()`` backs off. With capturable=True
         nothing is read back to the host: the skip is decided on the device
         (the kernel writes nothing, the step counters add 0), so the whole
-        iteration can be captured in a CUDA graph."""
+        iteration can be captured in a CUDA graph.
+
+        skip_nonfinite_grads=True: the same skip without a scaler, whenever
+        the reduced gradients hold inf/NaN on some rank (counted in
+        ``skipped_steps`` and logged to the "shardadam" logger)."""
         loss = run_closure(closure)
+        # [Note: validate, then mutate] (_validate.py): every refusal comes first.
+        _watchdog.check()  # a copy-engine collective whose peer died: this iteration is invalid
+        check_step_groups(self.param_groups)
+        self._check_params_in_place()
+        if grad_scaler is not None:
+            if self._inv_scale is not None:
+                raise RuntimeError("step(grad_scaler=...) after unscale_grads(): the gradients would be unscaled "
+                                   "twice; use one of the two")
+            inv_loss_scale = self._scaler_inv_scale(grad_scaler)
         self._param_sync.finish()  # the last all-gather reads the shards this step writes
         if not self._grads_synced:  # the first one rebuilds the layout: before any state exists, so cheaply
             self.grad_sync()
@@ -515,15 +554,20 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             grad_scale *= self._inv_scale
         found_inf = None
         if grad_scaler is not None:
-            if self._inv_scale is not None:
-                raise RuntimeError("step(grad_scaler=...) after unscale_grads(): the gradients would be unscaled "
-                                   "twice; use one of the two")
-            grad_scale *= self._scaler_inv_scale(grad_scaler)
+            grad_scale *= inv_loss_scale
             self._grad_scaler = grad_scaler
             found_inf = self._report_found_inf(grad_scaler)
-            if not self.capturable and found_inf.item():  # the host's step counters must know
-                self._end_iteration()
-                return loss
+        elif self.skip_nonfinite_grads:
+            found_inf = self._nonfinite_on_any_rank()
+        if self.skip_nonfinite_grads and self.capturable:
+            self.skipped_steps += (found_inf != 0).to(torch.int64).reshape(())
+        if found_inf is not None and not self.capturable and found_inf.item():  # the host's step counters must know
+            if self.skip_nonfinite_grads:
+                self.skipped_steps += 1
+                _log.warning("DistributedFusedAdam: step skipped on every rank: the reduced gradients hold inf or "
+                             "NaN (%d steps skipped so far)", self.skipped_steps)
+            self._end_iteration()
+            return loss
         if self._clip_max_norm is not None:  # deferred: on the unscaled norm
             unscaled = self._clip_norm * (grad_scale * (self.world_size if self.average_grad_sync else 1.0))
             grad_scale *= torch.clamp(self._clip_max_norm / (unscaled + 1e-6), max=1.0)
@@ -534,6 +578,10 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             g["step"] += advance
         kernels.adam(self.plan, grad_scale=grad_scale, found_inf=found_inf if self.capturable else None,
                      **adam_hyper(self.param_groups, self.adam_w_mode))
+        # The all-gathers write the parameters behind autograd's back: tell
+        # it, so a graph that saved a parameter before this step refuses to
+        # run backward through the new values (as after torch.optim's step).
+        torch.autograd.graph.increment_version(self.params)
         if self.overlap_param_sync and self.capturable:
             self._param_sync_due = True  # started by the next forward
         elif self.overlap_param_sync:
@@ -542,6 +590,47 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             self.param_sync()
         self._end_iteration()
         return loss
+
+    def _check_params_in_place(self) -> None:
+        """[Note: tracked storage] (_tracked.py): a parameter that moved to
+        other memory (model.to(...), p.data = ...) is followed where the
+        all-gather copies into it, and refused where the optimizer's buffers
+        are the parameter's memory (contiguous buffers) or its shape changed.
+        One C-level pass over the parameters when nothing moved."""
+        self._replaced.check()
+        moved = moved_indices(self.params, self._param_ptrs)
+        if not moved:
+            return
+        place = self._param_places()
+        for k in sorted(moved, key=place.__getitem__):  # the first in param_groups order is named
+            p, where = self.params[k], "param_groups[{}]['params'][{}]".format(*place[k])
+            where += f" (shape {tuple(self._param_shapes[k])})"
+            if p.shape != self._param_shapes[k]:
+                raise ValueError(f"{where} changed shape to {tuple(p.shape)} since the optimizer was built "
+                                 "(p.data = ... with another shape): the bucket layout and the optimizer state have "
+                                 "the old one. Build a new optimizer")
+            if self.contiguous_param_buffer or self.contiguous_grad_buffer:
+                option = "contiguous_param_buffer" if self.contiguous_param_buffer else "contiguous_grad_buffer"
+                made = "it a view of its parameter buffer" if self.contiguous_param_buffer \
+                    else "its gradient a view of its gradient buffer"
+                raise RuntimeError(
+                    f"{where} no longer lives in the optimizer's memory: its storage was replaced (model.to(...), "
+                    f"p.data = ..., a swap_tensors conversion) after DistributedFusedAdam({option}=True) made {made}, "
+                    "so the optimizer would no longer reach the model. Convert the model before building the optimizer")
+        self._param_ptrs = list(map(DATA_PTR, self.params))
+
+    def _param_places(self) -> dict[int, tuple[int, int]]:
+        """(group, index in group) of each trainable parameter k: how errors name it."""
+        index = {id(p): k for k, p in enumerate(self.params)}
+        return {index[id(p)]: (gi, pi) for gi, g in enumerate(self.param_groups)
+                for pi, p in enumerate(g["params"]) if id(p) in index}
+
+    def _nonfinite_on_any_rank(self) -> torch.Tensor:
+        """1.0 on the device when the reduced gradient shard of any rank holds
+        inf/NaN, else 0.0: one all-reduce, no host sync."""
+        found = kernels.l2_norm(self._shard_norm_plan()).nonfinite
+        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.dist_group)
+        return found
 
     def _end_iteration(self) -> None:
         self._grad_sync.reset()
@@ -556,13 +645,9 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         return grad_scaler._scale.to(self.device, torch.float32).reciprocal()
 
     def _report_found_inf(self, grad_scaler) -> torch.Tensor:
-        """1.0 on the device when any rank's gradients hold inf/NaN (one
-        all-reduce), else 0.0; told to the scaler the way torch's fused
+        """_nonfinite_on_any_rank(), told to the scaler the way torch's fused
         optimizers do."""
-        if self._norm_plan is None:
-            self._norm_plan = kernels.NormPlan(self.grad_shards.reshape(-1))
-        found_inf = kernels.l2_norm(self._norm_plan).nonfinite
-        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.dist_group)
+        found_inf = self._nonfinite_on_any_rank()
         grad_scaler._per_optimizer_states[id(self)]["found_inf_per_device"][self.device] = found_inf
         return found_inf
 
@@ -579,8 +664,10 @@ class DistributedFusedAdam(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears gradients; with contiguous_grad_buffer the buffer is zeroed
         and parameters keep their views of it whatever set_to_none says."""
+        _watchdog.check()
         self._grad_sync.reset()  # a reduce-scatter may still read the buffers
         if self.contiguous_grad_buffer:
+            self._check_params_in_place()  # the gradient views fit the parameters they were made for
             self.grad_buffer.zero_()
             self._attach_grad_views()
         else:
@@ -634,10 +721,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
     def _norm_plan_for(self, parameters) -> kernels.NormPlan:
         """The shard pieces whose norm is wanted; plans are built once per set."""
         if parameters is None:
-            # Shard padding holds zeros, so the whole shard buffer has the shard's norm.
-            if self._norm_plan is None:
-                self._norm_plan = kernels.NormPlan(self.grad_shards.reshape(-1))
-            return self._norm_plan
+            return self._shard_norm_plan()
         index = {id(p): k for k, p in enumerate(self.params)}
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         chosen = {index.get(id(p)) for p in params if p.requires_grad}
@@ -648,8 +732,15 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         if key not in self._subset_norm_plans:
             pieces = [self.grad_shards[f.bucket, f.shard_start:f.shard_end]
                       for f in self._shard_fragments if f.param in key]
-            self._subset_norm_plans[key] = kernels.NormPlan(pieces)
+            self._subset_norm_plans[key] = kernels.NormPlan(pieces, check_addresses=False)  # own buffers
         return self._subset_norm_plans[key]
+
+    def _shard_norm_plan(self) -> kernels.NormPlan:
+        """The whole reduced gradient shard: its padding holds zeros, so its
+        norm and non-finite flag are the shard's."""
+        if self._norm_plan is None:
+            self._norm_plan = kernels.NormPlan(self.grad_shards.reshape(-1), check_addresses=False)  # own buffer
+        return self._norm_plan
 
     def clip_grad_norm(self, max_norm: float, parameters=None, norm_type: float = 2.0, *,
                        grad_scaler=None) -> torch.Tensor:
@@ -765,31 +856,19 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         torch.optim.Adam/AdamW state dict (fp32 master ``param`` /
         ``master_param`` optional: without it the master is the parameter's
         current value). Checks everything before writing; the caller's dict is
-        not modified."""
+        not modified. Every rank checks the whole dict (structure, counts,
+        shapes, tensor types, hyperparameters, steps: _state_dict_check.py),
+        then the ranks agree (one small collective): if any rank refuses,
+        every rank raises the same ValueError and nothing is written."""
         self._param_sync.finish()
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(f"the state dict has {len(saved_groups)} parameter groups, the optimizer "
-                             f"{len(self.param_groups)}")
-        by_param, group_values = {}, []
-        for gi, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
-            if len(saved["params"]) != len(group["params"]):
-                raise ValueError(f"group {gi} has {len(saved['params'])} parameters in the state dict and "
-                                 f"{len(group['params'])} in the optimizer")
-            entries = [state_dict["state"].get(key) for key in saved["params"]]
-            for pi, (entry, p) in enumerate(zip(entries, group["params"])):
-                if entry is None:
-                    continue
-                master = entry.get("param", entry.get("master_param"))
-                for name, value in [("param", master)] + [(n, entry.get(n)) for n in self._state_names[1:]]:
-                    missing = value is None and name != "param"
-                    if missing or (value is not None and tuple(value.shape) != tuple(p.shape)):
-                        raise ValueError(f"group {gi} parameter {pi}: state '{name}' is missing or has another "
-                                         f"shape than the parameter {tuple(p.shape)}")
-                by_param[id(p)] = dict(entry, param=master if master is not None else p.detach())
-            group_values.append(saved_group_values(saved, group, entries))
-        for values, group in zip(group_values, self.param_groups):
+        checked = validate_then_agree(
+            "DistributedFusedAdam.load_state_dict",
+            lambda: check_state_dict(state_dict, self.param_groups, self._state_names[1:]), self.group, self.device)
+        for values, group in zip(checked.group_values, self.param_groups):
             set_group_values(group, values)
+        # without a master in the checkpoint, the master is the parameter's current value
+        by_param = {id(p): dict(entry, master=entry["master"] if entry["master"] is not None else p.detach())
+                    for p, entry in checked.entries}
         flat, flat_of = {}, None  # a parameter's loaded tensors, flattened once for its consecutive fragments
         for f in self.layout.shard_fragments(self.rank):
             entry = by_param.get(id(self.params[f.param]))
@@ -799,12 +878,12 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                 flat, flat_of = {}, f.param
             for name in self._state_names:
                 if name not in flat:  # a copy only where the saved layout differs from the parameter's
-                    flat[name] = flat_like(entry["param" if name == "master" else name].float(), self.params[f.param])
+                    flat[name] = flat_like(entry[name].float(), self.params[f.param])
                 self._write_state(name, f, flat[name][f.param_start:f.param_end])
         for k, p in enumerate(self.params):  # the model's values are the loaded masters
             entry = by_param.get(id(p))
             if entry is not None:
-                p.copy_(entry["param"])
+                p.copy_(entry["master"])
                 self._initialized[k] = True
 
     def __repr__(self) -> str:

@@ -5,7 +5,8 @@ Each state (``param`` fp32 master, ``exp_avg``, ``exp_avg_sq``,
 ``max_exp_avg_sq``) is one 1-D ShardedTensor over the flat index space of all
 trainable parameters: the parameters in param_groups order (their index in the
 portable state dict), each flattened in memory order, one after the other
-(``params`` lists them as ``[index, numel]`` pairs). A rank contributes only
+(``params`` lists them as ``[index, numel]`` pairs, ``shapes`` as ``[index,
+shape]``, plus the memory order of dims where it is not row-major). A rank contributes only
 the pieces its shards hold, one per shard fragment, at their offsets in that
 space. The space does not depend on the number of ranks or the bucket size, so
 DCP writes every piece once and, on load, hands each rank the ranges its own
@@ -13,6 +14,21 @@ DCP writes every piece once and, on load, hands each rank the ranges its own
 with no rank holding the full state. Building a ShardedTensor costs a
 collective (all_gather_object of the pieces' metadata): one per state, not one
 per parameter and state.
+
+A checkpoint of another layout is refused before anything is written:
+- by DCP itself, while it plans (before it reads any data): the structure holds
+  a small tensor under ``layout_<hash>``, the hash of the ``shapes`` table, so
+  dcp.load from a checkpoint of other parameters fails with DCP's
+  "Missing key in checkpoint state_dict: <prefix>.layout_<hash>." (a
+  checkpoint whose total size differs already fails DCP's size check);
+- by load_sharded_state_dict, which checks the tables, the groups and every
+  piece on every rank, then lets the ranks agree (one small collective), and
+  names the first parameter that differs.
+Checkpoints written before the layout key and ``shapes`` existed lack them:
+strict dcp.load refuses them (missing key); they still load with
+``planner=DefaultLoadPlanner(allow_partial_load=True)``, and then only the
+``[index, numel]`` table is compared, after dcp.load has written into the
+optimizer's fp32 buffers.
 
     import torch.distributed.checkpoint as dcp
     dcp.save({"model": model.state_dict(), "optim": opt.sharded_state_dict()}, checkpoint_id=path)
@@ -25,19 +41,25 @@ per parameter and state.
 from __future__ import annotations
 
 import bisect
+import hashlib
 import json
 import warnings
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
 
 from .._groups import pack_groups, plain_value, set_group_values
+from .._state_dict_check import check_group_values, check_state_tensor
+from ._agreement import _memory_order, validate_then_agree
 
 with warnings.catch_warnings():  # DCP's resharding of uneven flat pieces needs ShardedTensor
     warnings.simplefilter("ignore")
-    from torch.distributed._shard.sharded_tensor import Shard, ShardMetadata, init_from_local_shards
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardMetadata, init_from_local_shards
 
-__all__ = ["load_sharded_state_dict", "sharded_state_dict"]
+__all__ = ["layout_key", "load_sharded_state_dict", "sharded_state_dict"]
+
+LAYOUT_PREFIX = "layout_"
 
 
 def _saved_name(name: str) -> str:
@@ -52,13 +74,18 @@ class _FlatSpace:
         _, index = pack_groups(opt.param_groups)
         order = sorted(range(len(opt.params)), key=lambda k: index[id(opt.params[k])])
         self.offsets = [0] * len(opt.params)  # by position in opt.params
-        self.table, self.starts, self.order = [], [], order
+        self.table, self.shapes, self.starts, self.order = [], [], [], order
         total = 0
         for k in order:
+            p = opt.params[k]
             self.offsets[k] = total
             self.starts.append(total)
-            self.table.append([index[id(opt.params[k])], opt.params[k].numel()])
-            total += opt.params[k].numel()
+            self.table.append([index[id(p)], p.numel()])
+            # [index, shape], and the dims' memory order where it is not
+            # row-major (channels_last): the space holds each parameter in memory order.
+            dims = _memory_order(p)
+            self.shapes.append([index[id(p)], list(p.shape)] + ([list(dims)] if list(dims) != sorted(dims) else []))
+            total += p.numel()
         self.total = total
         self.frags = sorted((f for f in opt._shard_fragments if f.numel > 0), key=self.start)
 
@@ -100,8 +127,18 @@ def sharded_state_dict(opt) -> dict:
                       for f in space.frags]
             state[_saved_name(name)] = init_from_local_shards(shards, space.total, process_group=opt.dist_group)
     # Strings: DCP would flatten lists and dicts into keys that must already
-    # exist, key by key, when loading.
-    return {"state": state, "params": json.dumps(space.table), "param_groups": json.dumps(groups)}
+    # exist, key by key, when loading. The layout key comes before the other
+    # new entries, so that DCP names it when a checkpoint lacks it.
+    return {"state": state, "params": json.dumps(space.table),
+            layout_key(space): torch.tensor([len(space.table), space.total], dtype=torch.int64),
+            "shapes": json.dumps(space.shapes), "param_groups": json.dumps(groups)}
+
+
+def layout_key(space: "_FlatSpace") -> str:
+    """``layout_`` and 16 hex digits of the SHA-256 of the [index, shape]
+    table: equal for every world size and bucket size, different for other
+    parameters (shapes, count, frozen ones, memory order)."""
+    return LAYOUT_PREFIX + hashlib.sha256(json.dumps(space.shapes).encode()).hexdigest()[:16]
 
 
 def _piece(opt, name: str, f, rows: dict) -> torch.Tensor:
@@ -136,21 +173,13 @@ def load_sharded_state_dict(opt, sharded: dict) -> None:
     """After dcp.load filled a sharded_state_dict(opt) structure: write the
     pieces into the optimizer (copies for stored-differently states), restore
     the groups' hyperparameters and steps, and make the parameters the loaded
-    masters (this rank's pieces, then the all-gather). Checks everything
-    before writing anything."""
-    saved_groups = json.loads(sharded["param_groups"])
-    if len(saved_groups) != len(opt.param_groups):
-        raise ValueError(f"the checkpoint has {len(saved_groups)} parameter groups, the optimizer "
-                         f"{len(opt.param_groups)}")
-    space = _FlatSpace(opt)
-    saved_params = json.loads(sharded["params"]) if "params" in sharded else None
-    if saved_params != space.table:
-        raise ValueError(f"the checkpoint's trainable parameters ([index, numel] in param_groups order) are "
-                         f"{_brief(saved_params)}, the optimizer's {_brief(space.table)}: another model, or "
-                         f"another choice of frozen parameters")
-    pieces = _matched_pieces(opt, sharded["state"], space)
-    for saved, group in zip(saved_groups, opt.param_groups):
-        set_group_values(group, {k: (tuple(v) if k == "betas" else v) for k, v in saved.items() if k != "params"})
+    masters (this rank's pieces, then the all-gather). Every rank checks
+    everything first, then the ranks agree (one small collective): if any
+    refuses, every rank raises the same ValueError and none writes anything."""
+    group_values, pieces = validate_then_agree("DistributedFusedAdam.load_sharded_state_dict",
+                                               lambda: _check(opt, sharded), opt.group, opt.device)
+    for values, group in zip(group_values, opt.param_groups):
+        set_group_values(group, values)
     for name, f, tensor in pieces:
         live = _live_view(opt, name, f)
         if live is None or live.data_ptr() != tensor.data_ptr():  # else dcp.load already wrote it there
@@ -160,10 +189,110 @@ def load_sharded_state_dict(opt, sharded: dict) -> None:
     _masters_into_params(opt)
 
 
-def _brief(table) -> str:
-    if not isinstance(table, list):
-        return repr(table)
-    return f"{len(table)} parameters {table[:4]}{' ...' if len(table) > 4 else ''}"
+def _json(sharded: Mapping, key: str, what: str) -> list:
+    value = sharded[key]
+    try:
+        value = json.loads(value) if isinstance(value, (str, bytes)) else value
+    except ValueError:
+        raise ValueError(f"sharded[{key!r}] is not the JSON {what} that sharded_state_dict() writes") from None
+    if not isinstance(value, list):
+        raise ValueError(f"sharded[{key!r}] must hold the {what} as a JSON list, got {type(value).__name__}")
+    return value
+
+
+def _check(opt, sharded) -> tuple[list, list]:
+    """Everything load_sharded_state_dict checks, writing nothing: (the
+    groups' values to set, [(state name, fragment, loaded piece)])."""
+    if not isinstance(sharded, Mapping) or any(k not in sharded for k in ("state", "params", "param_groups")):
+        got = f"a dict with keys {list(sharded)}" if isinstance(sharded, Mapping) else type(sharded).__name__
+        raise ValueError("the sharded state dict must be the dict of a sharded_state_dict() of this optimizer "
+                         f"(with 'state', 'params' and 'param_groups'), as filled by dcp.load, got {got}")
+    saved_groups = _json(sharded, "param_groups", "parameter groups")
+    if len(saved_groups) != len(opt.param_groups):
+        raise ValueError(f"the checkpoint has {len(saved_groups)} parameter groups, the optimizer "
+                         f"{len(opt.param_groups)}: another model, or groups built another way")
+    group_values = []
+    for gi, (saved, group) in enumerate(zip(saved_groups, opt.param_groups)):
+        where = f"sharded['param_groups'][{gi}]"
+        if not isinstance(saved, Mapping) or not isinstance(saved.get("params"), list):
+            raise ValueError(f"{where} must be a dict with a 'params' list")
+        if len(saved["params"]) != len(group["params"]):
+            raise ValueError(f"{where} lists {len(saved['params'])} parameters, the optimizer's group {gi} has "
+                             f"{len(group['params'])}: another model, or groups built another way")
+        group_values.append(check_group_values(where, saved, group))
+    space = _FlatSpace(opt)
+    _check_tables(opt, space, _json(sharded, "params", "parameter table"),
+                  _json(sharded, "shapes", "shape table") if "shapes" in sharded else None)
+    _check_layout_key(sharded, space)
+    if not isinstance(sharded["state"], Mapping):
+        raise ValueError(f"sharded['state'] must be a dict of ShardedTensors, got {type(sharded['state']).__name__}")
+    return group_values, _matched_pieces(opt, sharded["state"], space)
+
+
+def _where(opt) -> dict:
+    """Index in param_groups order -> 'param_groups[g]['params'][i]'."""
+    names = [f"param_groups[{gi}]['params'][{pi}]"
+             for gi, g in enumerate(opt.param_groups) for pi in range(len(g["params"]))]
+    return dict(enumerate(names))
+
+
+def _check_tables(opt, space: _FlatSpace, saved_params: list, saved_shapes: list | None) -> None:
+    """The checkpoint's trainable parameters are the optimizer's: same
+    indices, numels, shapes and memory orders (older checkpoints, without a
+    shape table: numels). Names the first parameter that differs."""
+    head = "the checkpoint's trainable parameters (in param_groups order) differ from the optimizer's"
+    tail = "another model, or another choice of frozen parameters: build the model and optimizer as the saved ones"
+    if len(saved_params) != len(space.table):
+        raise ValueError(f"{head}: the checkpoint has {len(saved_params)} trainable parameters "
+                         f"{_brief(saved_params)}, the optimizer {len(space.table)} {_brief(space.table)}: {tail}")
+    names = _where(opt)
+    rows = saved_shapes if saved_shapes is not None else [None] * len(saved_params)
+    if len(rows) != len(saved_params):
+        raise ValueError(f"{head}: its shape table lists {len(rows)} parameters, its [index, numel] table "
+                         f"{len(saved_params)}: a damaged checkpoint")
+    for k, (saved, mine, shape_row, my_row) in enumerate(zip(saved_params, space.table, rows, space.shapes)):
+        if not (isinstance(saved, list) and len(saved) == 2):
+            raise ValueError(f"{head}: entry {k} of its table is {saved!r}, not [index, numel]")
+        index = mine[0]
+        if saved[0] != index:
+            raise ValueError(f"{head}: its trainable parameter #{k} is the one at index {saved[0]} in "
+                             f"param_groups order, the optimizer's is {names.get(index)} (index {index}): {tail}")
+        what = f"{head}: {names.get(index)} (index {index})"
+        if shape_row is not None:
+            if not (isinstance(shape_row, list) and len(shape_row) in (2, 3) and shape_row[0] == saved[0]
+                    and isinstance(shape_row[1], list) and all(isinstance(n, int) for n in shape_row[1])):
+                raise ValueError(f"{head}: entry {k} of its shape table is {shape_row!r}, not [index, shape]")
+            if shape_row[1] != my_row[1]:
+                raise ValueError(f"{what} has shape {tuple(shape_row[1])} in the checkpoint, {tuple(my_row[1])} in "
+                                 f"the optimizer: {tail}")
+            if _outer_first(shape_row) != _outer_first(my_row):
+                raise ValueError(f"{what} lies in memory with its dims in the order {_outer_first(shape_row)} in "
+                                 f"the checkpoint, {_outer_first(my_row)} in the optimizer (outermost first; e.g. "
+                                 f"channels_last): convert the model to the saved memory format before building "
+                                 f"the optimizer")
+        if saved[1] != mine[1]:
+            raise ValueError(f"{what} has {saved[1]} elements in the checkpoint, {mine[1]} in the optimizer: {tail}")
+
+
+def _outer_first(row: list) -> tuple:
+    """The memory order of a shape-table row, size-1 dims left out."""
+    dims = [d for d in range(len(row[1])) if row[1][d] != 1]
+    return tuple(row[2]) if len(row) == 3 else tuple(dims)
+
+
+def _check_layout_key(sharded: Mapping, space: _FlatSpace) -> None:
+    mine = layout_key(space)
+    keys = [k for k in sharded if isinstance(k, str) and k.startswith(LAYOUT_PREFIX)]
+    if not keys:
+        return  # a structure of an older version (its tables were compared)
+    if mine not in keys:
+        raise ValueError(f"the sharded state dict's layout key is {keys[0]!r}, this optimizer's {mine!r}: it "
+                         f"was made for another model; load into a sharded_state_dict() of this optimizer")
+    value = sharded[mine]
+    want = [len(space.table), space.total]
+    if not isinstance(value, torch.Tensor) or value.device.type == "meta" or value.tolist() != want:
+        raise ValueError(f"sharded[{mine!r}] must be the tensor {want} ([trainable parameters, elements]) that "
+                         f"sharded_state_dict() holds, got {value!r}")
 
 
 def _matched_pieces(opt, state: dict, space: _FlatSpace) -> list:
@@ -178,6 +307,9 @@ def _matched_pieces(opt, state: dict, space: _FlatSpace) -> list:
             raise ValueError(f"the sharded state dict has no state '{saved}': load into a sharded_state_dict() "
                              f"of this optimizer")
         tensor = state[saved]
+        if not isinstance(tensor, ShardedTensor):
+            raise ValueError(f"sharded['state'][{saved!r}] must be the ShardedTensor of a sharded_state_dict() of "
+                             f"this optimizer, got {type(tensor).__name__}")
         if tuple(tensor.size()) != (space.total,):
             raise ValueError(f"state '{saved}' covers {tuple(tensor.size())} elements, the optimizer's parameters "
                              f"{space.total}: load into a sharded_state_dict() of this optimizer")
@@ -185,7 +317,10 @@ def _matched_pieces(opt, state: dict, space: _FlatSpace) -> list:
         given = [(s.metadata.shard_offsets[0], s.metadata.shard_offsets[0] + s.metadata.shard_sizes[0]) for s in local]
         if given != mine:
             raise ValueError(_mismatch(saved, space, given, mine))
-        pieces += [(name, f, shard.tensor) for f, shard in zip(space.frags, local)]
+        for f, shard in zip(space.frags, local):
+            check_state_tensor(f"sharded['state'][{saved!r}]'s piece at offset {space.start(f)}", shard.tensor,
+                               (f.numel,))
+            pieces.append((name, f, shard.tensor))
     return pieces
 
 

@@ -1,0 +1,178 @@
+"""What the ranks of a DistributedFusedAdam must agree on, checked with small
+collectives (the DESIGN's trust rules: one fingerprint, an error that names
+the first difference and the ranks, raised on every rank alike).
+
+- check_same_setup: at construction, before rank 0's parameters are broadcast,
+  every rank must hold the same parameters (count, shapes, dtypes, memory
+  order, requires_grad, device type), in the same groups with the same
+  hyperparameters, and the same layout-shaping options. One all-reduce of a
+  hash; only when the hashes differ, an all_gather_object of the descriptions
+  finds the first difference. Without it a mismatch aborts gloo inside the
+  broadcast, or trains on silently (shards of other shapes).
+- agree: a load validates locally, then every rank learns every rank's verdict
+  (one all_gather_object of None or an error message); if any rank refused,
+  every rank raises the same ValueError, and none writes anything.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["agree", "check_same_setup", "describe_setup", "first_difference"]
+
+# The options that shape the layout or the collectives each rank issues (in
+# __init__'s order); the sync dtypes are _build's arguments, resolved below.
+_OPTIONS = ("adam_w_mode", "amsgrad", "average_grad_sync", "overlap_grad_sync", "overlap_param_sync",
+            "bucket_cap_mb", "pipeline_size", "contiguous_param_buffer", "contiguous_grad_buffer", "store_params",
+            "store_param_remainders", "with_scaled_states", "capturable", "grad_sync_copy_engine",
+            "param_sync_copy_engine", "dist_size")
+_HYPER = ("lr", "betas", "eps", "weight_decay", "bias_correction")
+
+
+def _device_context(device):
+    """NCCL's object collectives run on the current CUDA device: make it the optimizer's."""
+    if device is not None and torch.device(device).type == "cuda":
+        return torch.cuda.device(torch.device(device))
+    return contextlib.nullcontext()
+
+
+def _gather_objects(obj, group, device) -> list:
+    gathered = [None] * dist.get_world_size(group)
+    with _device_context(device):
+        dist.all_gather_object(gathered, obj, group=group)
+    return gathered
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
+# ---------------------------------------------------------------- loads
+
+def agree(what: str, error: BaseException | None, group, device) -> None:
+    """Every rank's verdict on `what` (a load that validated locally and
+    writes nothing yet): one all_gather_object over `group`. If any rank
+    refused, every rank raises ValueError with the same message, naming the
+    refusing ranks and the first reason (of the lowest refusing rank)."""
+    mine = None
+    if error is not None:
+        mine = str(error) if isinstance(error, (ValueError, TypeError)) else f"{type(error).__name__}: {error}"
+        mine = mine or type(error).__name__
+    verdicts = _gather_objects(mine, group, device)
+    refused = [r for r, v in enumerate(verdicts) if v is not None]
+    if not refused:
+        return
+    others = len({verdicts[r] for r in refused}) - 1
+    message = (f"{what} refused on {_ranks(refused)} of {len(verdicts)} (nothing was loaded on any rank); "
+               f"rank {refused[0]}: {verdicts[refused[0]]}"
+               + (f" (and {others} other reason{'s' if others > 1 else ''} on the other ranks)" if others else ""))
+    raise ValueError(message) from error
+
+
+def validate_then_agree(what: str, check, group, device):
+    """check() on this rank (it must not write), then agree(): check's result
+    on every rank, or the same ValueError on every rank."""
+    try:
+        result, error = check(), None
+    except Exception as e:  # noqa: BLE001 - any refusal, even an unexpected one, must reach the other ranks
+        result, error = None, e
+    agree(what, error, group, device)
+    return result
+
+
+# ---------------------------------------------------------------- construction
+
+def _memory_order(p: torch.Tensor) -> tuple:
+    """The dims from outermost to innermost in memory (size-1 dims left out):
+    (0, 1, 2, 3) contiguous, (0, 2, 3, 1) channels_last."""
+    dims = [d for d in range(p.dim()) if p.shape[d] != 1]
+    return tuple(sorted(dims, key=lambda d: -p.stride(d)))
+
+
+def _plain(v):
+    if isinstance(v, torch.Tensor):
+        return v.item() if v.numel() == 1 and v.device.type != "meta" else f"tensor{tuple(v.shape)}"
+    if isinstance(v, (list, tuple)):
+        return tuple(_plain(x) for x in v)
+    return v
+
+
+def describe_setup(opt, grad_sync_dtype, param_sync_dtype) -> list[tuple[str, object]]:
+    """(what, value) pairs that every rank must have equal, in the order a
+    difference is reported: options, groups, each parameter, sync dtypes."""
+    trainable = {p.dtype for g in opt.param_groups for p in g["params"] if p.requires_grad}
+    # _build's resolution: an explicit dtype, else the parameters' one (None: several, refused there)
+    param_sync = param_sync_dtype or (next(iter(trainable)) if len(trainable) == 1 else None)
+    items = [(f"option {name}", repr(getattr(opt, name, None))) for name in _OPTIONS]
+    items.append(("the number of parameter groups", len(opt.param_groups)))
+    for gi, g in enumerate(opt.param_groups):
+        items.append((f"the number of parameters in param_groups[{gi}]", len(g["params"])))
+        items += [(f"param_groups[{gi}]['{k}']", repr(_plain(g.get(k)))) for k in _HYPER]
+    for gi, g in enumerate(opt.param_groups):
+        for pi, p in enumerate(g["params"]):
+            where = f"param_groups[{gi}]['params'][{pi}]"
+            items += [(f"{where}: shape", tuple(p.shape)), (f"{where}: dtype", str(p.dtype)),
+                      (f"{where}: requires_grad", bool(p.requires_grad)),
+                      (f"{where}: memory order (dims outermost first)", _memory_order(p)),
+                      (f"{where}: device type", p.device.type)]
+    # Last: they follow from the parameters' dtypes where not given, so a
+    # parameter's dtype is the difference reported, not its consequence.
+    items += [("option param_sync_dtype", repr(param_sync)),
+              ("option grad_sync_dtype", repr(grad_sync_dtype or param_sync))]
+    return items
+
+
+def fingerprint(items: list) -> int:
+    """63 bits of the SHA-256 of the description (equal on equal descriptions on every host)."""
+    return int.from_bytes(hashlib.sha256(repr(items).encode()).digest()[:8], "little") >> 1
+
+
+_ABSENT = "absent"
+
+
+def first_difference(descriptions: list[list]) -> tuple[str, int] | None:
+    """The first item (in rank 0's order) on which the ranks' descriptions
+    differ, as 'what: value on rank(s) ..., value on rank(s) ...', and how
+    many items differ; None if none does."""
+    as_dict = [dict(d) for d in descriptions]
+    order = list(dict.fromkeys(k for d in descriptions for k, _ in d))
+    found, count = None, 0
+    for key in order:
+        values = [d.get(key, _ABSENT) for d in as_dict]
+        if all(v == values[0] for v in values):
+            continue
+        count += 1
+        if found is None:
+            by_value: dict = {}
+            for r, v in enumerate(values):
+                by_value.setdefault(v if isinstance(v, str) else repr(v), []).append(r)
+            found = f"{key}: " + ", ".join(f"{text} on {_ranks(ranks)}" for text, ranks in by_value.items())
+    return None if found is None else (found, count)
+
+
+def check_same_setup(opt, grad_sync_dtype=None, param_sync_dtype=None, device=None) -> None:
+    """Every rank of opt.group has the same parameters, groups and options:
+    one all-reduce of a fingerprint; if they differ, an all_gather_object of
+    the descriptions and the same ValueError on every rank, naming the first
+    difference and the ranks. Call before the first collective of the
+    constructor (rank 0's parameter broadcast)."""
+    items = describe_setup(opt, grad_sync_dtype, param_sync_dtype)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    dev = torch.device(device) if device is not None else (params[0].device if params else torch.device("cpu"))
+    h = fingerprint(items)
+    both = torch.tensor([h, -h], dtype=torch.int64, device=dev)  # max(h) == -max(-h) == min(h): all equal
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=opt.group)
+    high, low = both.tolist()
+    if high == -low:
+        return
+    descriptions = _gather_objects(items, opt.group, dev)
+    diff = first_difference(descriptions)
+    what, count = diff if diff is not None else ("the ranks' descriptions differ in a way not itemised", 1)
+    more = f" (and {count - 1} more difference{'s' if count > 2 else ''})" if count > 1 else ""
+    raise ValueError(f"DistributedFusedAdam: the {len(descriptions)} ranks of process_group were not given the same "
+                     f"parameters and options: {what}{more}. Every rank must build the same model and optimizer "
+                     f"(same parameters in the same groups, same options); rank 0's parameter values are then "
+                     f"broadcast to the others")

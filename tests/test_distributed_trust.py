@@ -1,0 +1,238 @@
+"""DistributedFusedAdam when storage moves under it, when a step must be
+refused, and when gradients are not finite (README "Guarantees").
+
+One rank in the test process (gloo on the CPU, NCCL on one GPU) covers what
+does not depend on the number of ranks; the agreement of several ranks on a
+skipped step runs on 2 gloo processes.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from conftest import assert_bits_equal, randn
+from shardadam import DistributedFusedAdam
+from test_distributed import _exit, _rank_group, _spawn
+
+HYPER = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
+
+
+@pytest.fixture
+def group(device):
+    """One rank in this process: gloo for the CPU, NCCL for the GPU."""
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1,
+                            device_id=torch.device("cuda", 0) if device == "cuda" else None)
+    try:
+        yield device
+    finally:
+        dist.destroy_process_group()
+
+
+def _model(device):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).to(device)
+
+
+def _iteration(model, opt, device, seed, *, poison=None):
+    """One forward, backward and step; poison(model) runs between backward and step."""
+    g = torch.Generator().manual_seed(seed)
+    dtype = next(model.parameters()).dtype
+    x, y = torch.randn(5, 8, generator=g).to(device, dtype), torch.randn(5, 4, generator=g).to(device)
+    opt.zero_grad()
+    nn.functional.mse_loss(model(x).float(), y).backward()
+    if poison is not None:
+        poison(model)
+    opt.step()
+
+
+def _stepped(device, **options):
+    """A model and a DistributedFusedAdam over it that has taken one step."""
+    model = _model(device)
+    opt = DistributedFusedAdam(model.parameters(), **options)
+    _iteration(model, opt, device, 1)
+    return model, opt
+
+
+def _snapshot(opt, model):
+    tensors = [p.detach().clone() for p in model.parameters()]
+    tensors += [t.clone() for t in (opt.exp_avg, opt.exp_avg_sq, opt.master) if t is not None]
+    return tensors, [int(g["step"]) for g in opt.param_groups]
+
+
+def _assert_unchanged(opt, model, snap, what):
+    tensors, steps = _snapshot(opt, model)
+    for i, (a, b) in enumerate(zip(tensors, snap[0])):
+        assert_bits_equal(a, b, f"{what}: tensor {i}")
+    assert steps == snap[1], f"{what}: step counters moved"
+
+
+@pytest.mark.parametrize("option", ["contiguous_param_buffer", "contiguous_grad_buffer"])
+@pytest.mark.parametrize("move", [lambda m: m.to(torch.bfloat16), lambda m: m.half().float(),
+                                  lambda m: setattr(m[0].weight, "data", m[0].weight.data.clone())],
+                         ids=["to-bf16", "half-float", "data-clone"])
+def test_contiguous_buffers_refuse_a_moved_parameter(group, option, move):
+    device = group
+    model, opt = _stepped(device, overlap_grad_sync=False, **{option: True}, **HYPER)
+    move(model)
+    dtype = next(model.parameters()).dtype
+    snap = _snapshot(opt, model)
+    with pytest.raises(RuntimeError, match=rf"param_groups\[0\]\['params'\]\[\d\] \(shape \(.*\)\) no longer "
+                                           rf"lives in the optimizer's memory.*{option}=True"):
+        if option == "contiguous_grad_buffer":
+            opt.zero_grad()
+        else:
+            _iteration(model, opt, device, 2)
+    _assert_unchanged(opt, model, snap, "refused")
+    assert dtype == next(model.parameters()).dtype
+
+
+def test_a_parameter_given_new_memory_is_followed(group):
+    """p.data = a copy (same values, other memory) changes nothing in the run:
+    the same steps as an unmoved twin, bit for bit, and the old memory is left alone."""
+    device = group
+    model, twin = _model(device), _model(device)
+    opt = DistributedFusedAdam(model.parameters(), **HYPER)
+    topt = DistributedFusedAdam(twin.parameters(), **HYPER)
+    for seed in (1, 2):
+        _iteration(model, opt, device, seed)
+        _iteration(twin, topt, device, seed)
+    old = model[2].weight.data
+    old_bits = old.clone()
+    model[2].weight.data = old.clone()
+    for seed in (3, 4):
+        _iteration(model, opt, device, seed)
+        _iteration(twin, topt, device, seed)
+    assert_bits_equal(old, old_bits, "the memory the parameter left was written")
+    for i, (p, q) in enumerate(zip(model.parameters(), twin.parameters())):
+        assert_bits_equal(p, q, f"param[{i}]")
+
+
+def test_a_parameter_of_another_shape_is_refused(group):
+    device = group
+    model, opt = _stepped(device, overlap_grad_sync=False, **HYPER)
+    snap = _snapshot(opt, model)
+    model[2].weight.data = randn((64,), device=device)
+    model[2].weight.grad = None
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[2\] \(shape \(4, 16\)\) changed shape to \(64,\)"):
+        opt.step()
+    model[2].weight.data = snap[0][2].clone()
+    _assert_unchanged(opt, model, snap, "refused")
+
+
+def test_replaced_parameter_objects_are_refused(group):
+    device = group
+    model, opt = _stepped(device, **HYPER)
+    model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+    with pytest.raises(RuntimeError, match=r"replaced Linear.weight \(shape \(16, 8\)\) by a new Parameter"):
+        _iteration(model, opt, device, 2)
+
+
+def test_a_gradient_of_another_size_is_refused(group):
+    device = group
+    model, opt = _stepped(device, overlap_grad_sync=False, **HYPER)
+    snap = _snapshot(opt, model)
+
+    def poison(m):
+        m[0].bias.grad.data = torch.zeros(3, device=device)
+
+    with pytest.raises(ValueError, match=r"shape \(16,\) has 3 elements"):
+        _iteration(model, opt, device, 2, poison=poison)
+    _assert_unchanged(opt, model, snap, "refused")
+
+
+@pytest.mark.parametrize("change, error", [
+    ({"lr": float("nan")}, ValueError), ({"lr": "1e-3"}, TypeError), ({"betas": (0.9, 1.5)}, ValueError),
+    ({"eps": float("-inf")}, ValueError), ({"weight_decay": float("inf")}, ValueError),
+])
+def test_invalid_hyperparameters_refuse_the_step(group, change, error):
+    device = group
+    model = _model(device)
+    params = list(model.parameters())
+    opt = DistributedFusedAdam([{"params": params[:2]}, {"params": params[2:], "lr": 1e-3}], **HYPER)
+    _iteration(model, opt, device, 1)
+    opt.param_groups[1].update(change)
+    snap = _snapshot(opt, model)
+    with pytest.raises(error, match=rf"param_groups\[1\]: {next(iter(change))}"):
+        _iteration(model, opt, device, 2)
+    _assert_unchanged(opt, model, snap, "refused")
+
+
+def test_step_bumps_the_version_of_saved_parameters(group):
+    device = group
+    model, opt = _stepped(device, **HYPER)
+    x = torch.randn(5, 8, device=device, requires_grad=True)
+    loss = model(x).sum()  # saves the weights for the gradient of x
+    _iteration(model, opt, device, 2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_nonfinite_gradients_skip_the_step_when_asked(group):
+    device = group
+    model, opt = _stepped(device, overlap_grad_sync=False, skip_nonfinite_grads=True, **HYPER)
+    snap = _snapshot(opt, model)
+
+    def poison(m):
+        m[2].weight.grad[1, 3] = float("nan")
+
+    _iteration(model, opt, device, 2, poison=poison)
+    _assert_unchanged(opt, model, snap, "skipped step")
+    assert opt.skipped_steps == 1
+    _iteration(model, opt, device, 3)
+    assert int(opt.param_groups[0]["step"]) == 2, "a finite step after the skip is taken"
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+def _skip_worker(rank: int, world: int, port: int, out) -> None:
+    """Rank 1's first layer gets an inf gradient in iteration 2 (through a
+    tensor hook: with overlap_grad_sync the gradient is handed over inside
+    backward); rank 0 reports what every rank saw."""
+    with _rank_group(rank, world, port, out):
+        model = _model("cpu")
+        opt = DistributedFusedAdam(model.parameters(), skip_nonfinite_grads=True, bucket_cap_mb=1e-4, **HYPER)
+        _iteration(model, opt, "cpu", 1)
+        before = [p.detach().clone() for p in model.parameters()]
+        if rank == 1:
+            model[0].bias.register_hook(lambda g: torch.full_like(g, float("inf")))
+        _iteration(model, opt, "cpu", 2)
+        mine = (rank, opt.skipped_steps, int(opt.param_groups[0]["step"]),
+                all(torch.equal(p, b) for p, b in zip(model.parameters(), before)))
+        everyone = [None] * world
+        dist.all_gather_object(everyone, mine)
+        if rank == 0:
+            out.put(everyone)
+    _exit()
+
+
+def test_nonfinite_gradients_on_one_rank_skip_the_step_on_every_rank():
+    assert _spawn(_skip_worker, 2) == [(0, 1, 1, True), (1, 1, 1, True)]
+
+
+def _alone_worker(rank: int, world: int, port: int, out) -> None:
+    """Rank 0 alone asks for the gradient norm (a collective) before the step."""
+    with _rank_group(rank, world, port, out):
+        model = _model("cpu")
+        opt = DistributedFusedAdam(model.parameters(), bucket_cap_mb=1e-4, **HYPER)
+        _iteration(model, opt, "cpu", 1)
+        error = None
+        try:
+            _iteration(model, opt, "cpu", 2, poison=(lambda m: opt.grad_norm()) if rank == 0 else None)
+        except RuntimeError as e:
+            error = str(e)
+        everyone = [None] * world
+        dist.all_gather_object(everyone, error)
+        if rank == 0:
+            out.put(everyone)
+    _exit()
+
+
+def test_a_rank_calling_a_collective_alone_raises_on_every_rank_under_distributed_debug(monkeypatch):
+    """README: grad_norm() is a collective; with TORCH_DISTRIBUTED_DEBUG=DETAIL
+    every collective carries a sequence number and fingerprint, so the rank
+    that called it alone and its peers raise instead of waiting forever."""
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")  # the ranks read it when they start
+    errors = _spawn(_alone_worker, 2)
+    assert all(e is not None and "Detected mismatch between collectives" in e for e in errors), errors
+    assert "OpType=ALLREDUCE" in errors[0], errors[0]
