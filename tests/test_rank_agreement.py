@@ -82,6 +82,10 @@ def _setup(case: str, rank: int):
             pass  # below
         elif case == "lr":
             kw["lr"] = 2e-2
+        elif case == "bad-bucket-cap":
+            kw["bucket_cap_mb"] = -1
+        elif case == "nan-lr":
+            kw["lr"] = float("nan")
     torch.manual_seed(rank)  # other values on each rank: rank 0's are broadcast
     params = [nn.Parameter(torch.randn(s)) for s in shapes]
     if case == "dtype" and rank == 1:
@@ -99,7 +103,7 @@ def _construct_worker(rank: int, world: int, port: int, case: str, out) -> None:
         try:
             opt = shardadam.DistributedFusedAdam(groups, overlap_grad_sync=False, **kw)
             message = None
-        except ValueError as e:
+        except (ValueError, TypeError, NotImplementedError) as e:
             opt, message = None, str(e)
         untouched = all(torch.equal(p.detach(), b) for p, b in zip(params, before))
         received = [p.detach().clone().numpy() for p in params] if opt is not None else None
@@ -127,6 +131,23 @@ def test_ranks_with_different_setups_refuse_alike(case):
     assert CONSTRUCTION[case] in messages[0], messages[0]
     assert "Every rank must build the same model and optimizer" in messages[0]
     assert all(r["untouched"] for r in results), "a parameter was overwritten before the refusal"
+
+
+LOCAL = {
+    "bad-bucket-cap": "rank 1: bucket_cap_mb must be > 0, got -1",
+    "nan-lr": "rank 1: DistributedFusedAdam: lr must be finite, got nan",
+}
+
+
+@pytest.mark.parametrize("case", list(LOCAL))
+def test_arguments_refused_on_one_rank_are_refused_on_every_rank(case):
+    """A check one rank makes alone (its own arguments) must not leave the
+    others waiting in the next collective: the verdicts are shared first."""
+    results = spawn_all(_construct_worker, 2, case)
+    messages = [r["message"] for r in results]
+    assert messages[0] is not None and messages[0] == messages[1], f"both ranks must raise the same error: {messages}"
+    assert messages[0].startswith("DistributedFusedAdam(...) refused on rank 1 of 2 (no rank built the optimizer)")
+    assert LOCAL[case] in messages[0], messages[0]
 
 
 def test_ranks_with_the_same_setup_build_and_broadcast():

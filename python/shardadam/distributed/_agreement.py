@@ -52,11 +52,13 @@ def _ranks(ranks: list[int]) -> str:
 
 # ---------------------------------------------------------------- loads
 
-def agree(what: str, error: BaseException | None, group, device) -> None:
+def agree(what: str, error: BaseException | None, group, device,
+          outcome: str = "nothing was loaded on any rank") -> None:
     """Every rank's verdict on `what` (a load that validated locally and
     writes nothing yet): one all_gather_object over `group`. If any rank
-    refused, every rank raises ValueError with the same message, naming the
-    refusing ranks and the first reason (of the lowest refusing rank)."""
+    refused, every rank raises the same message, naming the refusing ranks
+    and the first reason (of the lowest refusing rank): a ValueError, or on
+    a refusing rank the type of its own TypeError or NotImplementedError."""
     mine = None
     if error is not None:
         mine = str(error) if isinstance(error, (ValueError, TypeError)) else f"{type(error).__name__}: {error}"
@@ -66,20 +68,21 @@ def agree(what: str, error: BaseException | None, group, device) -> None:
     if not refused:
         return
     others = len({verdicts[r] for r in refused}) - 1
-    message = (f"{what} refused on {_ranks(refused)} of {len(verdicts)} (nothing was loaded on any rank); "
+    message = (f"{what} refused on {_ranks(refused)} of {len(verdicts)} ({outcome}); "
                f"rank {refused[0]}: {verdicts[refused[0]]}"
                + (f" (and {others} other reason{'s' if others > 1 else ''} on the other ranks)" if others else ""))
-    raise ValueError(message) from error
+    kind = type(error) if isinstance(error, (TypeError, NotImplementedError)) else ValueError
+    raise kind(message) from error
 
 
-def validate_then_agree(what: str, check, group, device):
+def validate_then_agree(what: str, check, group, device, outcome: str = "nothing was loaded on any rank"):
     """check() on this rank (it must not write), then agree(): check's result
-    on every rank, or the same ValueError on every rank."""
+    on every rank, or the same message raised on every rank."""
     try:
         result, error = check(), None
     except Exception as e:  # noqa: BLE001 - any refusal, even an unexpected one, must reach the other ranks
         result, error = None, e
-    agree(what, error, group, device)
+    agree(what, error, group, device, outcome)
     return result
 
 

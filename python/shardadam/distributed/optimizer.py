@@ -118,16 +118,28 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                  store_param_remainders=False, with_scaled_states=False, capturable=False,
                  grad_sync_copy_engine=None, param_sync_copy_engine=None, skip_nonfinite_grads=False,
                  copy_engine_timeout=_watchdog.DEFAULT_TIMEOUT_S):
-        if not (isinstance(pipeline_size, int) and pipeline_size >= 1):
-            raise ValueError(f"pipeline_size must be an int >= 1 (buckets in flight), got {pipeline_size!r}")
-        if dtype != torch.float32:
-            raise NotImplementedError("DistributedFusedAdam: only dtype=torch.float32 state is supported yet")
-        if not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        bias_correction=bias_correction)
-        check_adam_group("DistributedFusedAdam", defaults)
-        super().__init__(params, defaults)
+        def arguments() -> None:
+            if not (isinstance(pipeline_size, int) and pipeline_size >= 1):
+                raise ValueError(f"pipeline_size must be an int >= 1 (buckets in flight), got {pipeline_size!r}")
+            if dtype != torch.float32:
+                raise NotImplementedError("DistributedFusedAdam: only dtype=torch.float32 state is supported yet")
+            if not bucket_cap_mb > 0:
+                raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+            defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                            bias_correction=bias_correction)
+            check_adam_group("DistributedFusedAdam", defaults)
+            torch.optim.Optimizer.__init__(self, params, defaults)
+            _watchdog.validate_timeout(copy_engine_timeout)
+
+        # The checks each rank makes alone come first, and their verdicts are
+        # shared before any other collective: a rank that refuses its
+        # arguments (or its parameters) never leaves its peers waiting in
+        # the next one, and every rank raises the same message.
+        if dist.is_initialized():
+            validate_then_agree("DistributedFusedAdam(...)", arguments, process_group, None,
+                                outcome="no rank built the optimizer")
+        else:
+            arguments()  # no peers to tell (the missing process group is refused below)
         self.capturable = capturable
         # Opt-in (as Megatron's check_for_nan_in_grad, but skipping instead of
         # raising): a step whose reduced gradients hold inf/NaN on any rank is
@@ -135,7 +147,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self.skip_nonfinite_grads = bool(skip_nonfinite_grads)
         # Seconds a copy-engine wait on a peer may last before every rank
         # still alive raises (distributed/_watchdog.py), as NCCL's timeout.
-        self.copy_engine_timeout = _watchdog.validate_timeout(copy_engine_timeout)
+        self.copy_engine_timeout = _watchdog.validate_timeout(copy_engine_timeout)  # checked above
         self._replaced = ReplacedParams(type(self).__name__)
         # None stays None (the default group, looked up per call): holding the
         # WORLD object would keep it alive past destroy_process_group(), and
