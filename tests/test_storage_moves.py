@@ -260,3 +260,25 @@ def test_step_bumps_the_version_of_saved_parameters_like_torch(device):
         opt.step()
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             loss.backward()
+
+
+@pytest.mark.parametrize("device, capturable", [
+    ("cpu", False), pytest.param("cuda", False, marks=pytest.mark.cuda),
+    pytest.param("cuda", True, marks=pytest.mark.cuda)])
+def test_nonfinite_gradients_skip_the_step_when_asked(device, capturable):
+    """skip_nonfinite_grads: an inf gradient skips the step bit for bit and is counted."""
+    model = make_model(device)
+    params = list(model.parameters())
+    opt = FusedAdam(params, skip_nonfinite_grads=True, capturable=capturable, **HYPER)
+    x, y = batches(1, device)[0]
+    _step(model, opt, x, y)
+    opt.zero_grad()
+    backward(model, x, y)
+    params[3].grad[0] = float("inf")
+    snap = snapshot_opt(opt, params)
+    opt.step()
+    assert_opt_unchanged(opt, params, snap, "skipped step")
+    assert int(opt.skipped_steps) == 1
+    _step(model, opt, x, y)
+    assert int(opt.param_groups[0]["step"]) == 2, "a finite step after the skip is taken"
+    assert all(bool(torch.isfinite(p).all()) for p in params)

@@ -8,10 +8,12 @@ lives in flat buffers (see _fused_buckets.py); a step is one kernel launch per
 """
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 
 import torch
 
+from . import kernels
 from ._fused_buckets import Bucket, storage_kind
 from ._groups import adam_hyper, check_step_groups, plain_value, run_closure
 from ._state_dict import load_buckets_state, pack_state
@@ -21,6 +23,8 @@ from ._validate import check_adam_group
 from .kernels import FLOATS
 
 __all__ = ["FusedAdam"]
+
+_log = logging.getLogger("shardadam")
 
 _STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -52,7 +56,7 @@ class FusedAdam(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
                  bias_correction=True, adam_w_mode=True, capturable=False, master_weights=False,
                  master_weight_dtype=torch.float32, exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32,
-                 store_param_remainders=False, maximize=False, flat_grads=False):
+                 store_param_remainders=False, maximize=False, flat_grads=False, skip_nonfinite_grads=False):
         for name, dtype, allowed in (("master_weight_dtype", master_weight_dtype, (torch.float32, torch.float16)),
                                      ("exp_avg_dtype", exp_avg_dtype, _STATE_DTYPES),
                                      ("exp_avg_sq_dtype", exp_avg_sq_dtype, _STATE_DTYPES)):
@@ -76,6 +80,11 @@ class FusedAdam(torch.optim.Optimizer):
         # GradScaler hands its scale and found-inf to the step (no host sync)
         # when the step counters live on the device.
         self._step_supports_amp_scaling = capturable
+        # Opt-in: a step whose gradients hold inf/NaN is skipped (params,
+        # states and step counters unchanged) and counted here; a device
+        # tensor with capturable=True (created at the first step).
+        self.skip_nonfinite_grads = bool(skip_nonfinite_grads)
+        self.skipped_steps = 0
 
     # ------------------------------------------------------------ groups
 
@@ -195,6 +204,20 @@ class FusedAdam(torch.optim.Optimizer):
         # gradients still carry and the device flag of inf/NaN gradients.
         scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
+        if self.skip_nonfinite_grads:
+            nonfinite = _nonfinite_grads(prepared)
+            if nonfinite is not None and not self._opts["capturable"]:
+                if nonfinite.item():  # the host's step counters must know
+                    self.skipped_steps += 1
+                    _log.warning("FusedAdam: step skipped: the gradients hold inf or NaN (%d steps skipped so far)",
+                                 self.skipped_steps)
+                    return loss
+            elif nonfinite is not None:
+                found_inf = nonfinite if found_inf is None else torch.maximum(
+                    found_inf.to(nonfinite.device, torch.float32).reshape(()), nonfinite)
+                if not isinstance(self.skipped_steps, torch.Tensor):
+                    self.skipped_steps = torch.zeros((), dtype=torch.int64, device=nonfinite.device)
+                self.skipped_steps += (found_inf != 0).to(torch.int64).reshape(())
         if self._opts["capturable"]:
             for group in self.param_groups:
                 group["step"] += 1 if found_inf is None else 1 - found_inf.to(group["step"].device)
@@ -240,6 +263,19 @@ class FusedAdam(torch.optim.Optimizer):
         lines.append(f"  options: {opts}")
         lines.append(")")
         return "\n".join(lines)
+
+
+def _nonfinite_grads(prepared: list) -> torch.Tensor | None:
+    """1.0 in a 0-d float32 tensor (on the first bucket's device) when any
+    gradient a prepared plan reads holds inf or NaN, else 0.0; None when no
+    bucket steps. One norm launch per bucket, no host sync."""
+    flags = [kernels.l2_norm(ready[0].lists["grads"]).nonfinite for ready in prepared if ready is not None]
+    if not flags:
+        return None
+    total = flags[0]
+    for flag in flags[1:]:
+        total = torch.maximum(total, flag.to(total.device))
+    return total.reshape(())
 
 
 def _as_device_scalar(value, device: torch.device) -> torch.Tensor:
