@@ -47,10 +47,13 @@ class FusedAdam(torch.optim.Optimizer):
 
     flat_grads=True: gradients live in the optimizer's flat buffers (``p.grad``
     are views into them from the first step); backward accumulates in place,
-    zero_grad() zeroes the buffers (set_to_none is ignored) and step() does no
-    per-parameter work. Every parameter then takes a step, with a zero gradient
-    if backward gave it none; do not reset gradients by other means
-    (model.zero_grad() is detected and raises).
+    zero_grad() zeroes the buffers (set_to_none is ignored) and step() never
+    re-points its table. Every parameter then takes a step, with a zero
+    gradient if backward gave it none; do not reset or replace gradients by
+    other means (model.zero_grad(), p.grad = t: detected at that step, raises).
+
+    skip_nonfinite_grads=True: a step whose gradients hold inf/NaN is skipped
+    (nothing written, step counters unchanged) and counted in skipped_steps.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
