@@ -290,29 +290,44 @@ def _synced_grads(model, losses, world: int, dtype) -> None:
         p.grad = (g0.to(dtype) + g1.to(dtype)).float() / world
 
 
-def _spawn(target, world: int, *args):
-    """Run target(rank, world, port, *args, queue) on `world` processes; rank 0's result."""
+def _run_ranks(target, world: int, args: tuple, expected: int) -> list:
+    """Run target(rank, world, port, *args, queue) on `world` processes and
+    collect `expected` results from the queue; fails the test (naming the exit
+    codes) if fewer come or a rank exits non-zero. The timeouts only end a
+    hang: they never decide a passing run."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=target, args=(r, world, port, *args, out)) for r in range(world)]
     for p in procs:
         p.start()
+    results = []
     try:
-        result = out.get(timeout=RANK_TIMEOUT_S + 20)
+        for _ in range(expected):
+            results.append(out.get(timeout=RANK_TIMEOUT_S + 20))
     except queue.Empty:
-        result = None
+        pass
     for p in procs:
-        p.join(timeout=30 if result is not None else 5)
+        p.join(timeout=30 if len(results) == expected else 5)
     codes = [p.exitcode for p in procs]
     for p in procs:
         if p.is_alive():
             p.kill()
             p.join()
-    if result is None or any(code != 0 for code in codes):
-        pytest.fail(f"ranks' exit codes {codes} (None: still running, killed); "
-                    f"{'no result' if result is None else 'a result'} from rank 0; their stderr is above")
-    return result
+    if len(results) != expected or any(code != 0 for code in codes):
+        pytest.fail(f"ranks' exit codes {codes} (None: still running, killed); {len(results)} of {expected} "
+                    "results; their stderr is above")
+    return results
+
+
+def _spawn(target, world: int, *args):
+    """Run target on `world` processes (see _run_ranks); rank 0's result."""
+    return _run_ranks(target, world, args, 1)[0]
+
+
+def _spawn_all(target, world: int, *args) -> list:
+    """Run target on `world` processes, each rank putting (rank, result); the results in rank order."""
+    return [value for _, value in sorted(_run_ranks(target, world, args, world), key=lambda item: item[0])]
 
 
 @pytest.mark.parametrize("world", [2, 3])

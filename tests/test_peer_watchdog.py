@@ -106,6 +106,13 @@ class Harness:
     def _release(self, owners) -> None:
         self.released.append(list(owners))
 
+    def watching(self, **owner) -> "FakeOwner":
+        """A FakeOwner(**owner) attached, with one group of waits registered."""
+        watched = FakeOwner(**owner)
+        self.dog.attach(watched)
+        self.wait(watched)
+        return watched
+
     def wait(self, owner, stream=1, peers=(1,), kind=0, value=7, where=3) -> FakeEvent:
         """Register a group of waits; its event."""
         self.dog.register(owner, FakeStream(stream), peers, kind, value, where)
@@ -121,9 +128,7 @@ MESSAGE = ("copy-engine reduce-scatter, bucket 3: rank 1 did not raise ARRIVED t
 
 def test_a_wait_past_its_deadline_fails_names_it_and_releases():
     h = Harness()
-    owner = FakeOwner()
-    h.dog.attach(owner)
-    h.wait(owner)
+    owner = h.watching()
     h.dog.poll_once(now=h.clock.t + 599.999)
     assert h.dog.failure is None and owner.failure is None and not h.released, "failed before the deadline"
     h.dog.check()  # nothing to raise yet
@@ -236,9 +241,7 @@ def _failed(timeout: float = 2.0):
     h = Harness()
     ended = []
     h.dog.end_process = ended.append
-    owner = FakeOwner(timeout=timeout)
-    h.dog.attach(owner)
-    h.wait(owner)
+    owner = h.watching(timeout=timeout)
     failed_at = h.clock.t + timeout
     h.dog.poll_once(now=failed_at)
     assert len(h.released) == 1 and not ended

@@ -9,7 +9,7 @@
   raises the same ValueError on both ranks, naming rank 1 and its reason, and
   nothing changes on either rank.
 
-Every rank sends its result (spawn_all collects them all); a rank that hangs
+Every rank sends its result (_spawn_all collects them all); a rank that hangs
 is stopped by _rank_group's timeout, so the test fails instead of hanging.
 """
 from __future__ import annotations
@@ -17,46 +17,15 @@ from __future__ import annotations
 import copy
 import json
 import math
-import queue
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
 import shardadam
-from test_distributed import RANK_TIMEOUT_S, _exit, _free_port, _rank_group
+from test_distributed import _exit, _rank_group, _spawn_all
 from test_load_refusals import assert_dist_unchanged, dist_snapshot
-
-
-def spawn_all(target, world: int, *args) -> list:
-    """Run target(rank, world, port, *args, queue) on `world` processes; each
-    rank puts (rank, result): the results in rank order."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=target, args=(r, world, port, *args, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = {}
-    try:
-        for _ in range(world):
-            rank, value = out.get(timeout=RANK_TIMEOUT_S + 20)
-            results[rank] = value
-    except queue.Empty:
-        pass
-    for p in procs:
-        p.join(timeout=30 if len(results) == world else 5)
-    codes = [p.exitcode for p in procs]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    if len(results) != world or any(code != 0 for code in codes):
-        pytest.fail(f"ranks' exit codes {codes} (None: still running, killed); results from ranks "
-                    f"{sorted(results)}; their stderr is above")
-    return [results[r] for r in range(world)]
 
 
 # ---------------------------------------------------------------- construction
@@ -125,7 +94,7 @@ CONSTRUCTION = {
 
 @pytest.mark.parametrize("case", list(CONSTRUCTION))
 def test_ranks_with_different_setups_refuse_alike(case):
-    results = spawn_all(_construct_worker, 2, case)
+    results = _spawn_all(_construct_worker, 2, case)
     messages = [r["message"] for r in results]
     assert messages[0] is not None and messages[0] == messages[1], f"both ranks must raise the same error: {messages}"
     assert CONSTRUCTION[case] in messages[0], messages[0]
@@ -143,7 +112,7 @@ LOCAL = {
 def test_arguments_refused_on_one_rank_are_refused_on_every_rank(case):
     """A check one rank makes alone (its own arguments) must not leave the
     others waiting in the next collective: the verdicts are shared first."""
-    results = spawn_all(_construct_worker, 2, case)
+    results = _spawn_all(_construct_worker, 2, case)
     messages = [r["message"] for r in results]
     assert messages[0] is not None and messages[0] == messages[1], f"both ranks must raise the same error: {messages}"
     assert messages[0].startswith("DistributedFusedAdam(...) refused on rank 1 of 2 (no rank built the optimizer)")
@@ -152,7 +121,7 @@ def test_arguments_refused_on_one_rank_are_refused_on_every_rank(case):
 
 def test_ranks_with_the_same_setup_build_and_broadcast():
     """The control: the same setup builds, and rank 1 holds rank 0's values."""
-    results = spawn_all(_construct_worker, 2, "same")
+    results = _spawn_all(_construct_worker, 2, "same")
     assert [r["message"] for r in results] == [None, None]
     for a, b in zip(results[0]["params"], results[1]["params"]):
         assert (a == b).all()
@@ -263,7 +232,7 @@ LOADS = {
 
 @pytest.mark.parametrize("case", list(LOADS))
 def test_a_load_refused_on_one_rank_is_refused_on_every_rank(case):
-    results = spawn_all(_load_worker, 2, case)
+    results = _spawn_all(_load_worker, 2, case)
     messages = [r["message"] for r in results]
     assert messages[0] is not None and messages[0] == messages[1], f"both ranks must raise the same error: {messages}"
     what = "load_sharded_state_dict" if case.startswith("sharded") else "load_state_dict"

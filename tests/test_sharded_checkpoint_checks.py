@@ -3,6 +3,8 @@ process: it refuses pieces of another layout before writing anything, and
 copies only the states whose pieces are not views of its own buffers."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -63,6 +65,21 @@ def test_pieces_of_another_layout_are_refused_before_anything_is_written(one_ran
         split.load_sharded_state_dict(template)
     assert split.param_groups[0]["lr"] == 1e-2, "the groups' hyperparameters are untouched"
     for name, value in _buffers(split).items():
+        assert_bits_equal(value, before[name], name)
+
+
+def test_a_table_of_another_parameter_count_is_refused_by_name(one_rank):
+    """load_sharded_state_dict's own check of the parameter table (what a
+    partial-load planner lets through), before anything is written."""
+    _, opt = _optimizer(bucket_cap_mb=100)
+    sharded = opt.sharded_state_dict()
+    sharded["params"] = json.dumps(json.loads(sharded["params"])[:-1])
+    sharded.pop("shapes")
+    before = _buffers(opt)
+    with pytest.raises(ValueError, match=r"the checkpoint has 3 trainable parameters \[\[0, 96\], \[1, 8\], "
+                                         r"\[2, 24\]\], the optimizer 4 \[\[0, 96\], "):
+        opt.load_sharded_state_dict(sharded)
+    for name, value in _buffers(opt).items():
         assert_bits_equal(value, before[name], name)
 
 
@@ -273,8 +290,8 @@ def _dcp_layout_worker(rank: int, world: int, port: int, path: str, out) -> None
 
 
 def test_dcp_refuses_another_layout_on_two_ranks(tmp_path):
-    from test_rank_agreement import spawn_all
-    results = spawn_all(_dcp_layout_worker, 2, str(tmp_path / "ckpt"))
+    from test_distributed import _spawn_all
+    results = _spawn_all(_dcp_layout_worker, 2, str(tmp_path / "ckpt"))
     for rank, result in enumerate(results):
         for name, r in result.items():
             assert r["message"] is not None, f"rank {rank}, {name}: dcp.load did not refuse"

@@ -22,7 +22,7 @@ import torch
 
 from . import kernels
 from ._torch import check_tensor
-from ._tracked import DATA_PTR, GRAD, moved_indices
+from ._tracked import DATA_PTR, GRAD
 
 # Offsets of every parameter's state are multiples of this many elements, so
 # each view starts 64-byte aligned and the kernels can use vector access.

@@ -62,3 +62,10 @@ def set_group_values(group: dict, values: dict) -> None:
             group[k].fill_(float(v))
         else:
             group[k] = v
+
+
+def param_names(param_groups: list[dict]) -> dict[int, str]:
+    """How errors name each parameter, by id, in param_groups order:
+    ``param_groups[g]['params'][i]``."""
+    return {id(p): f"param_groups[{gi}]['params'][{pi}]" for gi, g in enumerate(param_groups)
+            for pi, p in enumerate(g["params"])}

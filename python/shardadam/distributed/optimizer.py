@@ -38,7 +38,8 @@ import torch
 import torch.distributed as dist
 
 from .. import kernels
-from .._groups import adam_hyper, check_step_groups, pack_groups, plain_value, run_closure, set_group_values
+from .._groups import (adam_hyper, check_step_groups, pack_groups, param_names, plain_value, run_closure,
+                       set_group_values)
 from .._state_dict import join_remainders, pow2_scale_for, split_remainders
 from .._torch import check_tensor
 from .._tracked import DATA_PTR, ReplacedParams, moved_indices
@@ -613,10 +614,11 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         moved = moved_indices(self.params, self._param_ptrs)
         if not moved:
             return
-        place = self._param_places()
-        for k in sorted(moved, key=place.__getitem__):  # the first in param_groups order is named
-            p, where = self.params[k], "param_groups[{}]['params'][{}]".format(*place[k])
-            where += f" (shape {tuple(self._param_shapes[k])})"
+        names = param_names(self.param_groups)
+        order = {pid: i for i, pid in enumerate(names)}
+        for k in sorted(moved, key=lambda k: order[id(self.params[k])]):  # the first in param_groups order is named
+            p = self.params[k]
+            where = f"{names[id(p)]} (shape {tuple(self._param_shapes[k])})"
             if p.shape != self._param_shapes[k]:
                 raise ValueError(f"{where} changed shape to {tuple(p.shape)} since the optimizer was built "
                                  "(p.data = ... with another shape): the bucket layout and the optimizer state have "
@@ -630,12 +632,6 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                     f"p.data = ..., a swap_tensors conversion) after DistributedFusedAdam({option}=True) made {made}, "
                     "so the optimizer would no longer reach the model. Convert the model before building the optimizer")
         self._param_ptrs = list(map(DATA_PTR, self.params))
-
-    def _param_places(self) -> dict[int, tuple[int, int]]:
-        """(group, index in group) of each trainable parameter k: how errors name it."""
-        index = {id(p): k for k, p in enumerate(self.params)}
-        return {index[id(p)]: (gi, pi) for gi, g in enumerate(self.param_groups)
-                for pi, p in enumerate(g["params"]) if id(p) in index}
 
     def _nonfinite_on_any_rank(self) -> torch.Tensor:
         """1.0 on the device when the reduced gradient shard of any rank holds

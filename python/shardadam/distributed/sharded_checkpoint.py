@@ -49,7 +49,7 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from .._groups import pack_groups, plain_value, set_group_values
+from .._groups import pack_groups, param_names, plain_value, set_group_values
 from .._state_dict_check import check_group_values, check_state_tensor
 from ._agreement import _memory_order, validate_then_agree
 
@@ -229,13 +229,6 @@ def _check(opt, sharded) -> tuple[list, list]:
     return group_values, _matched_pieces(opt, sharded["state"], space)
 
 
-def _where(opt) -> dict:
-    """Index in param_groups order -> 'param_groups[g]['params'][i]'."""
-    names = [f"param_groups[{gi}]['params'][{pi}]"
-             for gi, g in enumerate(opt.param_groups) for pi in range(len(g["params"]))]
-    return dict(enumerate(names))
-
-
 def _check_tables(opt, space: _FlatSpace, saved_params: list, saved_shapes: list | None) -> None:
     """The checkpoint's trainable parameters are the optimizer's: same
     indices, numels, shapes and memory orders (older checkpoints, without a
@@ -245,7 +238,7 @@ def _check_tables(opt, space: _FlatSpace, saved_params: list, saved_shapes: list
     if len(saved_params) != len(space.table):
         raise ValueError(f"{head}: the checkpoint has {len(saved_params)} trainable parameters "
                          f"{_brief(saved_params)}, the optimizer {len(space.table)} {_brief(space.table)}: {tail}")
-    names = _where(opt)
+    names = dict(enumerate(param_names(opt.param_groups).values()))  # by index in param_groups order
     rows = saved_shapes if saved_shapes is not None else [None] * len(saved_params)
     if len(rows) != len(saved_params):
         raise ValueError(f"{head}: its shape table lists {len(rows)} parameters, its [index, numel] table "
@@ -272,6 +265,11 @@ def _check_tables(opt, space: _FlatSpace, saved_params: list, saved_shapes: list
                                  f"the optimizer")
         if saved[1] != mine[1]:
             raise ValueError(f"{what} has {saved[1]} elements in the checkpoint, {mine[1]} in the optimizer: {tail}")
+
+
+def _brief(table: list) -> str:
+    """The first entries of a parameter table, for messages."""
+    return f"{table[:4]}{' ...' if len(table) > 4 else ''}"
 
 
 def _outer_first(row: list) -> tuple:
