@@ -554,6 +554,15 @@ def _raises(call) -> str | None:
     return None
 
 
+def _report_and_exit(out, result) -> None:
+    """Put rank 0's result, wait until the queue's feeder thread has sent it,
+    then exit without teardown (the peer is gone)."""
+    out.put(result)
+    out.close()
+    out.join_thread()
+    os._exit(0)
+
+
 def _result_of_rank_0(out, rank0):
     """What rank 0 put in the queue, or None once it has ended without (the
     watchdog ended it: EXIT_STUCK) or SAFETY_S passed (a hang: the verdict)."""
@@ -586,8 +595,7 @@ def _same_gpu_rank(rank: int, world: int, port: int, mode: str, events, out) -> 
         os._exit(0)
     rank0_connected.set()
     if peer is None:
-        out.put(dict(connected=False))
-        os._exit(0)
+        _report_and_exit(out, dict(connected=False))
     if mode == "dead":
         rank1_gone.wait(SAFETY_S)  # the parent saw rank 1's process end
     bucket = torch.arange(8, dtype=torch.float32, device="cuda")
@@ -598,10 +606,9 @@ def _same_gpu_rank(rank: int, world: int, port: int, mode: str, events, out) -> 
     sync_error = _raises(torch.cuda.synchronize)  # blocked until the watchdog releases the streams
     blocked_s = time.monotonic() - start
     failure = _wait_for_failure()
-    out.put(dict(connected=True, failure=failure, sync_error=sync_error, blocked_s=blocked_s,
-                 again=_raises(lambda: peer.reduce_scatter(result, bucket, bucket_index=4)),
-                 work=_raises(work.wait), check=_raises(_watchdog.check)))
-    os._exit(0)  # no teardown: the peer is gone
+    _report_and_exit(out, dict(connected=True, failure=failure, sync_error=sync_error, blocked_s=blocked_s,
+                               again=_raises(lambda: peer.reduce_scatter(result, bucket, bucket_index=4)),
+                               work=_raises(work.wait), check=_raises(_watchdog.check)))
 
 
 @pytest.mark.cuda
@@ -703,9 +710,8 @@ def _optimizer_rank(rank: int, world: int, port: int, kill: str, out) -> None:
     except RuntimeError as error:
         raised = str(error)
     elapsed = None if start is None else time.monotonic() - start
-    out.put(dict(raised=raised, failure=_wait_for_failure(), elapsed=elapsed,
-                 copy_engines=(opt._grad_sync.peer is not None, opt._param_sync.peer is not None)))
-    os._exit(0)  # no teardown: the peer is gone
+    _report_and_exit(out, dict(raised=raised, failure=_wait_for_failure(), elapsed=elapsed,
+                               copy_engines=(opt._grad_sync.peer is not None, opt._param_sync.peer is not None)))
 
 
 @pytest.mark.multigpu

@@ -54,6 +54,13 @@ def is_dense(t: torch.Tensor) -> bool:
     return True
 
 
+def memory_order(p: torch.Tensor) -> tuple:
+    """The dims from outermost to innermost in memory (size-1 dims left out):
+    (0, 1, 2, 3) contiguous, (0, 2, 3, 1) channels_last."""
+    dims = [d for d in range(p.dim()) if p.shape[d] != 1]
+    return tuple(sorted(dims, key=lambda d: -p.stride(d)))
+
+
 def _same_element_order(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Element k in memory is the same logical element in both tensors."""
     if a.is_contiguous() and b.is_contiguous():

@@ -21,6 +21,8 @@ import hashlib
 import torch
 import torch.distributed as dist
 
+from .._torch import memory_order
+
 __all__ = ["agree", "check_same_setup", "describe_setup", "first_difference"]
 
 # The options that shape the layout or the collectives each rank issues (in
@@ -88,13 +90,6 @@ def validate_then_agree(what: str, check, group, device, outcome: str = "nothing
 
 # ---------------------------------------------------------------- construction
 
-def _memory_order(p: torch.Tensor) -> tuple:
-    """The dims from outermost to innermost in memory (size-1 dims left out):
-    (0, 1, 2, 3) contiguous, (0, 2, 3, 1) channels_last."""
-    dims = [d for d in range(p.dim()) if p.shape[d] != 1]
-    return tuple(sorted(dims, key=lambda d: -p.stride(d)))
-
-
 def _plain(v):
     if isinstance(v, torch.Tensor):
         return v.item() if v.numel() == 1 and v.device.type != "meta" else f"tensor{tuple(v.shape)}"
@@ -119,7 +114,7 @@ def describe_setup(opt, grad_sync_dtype, param_sync_dtype) -> list[tuple[str, ob
             where = f"param_groups[{gi}]['params'][{pi}]"
             items += [(f"{where}: shape", tuple(p.shape)), (f"{where}: dtype", str(p.dtype)),
                       (f"{where}: requires_grad", bool(p.requires_grad)),
-                      (f"{where}: memory order (dims outermost first)", _memory_order(p)),
+                      (f"{where}: memory order (dims outermost first)", memory_order(p)),
                       (f"{where}: device type", p.device.type)]
     # Last: they follow from the parameters' dtypes where not given, so a
     # parameter's dtype is the difference reported, not its consequence.

@@ -51,7 +51,8 @@ import torch.distributed as dist
 
 from .._groups import pack_groups, param_names, plain_value, set_group_values
 from .._state_dict_check import check_group_values, check_state_tensor
-from ._agreement import _memory_order, validate_then_agree
+from .._torch import memory_order
+from ._agreement import validate_then_agree
 
 with warnings.catch_warnings():  # DCP's resharding of uneven flat pieces needs ShardedTensor
     warnings.simplefilter("ignore")
@@ -83,7 +84,7 @@ class _FlatSpace:
             self.table.append([index[id(p)], p.numel()])
             # [index, shape], and the dims' memory order where it is not
             # row-major (channels_last): the space holds each parameter in memory order.
-            dims = _memory_order(p)
+            dims = memory_order(p)
             self.shapes.append([index[id(p)], list(p.shape)] + ([list(dims)] if list(dims) != sorted(dims) else []))
             total += p.numel()
         self.total = total
