@@ -151,7 +151,7 @@ def test_sharded_state_of_another_model_is_refused_before_writing(one_rank, tmp_
     dcp.save({"optim": small.sharded_state_dict()}, checkpoint_id=str(tmp_path))
     _, wide = _optimizer(width=16)
     template = {"optim": wide.sharded_state_dict()}
-    before = {n: getattr(wide, n).clone() for n in ("master", "exp_avg", "exp_avg_sq")}
+    before = {n: wide.state_buffer(n).clone() for n in ("master", "exp_avg", "exp_avg_sq")}
     steps = [g["step"] for g in wide.param_groups]
     # DCP refuses the other total size while planning, before it reads anything.
     from torch.distributed.checkpoint.api import CheckpointException
@@ -163,7 +163,7 @@ def test_sharded_state_of_another_model_is_refused_before_writing(one_rank, tmp_
         wide.load_sharded_state_dict(other)
     assert [g["step"] for g in wide.param_groups] == steps
     for name, value in before.items():
-        assert_bits_equal(getattr(wide, name), value, name)
+        assert_bits_equal(wide.state_buffer(name), value, name)
 
 
 def test_store_params_false_pieces_are_copies(one_rank):

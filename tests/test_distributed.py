@@ -174,21 +174,16 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out) -> None:
             replica_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
             groups = dict(distributed_process_group=shard_groups[rank // 2],
                           redundant_process_group=replica_groups[rank % 2])
-        opt = shardadam.DistributedFusedAdam(_groups(model, frozen), lr=1e-2, adam_w_mode=cfg["adam_w_mode"],
-                                             amsgrad=cfg["amsgrad"],
-                                             weight_decay=0.1, bucket_cap_mb=cfg["bucket_cap_mb"],
-                                             overlap_grad_sync=cfg["overlap"], grad_sync_dtype=cfg["grad_sync_dtype"],
-                                             pipeline_size=cfg["pipeline_size"],
-                                             overlap_param_sync=cfg["overlap_param_sync"],
-                                             contiguous_param_buffer=cfg["contiguous_param_buffer"],
-                                             contiguous_grad_buffer=cfg["contiguous_grad_buffer"],
-                                             param_sync_dtype=cfg["param_sync_dtype"],
-                                             store_param_remainders=cfg["remainders"],
-                                             with_scaled_states=cfg["scaled_states"],
-                                             store_params=cfg["store_params"],
-                                             capturable=cfg["capturable"] or cfg["capture"],
-                                             grad_sync_copy_engine=cfg["grad_copy_engine"],
-                                             param_sync_copy_engine=cfg["copy_engine"], **groups)
+        opt = _distributed(cfg, _groups(model, frozen), bucket_cap_mb=cfg["bucket_cap_mb"],
+                           overlap_grad_sync=cfg["overlap"], grad_sync_dtype=cfg["grad_sync_dtype"],
+                           pipeline_size=cfg["pipeline_size"], overlap_param_sync=cfg["overlap_param_sync"],
+                           contiguous_param_buffer=cfg["contiguous_param_buffer"],
+                           contiguous_grad_buffer=cfg["contiguous_grad_buffer"],
+                           param_sync_dtype=cfg["param_sync_dtype"], store_param_remainders=cfg["remainders"],
+                           with_scaled_states=cfg["scaled_states"], store_params=cfg["store_params"],
+                           capturable=cfg["capturable"] or cfg["capture"],
+                           grad_sync_copy_engine=cfg["grad_copy_engine"], param_sync_copy_engine=cfg["copy_engine"],
+                           **groups)
         if cfg["late_load"]:  # weights loaded after the optimizer was built must be the ones trained
             model.load_state_dict(original)
             frozen_before = frozen.detach().clone()
@@ -219,6 +214,12 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out) -> None:
     _exit()
 
 
+def _distributed(cfg: dict, groups: list, **options):
+    """cfg["optimizer"]'s distributed optimizer (lr 1e-2, weight decay 0.1)."""
+    return shardadam.DistributedFusedAdam(groups, lr=1e-2, weight_decay=0.1, adam_w_mode=cfg.get("adam_w_mode", True),
+                                          amsgrad=cfg.get("amsgrad", False), **options)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -232,7 +233,7 @@ def _config(**kw) -> dict:
                contiguous_grad_buffer=False, amsgrad=False, scaler=False, inf_step=None,
                param_sync_dtype=None, dtype=torch.float32, remainders=False, scaled_states=False,
                store_params=True, capturable=False, capture=False, lr_schedule=False, copy_engine=None,
-               grad_copy_engine=None)
+               grad_copy_engine=None, optimizer="adam")
     unknown = set(kw) - set(cfg)
     assert not unknown, f"unknown config keys {unknown}"
     cfg.update(kw)
@@ -241,13 +242,14 @@ def _config(**kw) -> dict:
 
 def _reference(world: int, adam_w_mode: bool = True, clip: float | None = None, model_kind: str = "sequential",
                amsgrad: bool = False, scaler: bool = False, inf_step: int | None = None, sync_dtype=None,
-               lr_schedule: bool = False):
-    """Single-process Adam/AdamW on the global batches: (params, pre-clip norms,
-    final loss scale or None). sync_dtype: the gradients are summed as 2 ranks
-    in that dtype would (each rank's gradient rounded, the sum rounded)."""
+               lr_schedule: bool = False, optimizer: str = "adam"):
+    """Single-process Adam/AdamW on the global batches: (params, pre-clip
+    norms, final loss scale or None). sync_dtype: the gradients are summed as
+    2 ranks in that dtype would (each rank's gradient rounded, the sum rounded)."""
     model = _model(model_kind)
     frozen = _frozen(model)
     frozen.requires_grad_(False)
+    assert optimizer == "adam", optimizer
     cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
     opt = cls(_groups(model, frozen), lr=1e-2, weight_decay=0.1, foreach=False, amsgrad=amsgrad)
     amp = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) if scaler else None
@@ -758,10 +760,9 @@ def _dcp_worker(rank: int, world: int, port: int, path: str, cfg: dict, out) -> 
         model = _model().to(f"cuda:{rank}" if cuda else "cpu", dtype=cfg["dtype"])
         frozen = _frozen(model)
         frozen.requires_grad_(False)
-        opt = shardadam.DistributedFusedAdam(_groups(model, frozen), lr=1e-2, weight_decay=0.1,
-                                             bucket_cap_mb=cfg["bucket_cap_mb"],
-                                             store_param_remainders=cfg["remainders"],
-                                             with_scaled_states=cfg["scaled_states"], capturable=cfg["capturable"])
+        opt = _distributed(cfg, _groups(model, frozen), bucket_cap_mb=cfg["bucket_cap_mb"],
+                           store_param_remainders=cfg["remainders"], with_scaled_states=cfg["scaled_states"],
+                           capturable=cfg["capturable"])
         if not os.path.exists(path):
             _train(model, opt, rank, world, range(3))
             if cfg["format"] == "dcp":
@@ -812,7 +813,7 @@ def test_checkpoint_formats_reshard_every_storage_mode(save_world, load_world, k
     kw = dict(kw)
     load_cap = kw.pop("load_cap", 1e-4)
     cfg = dict(dtype=torch.float32, remainders=False, scaled_states=False, bucket_cap_mb=1e-4, format=fmt,
-               device="cpu", capturable=False)
+               optimizer="adam", device="cpu", capturable=False)
     cfg.update(kw)
     path = str(tmp_path / "ckpt")
     assert _spawn(_dcp_worker, save_world, path, cfg)["saved"]

@@ -57,7 +57,7 @@ def _stepped(device, **options):
 
 def _snapshot(opt, model):
     tensors = [p.detach().clone() for p in model.parameters()]
-    tensors += [t.clone() for t in (opt.exp_avg, opt.exp_avg_sq, opt.master) if t is not None]
+    tensors += [t.clone() for t in (opt.states["exp_avg"], opt.states["exp_avg_sq"], opt.master) if t is not None]
     return tensors, [int(g["step"]) for g in opt.param_groups]
 
 

@@ -263,8 +263,10 @@ def _dist_setup(fmt: str):
 
 def dist_snapshot(opt, model) -> dict:
     """Bit-exact copies of everything a load could write in a DistributedFusedAdam."""
-    names = ("master", "remainders", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "param_shards", "grad_shards")
-    return dict(buffers={n: getattr(opt, n).clone() for n in names if getattr(opt, n) is not None},
+    names = ("master", "remainders", "param_shards", "grad_shards")
+    buffers = {n: getattr(opt, n).clone() for n in names if getattr(opt, n) is not None}
+    buffers.update({n: t.clone() for n, t in opt.states.items()})
+    return dict(buffers=buffers,
                 scales={n: t.clone() for n, t in opt.state_scales.items()},
                 params=[p.detach().clone() for p in model.parameters()],
                 groups=[{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in g.items() if k != "params"}

@@ -1,4 +1,4 @@
-"""Flat optimizer state for FusedAdam.
+"""Flat optimizer state for the fused single-process optimizers (FusedAdam, FusedLion).
 
 Parameters are split by device and by how their master value is stored:
 
@@ -8,11 +8,12 @@ Parameters are split by device and by how their master value is stored:
   the 16-bit parameter is written as the master rounded to nearest;
 - ``remainder``: bf16 parameter + int16 remainder form an exact fp32 master.
 
-Each (device, kind) is one bucket: flat state buffers (exp_avg, exp_avg_sq,
-max_exp_avg_sq, master or remainders, per-tensor scales), per-parameter views
-into them (what ``optimizer.state[p]`` holds), and one AdamPlan over all its
-parameters in group order, so a step is one launch per bucket whatever the
-number of parameters.
+Each (device, kind) is one bucket: flat state buffers (the update rule's
+states, e.g. exp_avg and exp_avg_sq, master or remainders, per-tensor scales),
+per-parameter views into them (what ``optimizer.state[p]`` holds), and one plan
+of the rule's kernel over all its parameters in group order, so a step is one
+launch per bucket whatever the number of parameters ([Note: update rules] in
+_rules.py).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import operator
 import torch
 
 from . import kernels
+from ._rules import state_tensor_dtype
 from ._torch import check_tensor
 from ._tracked import DATA_PTR, GRAD
 
@@ -29,10 +31,7 @@ from ._tracked import DATA_PTR, GRAD
 ALIGN_ELEMS = 32
 
 PLAIN, MASTER, REMAINDER = "plain", "master", "remainder"
-# (bucket attribute, state key) of the per-tensor scales of fp16 states and masters.
-SCALES = (("exp_avg_scales", "exp_avg_scale"), ("exp_avg_sq_scales", "exp_avg_sq_scale"),
-          ("master_scales", "master_scale"))
-GRAD_LIST = 1  # index of grads in an Adam table
+GRAD_LIST = 1  # index of grads in an update rule's table
 
 
 def storage_kind(p: torch.Tensor, master_weights: bool, store_param_remainders: bool) -> str:
@@ -52,8 +51,11 @@ class Bucket:
     """The parameters of one device and one storage kind, with their flat state."""
 
     def __init__(self, kind: str, params: list, group_of: list[int], num_groups: int, opts: dict, names: list[str]):
-        """names: how errors call each parameter (``param_groups[g]['params'][i]``)."""
+        """opts: the optimizer's options (``rule``, ``state_dtypes`` by state
+        name, ``master_weight_dtype``). names: how errors call each parameter
+        (``param_groups[g]['params'][i]``)."""
         self.kind = kind
+        self.rule = opts["rule"]
         self.params = params
         self.names = names
         self.device = params[0].device
@@ -64,22 +66,19 @@ class Bucket:
         for p in params:
             self.offsets.append(total)
             total += -(-p.numel() // ALIGN_ELEMS) * ALIGN_ELEMS
+        self.total = total
         dev, n = self.device, len(params)
-        scaled_states = opts["exp_avg_dtype"] == torch.float16, opts["exp_avg_sq_dtype"] == torch.float16
-        self.exp_avg = torch.zeros(total, dtype=opts["exp_avg_dtype"], device=dev)
-        self.exp_avg_sq = torch.zeros(total, dtype=opts["exp_avg_sq_dtype"], device=dev)
-        # The AMSGrad maximum has no scale of its own: kept in fp32 when
-        # exp_avg_sq is fp16 (small values would underflow), else alike.
-        max_dtype = torch.float32 if opts["exp_avg_sq_dtype"] == torch.float16 else opts["exp_avg_sq_dtype"]
-        self.max_exp_avg_sq = torch.zeros(total, dtype=max_dtype, device=dev) if opts["amsgrad"] else None
-        # fp16 states keep per-tensor power-of-two scales (stored = true * scale).
-        self.exp_avg_scales = torch.ones(n, device=dev) if scaled_states[0] else None
-        self.exp_avg_sq_scales = torch.ones(n, device=dev) if scaled_states[1] else None
-        self.master = self.remainders = self.master_scales = None
+        # The rule's states, flat; fp16 ones keep per-tensor power-of-two
+        # scales (stored = true * scale), keyed like the states ("master" too).
+        self.states = {name: torch.zeros(total, dtype=state_tensor_dtype(name, opts["state_dtypes"]), device=dev)
+                       for name in self.rule.states}
+        self.scales = {name: torch.ones(n, device=dev) for name in self.rule.scalable
+                       if name in self.states and self.states[name].dtype == torch.float16}
+        self.master = self.remainders = None
         if kind == MASTER:
             self.master = torch.empty(total, dtype=opts["master_weight_dtype"], device=dev)
             if opts["master_weight_dtype"] == torch.float16:
-                self.master_scales = torch.ones(n, device=dev)
+                self.scales["master"] = torch.ones(n, device=dev)
         elif kind == REMAINDER:
             self.remainders = torch.zeros(total, dtype=torch.int16, device=dev)  # master == param exactly
         self.views = [self._views_of(i) for i in range(n)]
@@ -104,23 +103,20 @@ class Bucket:
     def _views_of(self, i: int) -> dict:
         """state[p] for parameter i: views into the flat buffers, scales as 0-d views."""
         p, off = self.params[i], self.offsets[i]
-        views = {"exp_avg": _dense_view(self.exp_avg, off, p), "exp_avg_sq": _dense_view(self.exp_avg_sq, off, p)}
-        if self.max_exp_avg_sq is not None:
-            views["max_exp_avg_sq"] = _dense_view(self.max_exp_avg_sq, off, p)
+        views = {name: _dense_view(flat, off, p) for name, flat in self.states.items()}
         if self.master is not None:
             views["master_param"] = _dense_view(self.master, off, p)
         if self.remainders is not None:
             views["param_remainder"] = _dense_view(self.remainders, off, p)
-        for name, scales in SCALES:
-            if getattr(self, name) is not None:
-                views[scales] = getattr(self, name)[i]
+        for name, scales in self.scales.items():
+            views[f"{name}_scale"] = scales[i]
         return views
 
     # ------------------------------------------------------------ gradients
 
     def use_flat_grads(self) -> None:
         """Make every p.grad a view into one flat buffer owned by the bucket."""
-        total = self.exp_avg.numel()
+        total = self.total
         self.flat_grads = torch.zeros(total, dtype=self.params[0].dtype, device=self.device) \
             if all(p.dtype == self.params[0].dtype for p in self.params) else None
         for i, p in enumerate(self.params):
@@ -218,20 +214,15 @@ class Bucket:
         views = [self.views[i] for i in idx]
         params = [self.params[i] for i in idx]
         masters = [v["master_param"] for v in views] if self.master is not None else None
-        lists = dict(
+        full = len(idx) == len(self.params)
+        return dict(
             params=masters if masters is not None else params,
             grads=[grads[i] for i in idx],
-            exp_avgs=[v["exp_avg"] for v in views],
-            exp_avg_sqs=[v["exp_avg_sq"] for v in views],
-            max_exp_avg_sqs=[v["max_exp_avg_sq"] for v in views] if self.max_exp_avg_sq is not None else None,
+            states={name: [v[name] for v in views] for name in self.states},
             params_out=params if masters is not None else None,
             param_remainders=[v["param_remainder"] for v in views] if self.remainders is not None else None,
+            scales={name: scales if full else scales[idx].clone() for name, scales in self.scales.items()},
         )
-        full = len(idx) == len(self.params)
-        for name, scales in (("exp_avg_scales", self.exp_avg_scales), ("exp_avg_sq_scales", self.exp_avg_sq_scales),
-                             ("master_scales", self.master_scales)):
-            lists[name] = None if scales is None else (scales if full else scales[idx].clone())
-        return lists
 
     def prepare(self) -> tuple | None:
         """Everything a step needs that can fail (gradient checks, plans), done
@@ -240,7 +231,7 @@ class Bucket:
         grads = self._flat_views if self._flat_views is not None else self._current_grads()
         if grads is not None:
             if self._plan is None:
-                self._plan = _adam_plan(self._lists(list(range(len(self.params))), grads), self.group_sizes)
+                self._plan = self._rule_plan(self._lists(list(range(len(self.params))), grads), self.group_sizes)
             return self._plan, None
         # Some parameters have no gradient this step: update the others only
         # (like torch.optim), through a one-off plan.
@@ -256,22 +247,20 @@ class Bucket:
         bounds = [sum(self.group_sizes[:g + 1]) for g in range(len(self.group_sizes))]
         for i in idx:
             sizes[next(g for g, b in enumerate(bounds) if i < b)] += 1
-        plan = _adam_plan(lists, sizes)
-        plan.subset_scales = {name: lists[name] for name, _ in SCALES}
+        plan = self._rule_plan(lists, sizes)
+        plan.subset_scales = lists["scales"]
         return plan, idx
+
+    def _rule_plan(self, lists: dict, group_sizes: list[int]):
+        """The rule's plan. The bucket checks its parameters and gradients every
+        step (Bucket.prepare, the optimizer's _params_moved) and owns the rest."""
+        return self.rule.plan(lists["params"], lists["grads"], lists["states"], params_out=lists["params_out"],
+                              param_remainders=lists["param_remainders"], scales=lists["scales"],
+                              group_sizes=group_sizes)
 
     def launch(self, prepared: tuple, hyper: dict, grad_scale, found_inf) -> None:
         plan, idx = prepared
-        kernels.adam(plan, grad_scale=grad_scale, found_inf=found_inf, **hyper)
+        self.rule.launch(plan, hyper, grad_scale=grad_scale, found_inf=found_inf)
         if idx is not None:
-            for name, _ in SCALES:  # the kernel chose new scales for the subset's copy
-                scales = getattr(self, name)
-                if scales is not None:
-                    scales[idx] = plan.subset_scales[name]
-
-def _adam_plan(lists: dict, group_sizes: list[int]) -> kernels.AdamPlan:
-    """The bucket checks its parameters and gradients every step (Bucket.prepare,
-    FusedAdam._params_moved) and owns the rest: the plan need not re-check."""
-    rest = dict(lists)
-    return kernels.AdamPlan(rest.pop("params"), rest.pop("grads"), rest.pop("exp_avgs"), rest.pop("exp_avg_sqs"),
-                            group_sizes=group_sizes, check_addresses=False, **rest)
+            for name, scales in self.scales.items():  # the kernel chose new scales for the subset's copy
+                scales[idx] = plan.subset_scales[name]

@@ -1,9 +1,7 @@
-"""Parameter-group helpers shared by FusedAdam and DistributedFusedAdam."""
+"""Parameter-group helpers shared by the fused and the distributed optimizers."""
 from __future__ import annotations
 
 import torch
-
-from ._validate import check_adam_group
 
 
 def run_closure(closure):
@@ -14,21 +12,12 @@ def run_closure(closure):
         return closure()
 
 
-def check_step_groups(param_groups: list[dict]) -> None:
-    """Every group's hyperparameters, before a step changes anything (a
-    scheduler or the caller may have set them since the last step). O(groups)."""
+def check_step_groups(param_groups: list[dict], rule) -> None:
+    """Every group's hyperparameters, by the update rule's checks, before a
+    step changes anything (a scheduler or the caller may have set them since
+    the last step). O(groups)."""
     for i, g in enumerate(param_groups):
-        check_adam_group(f"param_groups[{i}]", g)
-
-
-def adam_hyper(param_groups: list[dict], adam_w_mode: bool) -> dict:
-    """kernels.adam's keyword arguments, one value per group."""
-    groups = param_groups
-    return dict(lr=[g["lr"] for g in groups], step=[g["step"] for g in groups],
-                beta1=[g["betas"][0] for g in groups], beta2=[g["betas"][1] for g in groups],
-                eps=[g["eps"] for g in groups], weight_decay=[g["weight_decay"] for g in groups],
-                bias_correction=[g["bias_correction"] for g in groups],
-                maximize=[g.get("maximize", False) for g in groups], adam_w_mode=adam_w_mode)
+        rule.check_group(f"param_groups[{i}]", g)
 
 
 def pack_groups(param_groups: list[dict], plain=lambda v: v) -> tuple[list[dict], dict]:

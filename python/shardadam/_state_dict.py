@@ -1,7 +1,8 @@
-"""FusedAdam checkpoints: per-parameter fp32 state, whatever the storage.
+"""Fused optimizers' checkpoints: per-parameter fp32 state, whatever the storage.
 
-Saved: for every parameter with state, ``exp_avg`` and ``exp_avg_sq`` (and
-``max_exp_avg_sq`` with AMSGrad) as true fp32 values (fp16 states unscaled),
+Saved: for every parameter with state, each state of the update rule (Adam:
+``exp_avg`` and ``exp_avg_sq``, and ``max_exp_avg_sq`` with AMSGrad) as true
+fp32 values (fp16 states unscaled),
 and ``master_param`` as the exact fp32 master (remainders joined with the bf16
 param; fp16 masters unscaled) where the parameter has a separate master.
 Groups carry their hyperparameters and step counter as plain numbers. So a
@@ -14,8 +15,9 @@ import math
 import torch
 
 from ._fused_buckets import MASTER, REMAINDER
+from ._rules import AdamRule
 from ._groups import pack_groups, plain_value, set_group_values
-from ._state_dict_check import STATE_KEYS, check_state_dict
+from ._state_dict_check import check_state_dict
 
 
 def pow2_scale_for(amax: float, old_scale: float = 1.0) -> float:
@@ -52,7 +54,7 @@ def _fp32(view: torch.Tensor, scale) -> torch.Tensor:
 
 def _bucket_state(b, j: int) -> dict:
     v = b.views[j]
-    out = {k: _fp32(v[k], v.get(k + "_scale")) for k in STATE_KEYS if k in v}
+    out = {k: _fp32(v[k], v.get(k + "_scale")) for k in b.states}
     if b.kind == MASTER:
         out["master_param"] = _fp32(v["master_param"], v.get("master_scale"))
     elif b.kind == REMAINDER:
@@ -77,12 +79,12 @@ def _store(view: torch.Tensor, value: torch.Tensor, scale_view) -> None:
 
 
 def load_buckets_state(opt, layout, state_dict: dict) -> None:
-    """Loads a FusedAdam, DistributedFusedAdam (portable) or torch.optim.Adam/AdamW
-    state dict. Everything is checked first (_state_dict_check.py): a refused
-    load raises ValueError and changes nothing, not even the buckets, which
-    ``layout()`` builds only then; the caller's dict is only read."""
-    states = STATE_KEYS if opt._opts["amsgrad"] else STATE_KEYS[:2]
-    checked = check_state_dict(state_dict, opt.param_groups, states)
+    """Loads a state dict of the same rule: a fused or distributed (portable)
+    optimizer's, or torch.optim's (Adam/AdamW for Adam). Everything is checked
+    first (_state_dict_check.py): a refused load raises ValueError and changes
+    nothing, not even the buckets, which ``layout()`` builds only then; the
+    caller's dict is only read."""
+    checked = check_state_dict(state_dict, opt.param_groups, opt.rule)
     buckets = layout()
     where = {id(p): (b, j) for b in buckets for j, p in enumerate(b.params)}
     with torch.no_grad():
@@ -93,8 +95,8 @@ def load_buckets_state(opt, layout, state_dict: dict) -> None:
                 continue  # frozen: no state
             b, j = where[id(p)]
             views = b.views[j]
-            for k in STATE_KEYS:
-                if k in entry and k in views:
+            for k in b.states:
+                if k in entry:
                     _store(views[k], entry[k], views.get(k + "_scale"))
             master = entry["master"]
             if master is None:
@@ -123,7 +125,7 @@ def torch_adam_state_dict(state_dict: dict) -> dict:
     state = {}
     steps = {key: g["step"] for g in state_dict["param_groups"] for key in g["params"]}
     for key, entry in state_dict["state"].items():
-        out = {k: v.clone() for k, v in entry.items() if k in STATE_KEYS}
+        out = {k: v.clone() for k, v in entry.items() if k in AdamRule.known_states}
         out["step"] = torch.tensor(float(steps[key]))
         state[key] = out
     groups = []

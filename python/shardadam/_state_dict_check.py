@@ -1,13 +1,14 @@
 """Every check a state-dict load runs before it writes anything, shared by
-FusedAdam.load_state_dict, DistributedFusedAdam.load_state_dict and
-DistributedFusedAdam.load_sharded_state_dict (see _validate.py's note
-"validate, then mutate").
+the fused optimizers' load_state_dict and the distributed optimizers'
+load_state_dict and load_sharded_state_dict (see _validate.py's note
+"validate, then mutate"). The update rule ([Note: update rules] in _rules.py)
+says which states exist and checks the groups' hyperparameters.
 
 Accepted formats (one checker for all of them):
 - shardadam's own: FusedAdam's (``master_param``) and DistributedFusedAdam's
   portable one (``param``), with the step in each group;
-- torch.optim.Adam/AdamW: the step per parameter (``state[i]["step"]``), none
-  in the groups.
+- torch.optim's (Adam/AdamW, or lion-pytorch's Lion): the step per parameter
+  (``state[i]["step"]``, where kept), none in the groups.
 
 Checked: the structure (a dict with 'state' and 'param_groups', each group a
 dict with a 'params' list, every state entry a dict), the number of groups and
@@ -28,11 +29,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._validate import check_adam_group, check_betas, check_flag, check_step_count
+from ._validate import check_betas, check_flag, check_step_count
 
-STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-MASTER_KEYS = ("master_param", "param")  # FusedAdam's name, DistributedFusedAdam's name
-KNOWN_KEYS = STATE_KEYS + MASTER_KEYS + ("step",)
+MASTER_KEYS = ("master_param", "param")  # the fused optimizers' name, the distributed ones' name
 
 _OTHER_MODEL = ("a checkpoint of another model, or of parameter groups built another way: build the optimizer "
                 "as the one that saved it")
@@ -43,17 +42,19 @@ class CheckedLoad:
     """What a checked load writes. group_values: per live group, the values to
     set (plain numbers, betas a tuple). entries: (parameter, states) for every
     parameter with saved state, where states maps "master" (None when the
-    checkpoint has no master) and each saved state name in STATE_KEYS to the
+    checkpoint has no master) and each saved state name of the rule to the
     caller's tensor."""
     group_values: list = field(default_factory=list)
     entries: list = field(default_factory=list)
 
 
-def check_state_dict(state_dict, param_groups: list, states: tuple) -> CheckedLoad:
+def check_state_dict(state_dict, param_groups: list, rule) -> CheckedLoad:
     """Check a state dict against the optimizer's param_groups before a load.
-    states: the names the optimizer keeps per parameter (exp_avg, exp_avg_sq
-    and, with AMSGrad, max_exp_avg_sq): a saved entry must hold each of them.
+    rule.states: the names the optimizer keeps per parameter (Adam: exp_avg,
+    exp_avg_sq and, with AMSGrad, max_exp_avg_sq): a saved entry must hold
+    each of them; rule.known_states may be saved (and are otherwise ignored).
     Raises ValueError naming the first problem; writes nothing."""
+    known_keys = rule.known_states + MASTER_KEYS + ("step",)
     if not isinstance(state_dict, Mapping):
         raise ValueError(f"state_dict must be an optimizer state dict (a dict with 'state' and 'param_groups'), "
                          f"got {type(state_dict).__name__}")
@@ -103,13 +104,13 @@ def check_state_dict(state_dict, param_groups: list, states: tuple) -> CheckedLo
         where = f"state_dict['state'][{key!r}]"
         if not isinstance(entry, Mapping):
             raise ValueError(f"{where} must be a dict of the parameter's states, got {type(entry).__name__}")
-        unknown = [name for name in entry if name not in KNOWN_KEYS]
+        unknown = [name for name in entry if name not in known_keys]
         if unknown:
-            raise ValueError(f"{where} has an unknown state {unknown[0]!r} (known: {', '.join(KNOWN_KEYS)}): not "
-                             f"an Adam state dict")
+            raise ValueError(f"{where} has an unknown state {unknown[0]!r} (known: {', '.join(known_keys)}): not "
+                             f"a state dict of {rule.title}")
         if all(name in entry for name in MASTER_KEYS):
             raise ValueError(f"{where} has both 'master_param' and 'param': keep the one master it should load")
-        absent = [name for name in states if name not in entry]
+        absent = [name for name in rule.states if name not in entry]
         if absent:
             raise ValueError(f"{where} has no {absent[0]!r}, which the optimizer keeps for its parameter "
                              f"param_groups[{gi}]['params'][{pi}] (a checkpoint without AMSGrad into an optimizer "
@@ -123,7 +124,8 @@ def check_state_dict(state_dict, param_groups: list, states: tuple) -> CheckedLo
             loaded["master" if name in MASTER_KEYS else name] = value
         checked.entries.append((p, loaded))
     for gi, (saved, group) in enumerate(zip(saved_groups, param_groups)):
-        checked.group_values.append(check_group_values(f"state_dict['param_groups'][{gi}]", saved, group, steps[gi]))
+        checked.group_values.append(check_group_values(f"state_dict['param_groups'][{gi}]", saved, group, rule,
+                                                       steps[gi]))
     return checked
 
 
@@ -145,7 +147,7 @@ def check_state_tensor(where: str, value, shape, param: str | None = None) -> No
         raise ValueError(f"{where} has shape {tuple(value.shape)}, {of} {tuple(shape)}: {_OTHER_MODEL}")
 
 
-def check_group_values(where: str, saved: Mapping, group: dict, entry_steps: list | tuple = ()) -> dict:
+def check_group_values(where: str, saved: Mapping, group: dict, rule, entry_steps: list | tuple = ()) -> dict:
     """What a saved group sets in a live one, checked: the hyperparameters the
     live group has (plain numbers; a one-element tensor lr is read), and its
     step; without a saved group step (torch.optim.Adam/AdamW), the largest of
@@ -165,9 +167,9 @@ def check_group_values(where: str, saved: Mapping, group: dict, entry_steps: lis
                           else b for b in betas)
         _as_value_error(check_betas, where, betas)
         values["betas"] = tuple(betas)
-    merged = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay")}
+    merged = dict(group)
     merged.update({k: v for k, v in values.items() if k in merged})
-    _as_value_error(check_adam_group, where, merged)
+    _as_value_error(rule.check_group, where, merged)
     for name in ("bias_correction", "maximize"):
         if name in values:
             values[name] = check_flag(where, name, values[name])

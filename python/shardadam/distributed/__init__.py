@@ -1,6 +1,8 @@
 """ZeRO-2 sharding for shardadam: the bucket layout (which bucket and which rank
-holds each parameter element) and the DistributedFusedAdam optimizer built on it."""
+holds each parameter element), the engine built on it (ShardedOptimizer) and
+its optimizers."""
+from .adam import DistributedFusedAdam
 from .layout import Bucket, BucketLayout, Fragment, ShardFragment
-from .optimizer import DistributedFusedAdam
+from .optimizer import ShardedOptimizer
 
-__all__ = ["Bucket", "BucketLayout", "DistributedFusedAdam", "Fragment", "ShardFragment"]
+__all__ = ["Bucket", "BucketLayout", "DistributedFusedAdam", "Fragment", "ShardFragment", "ShardedOptimizer"]

@@ -27,11 +27,10 @@ __all__ = ["agree", "check_same_setup", "describe_setup", "first_difference"]
 
 # The options that shape the layout or the collectives each rank issues (in
 # __init__'s order); the sync dtypes are _build's arguments, resolved below.
-_OPTIONS = ("adam_w_mode", "amsgrad", "average_grad_sync", "overlap_grad_sync", "overlap_param_sync",
+_OPTIONS = ("average_grad_sync", "overlap_grad_sync", "overlap_param_sync",
             "bucket_cap_mb", "pipeline_size", "contiguous_param_buffer", "contiguous_grad_buffer", "store_params",
             "store_param_remainders", "with_scaled_states", "capturable", "grad_sync_copy_engine",
             "param_sync_copy_engine", "dist_size")
-_HYPER = ("lr", "betas", "eps", "weight_decay", "bias_correction")
 
 
 def _device_context(device):
@@ -104,11 +103,13 @@ def describe_setup(opt, grad_sync_dtype, param_sync_dtype) -> list[tuple[str, ob
     trainable = {p.dtype for g in opt.param_groups for p in g["params"] if p.requires_grad}
     # _build's resolution: an explicit dtype, else the parameters' one (None: several, refused there)
     param_sync = param_sync_dtype or (next(iter(trainable)) if len(trainable) == 1 else None)
-    items = [(f"option {name}", repr(getattr(opt, name, None))) for name in _OPTIONS]
+    items = [("the update rule", opt.rule.name)]
+    items += [(f"option {name}", repr(value)) for name, value in opt.rule.options().items()]
+    items += [(f"option {name}", repr(getattr(opt, name, None))) for name in _OPTIONS]
     items.append(("the number of parameter groups", len(opt.param_groups)))
     for gi, g in enumerate(opt.param_groups):
         items.append((f"the number of parameters in param_groups[{gi}]", len(g["params"])))
-        items += [(f"param_groups[{gi}]['{k}']", repr(_plain(g.get(k)))) for k in _HYPER]
+        items += [(f"param_groups[{gi}]['{k}']", repr(_plain(g.get(k)))) for k in opt.rule.group_keys]
     for gi, g in enumerate(opt.param_groups):
         for pi, p in enumerate(g["params"]):
             where = f"param_groups[{gi}]['params'][{pi}]"

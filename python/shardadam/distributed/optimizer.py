@@ -1,5 +1,7 @@
-"""DistributedFusedAdam: ZeRO-2 Adam over torch.distributed.
+"""The ZeRO-2 engine over torch.distributed, for any update rule.
 
+DistributedFusedAdam (adam.py) and DistributedFusedLion (lion.py) are this
+engine with their rule ([Note: update rules] in _rules.py) and constructors.
 Optimizer state and reduced gradients are sharded across the ranks of the
 (distributed) process group; parameters stay replicated. An iteration:
 
@@ -11,8 +13,9 @@ Optimizer state and reduced gradients are sharded across the ranks of the
    receives the sum of its shard of every bucket (distributed/_sync.py; on
    the copy engines between GPUs of one host, grad_sync_copy_engine,
    _peer_reduce.py);
-2. step(): one fused Adam launch updates the rank's shard of every bucket
-   (fp32 master, exp_avg, exp_avg_sq; per-fragment group hyperparameters;
+2. step(): one fused launch of the rule's kernel updates the rank's shard of
+   every bucket (fp32 master and the rule's states, e.g. Adam's exp_avg and
+   exp_avg_sq; per-fragment group hyperparameters;
    averaging, loss-scale and clipping folded into its gradient scale) and
    writes the new parameter values, in param_sync_dtype, into the rank's
    parameter shards;
@@ -21,8 +24,8 @@ Optimizer state and reduced gradients are sharded across the ranks of the
    overlap_param_sync; between GPUs of one host a contiguous buffer is
    all-gathered on the copy engines (param_sync_copy_engine, _peer_gather.py).
 
-With average_grad_sync=True the result equals DDP + torch.optim.AdamW (Adam
-with adam_w_mode=False) on the same global batch. capturable=True keeps lr and
+With average_grad_sync=True the result equals DDP + the rule's torch
+optimizer (torch.optim.AdamW for Adam) on the same global batch. capturable=True keeps lr and
 step in device tensors and decides skipped steps on the device, so a whole
 iteration can be captured in a CUDA graph. State other than fp32
 (dtype != torch.float32) raises NotImplementedError.
@@ -38,21 +41,21 @@ import torch
 import torch.distributed as dist
 
 from .. import kernels
-from .._groups import (adam_hyper, check_step_groups, pack_groups, param_names, plain_value, run_closure,
-                       set_group_values)
+from .._groups import check_step_groups, pack_groups, param_names, plain_value, run_closure, set_group_values
+from .._rules import UpdateRule
 from .._state_dict import join_remainders, pow2_scale_for, split_remainders
 from .._torch import check_tensor
 from .._tracked import DATA_PTR, ReplacedParams, moved_indices
 from .._state_dict_check import check_state_dict
-from .._validate import check_adam_group
 from . import _watchdog, sharded_checkpoint
 from ._agreement import check_same_setup, validate_then_agree
+from ._iteration import BackwardOrderProbe, Grads, Iteration, Params
 from ._peer_gather import PeerParamGather
 from ._peer_reduce import PeerGradReduce
 from ._sync import GradSync, ParamSync, flat_like, memory_flat
 from .layout import BucketLayout
 
-__all__ = ["DistributedFusedAdam"]
+__all__ = ["ShardedOptimizer"]
 
 _log = logging.getLogger("shardadam")
 
@@ -65,9 +68,12 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 def _grad_ready(optimizer: weakref.ref, k: int, param: torch.Tensor) -> None:
     """Post-accumulate-grad hook of parameter k: hand the gradient over."""
     opt = optimizer()
-    if opt is not None and opt._learning_order:
-        opt._arrivals.append(k)  # the first iteration synchronises in step(), in the order learnt here
-    elif opt is not None and opt._sync_in_backward:
+    if opt is None:
+        return
+    if opt._probe.active:
+        opt._probe.record(k)  # the first iteration synchronises in step(), in the order learnt here
+    elif not opt.iteration.no_sync:
+        opt.iteration.move_grads(Grads.REDUCING)
         opt._grad_sync.pack(k, param.grad)
         param.grad = opt._grad_views[k] if opt.contiguous_grad_buffer else None
 
@@ -81,11 +87,15 @@ _READS_CHILD_PARAMS = (torch.nn.MultiheadAttention,)
 def _wait_for_own_params(optimizer: weakref.ref, module: torch.nn.Module, args) -> None:
     """Module forward-pre hook: wait for the all-gathers of this module's parameters."""
     opt = optimizer()
-    if opt is not None and opt._param_sync_due:
-        opt._param_sync_due = False
+    if opt is None:
+        return
+    if opt.iteration.params is Params.DEFERRED:
+        opt.iteration.move_params(Params.GATHERING)
         opt._param_sync.start()
-    if opt is not None and opt._param_sync.pending:
+    if opt.iteration.params is Params.GATHERING:
         opt._param_sync.wait_for(module.parameters(recurse=isinstance(module, _READS_CHILD_PARAMS)))
+        if not opt._param_sync.pending:
+            opt.iteration.move_params(Params.CURRENT)
 
 
 def _unflatten(param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,39 +106,31 @@ def _unflatten(param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return t, memory_flat(t)
 
 
-class DistributedFusedAdam(torch.optim.Optimizer):
-    """ZeRO-2 Adam/AdamW with sharded state, on NCCL (GPU) or gloo (CPU).
-
-    Every rank builds the same model and passes the same parameters; they are
-    broadcast from rank 0 of ``process_group`` here. A trainable parameter that
-    received no gradient on a rank contributes zeros to the reduction, and every
-    trainable parameter is updated every step (weight decay and moments apply),
-    as in apex; frozen parameters (requires_grad=False) are never touched.
-
-    With overlap_grad_sync=True a parameter's ``.grad`` is handed to the
-    optimizer as soon as backward produces it and is then None: read
-    gradients through grad_norm() / clip_grad_norm(). Inside no_sync(),
-    gradients accumulate in ``.grad`` as usual.
+class ShardedOptimizer(torch.optim.Optimizer):
+    """ZeRO-2 with sharded state, on NCCL (GPU) or gloo (CPU), for the update
+    rule its subclass (a constructor) passes; DistributedFusedAdam's
+    docstring (adam.py) says what every rank passes and how gradients are
+    handed over.
     """
 
-    def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,
-                 weight_decay=0.0, amsgrad=False, dtype=torch.float32, grad_sync_dtype=None, param_sync_dtype=None,
-                 device=None, process_group=None, distributed_process_group=None, redundant_process_group=None,
-                 average_grad_sync=True, overlap_grad_sync=True, overlap_param_sync=False, bucket_cap_mb=100,
-                 pipeline_size=2, contiguous_param_buffer=False, contiguous_grad_buffer=False, store_params=True,
-                 store_param_remainders=False, with_scaled_states=False, capturable=False,
-                 grad_sync_copy_engine=None, param_sync_copy_engine=None, skip_nonfinite_grads=False,
-                 copy_engine_timeout=_watchdog.DEFAULT_TIMEOUT_S):
+    def __init__(self, params, defaults: dict, rule: UpdateRule, *, dtype=torch.float32, grad_sync_dtype=None,
+                 param_sync_dtype=None, device=None, process_group=None, distributed_process_group=None,
+                 redundant_process_group=None, average_grad_sync=True, overlap_grad_sync=True,
+                 overlap_param_sync=False, bucket_cap_mb=100, pipeline_size=2, contiguous_param_buffer=False,
+                 contiguous_grad_buffer=False, store_params=True, store_param_remainders=False,
+                 with_scaled_states=False, capturable=False, grad_sync_copy_engine=None, param_sync_copy_engine=None,
+                 skip_nonfinite_grads=False, copy_engine_timeout=_watchdog.DEFAULT_TIMEOUT_S):
+        name = type(self).__name__
+        self.rule = rule
+
         def arguments() -> None:
             if not (isinstance(pipeline_size, int) and pipeline_size >= 1):
                 raise ValueError(f"pipeline_size must be an int >= 1 (buckets in flight), got {pipeline_size!r}")
             if dtype != torch.float32:
-                raise NotImplementedError("DistributedFusedAdam: only dtype=torch.float32 state is supported yet")
+                raise NotImplementedError(f"{name}: only dtype=torch.float32 state is supported yet")
             if not bucket_cap_mb > 0:
                 raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
-            defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                            bias_correction=bias_correction)
-            check_adam_group("DistributedFusedAdam", defaults)
+            rule.check_group(name, defaults)
             torch.optim.Optimizer.__init__(self, params, defaults)
             _watchdog.validate_timeout(copy_engine_timeout)
 
@@ -137,7 +139,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         # arguments (or its parameters) never leaves its peers waiting in
         # the next one, and every rank raises the same message.
         if dist.is_initialized():
-            validate_then_agree("DistributedFusedAdam(...)", arguments, process_group, None,
+            validate_then_agree(f"{name}(...)", arguments, process_group, None,
                                 outcome="no rank built the optimizer")
         else:
             arguments()  # no peers to tell (the missing process group is refused below)
@@ -165,14 +167,12 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         if self.dist_size * redundant_size != self.world_size:
             raise ValueError(f"distributed_process_group ({self.dist_size} ranks) x redundant_process_group "
                              f"({redundant_size} ranks) must cover process_group ({self.world_size} ranks)")
-        self.adam_w_mode = adam_w_mode
-        self.amsgrad = amsgrad
         self.store_param_remainders = store_param_remainders
         self.with_scaled_states = with_scaled_states
         if store_param_remainders + with_scaled_states + (not store_params) > 1:
             raise ValueError("store_param_remainders, with_scaled_states and store_params=False are three ways "
                              "to store the master: choose one")
-        # store_params=False: no master of its own; Adam updates the
+        # store_params=False: no master of its own; the rule updates the
         # parameter shard in param_sync_dtype (lossy below fp32, unlike remainders).
         self.store_params = store_params
         self.average_grad_sync = average_grad_sync
@@ -184,24 +184,16 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         # the ranks can (one host, shareable memory), else NCCL.
         self.grad_sync_copy_engine = grad_sync_copy_engine
         self.param_sync_copy_engine = param_sync_copy_engine
-        self._sync_in_backward = overlap_grad_sync  # off inside no_sync()
         self.pipeline_size = pipeline_size
         self.bucket_cap_mb = bucket_cap_mb
-        self._grads_synced = False  # this iteration's gradients are already reduce-scattered
-        # For the next step: clip_grad_norm's max_norm and the gradient norm it
-        # saw (still loss-scaled under AMP), and unscale_grads' factor.
-        self._clip_max_norm = self._clip_norm = self._inv_scale = None
+        # [Note: iteration phases] (_iteration.py): where this iteration is.
+        self.iteration = Iteration()
         self._grad_scaler = None  # the GradScaler step() last received: grad_norm() unscales with it
-        # capturable + overlap_param_sync: the all-gathers after a step are
-        # started by the next forward, so that one captured iteration holds
-        # both ends of them (a graph cannot end with a collective in flight).
-        self._param_sync_due = False
         self._hooks = []
         # The layout's first guess at backward order is the parameters
         # reversed; the first backward (with overlap) shows the real one, and
         # the first step rebuilds the layout in it (_adopt_backward_order).
-        self._learning_order = overlap_grad_sync
-        self._arrivals: list[int] = []
+        self._probe = BackwardOrderProbe(active=overlap_grad_sync)
         params, groups_of = self._build(grad_sync_dtype, param_sync_dtype, device)
         self._build_layout(params[::-1], groups_of[::-1])
         # On every module's forward (as apex): the optimizer is not given the
@@ -227,7 +219,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                     params.append(p)
                     groups.append(gi)
         if not params:
-            raise ValueError("DistributedFusedAdam needs at least one parameter with requires_grad=True")
+            raise ValueError(f"{type(self).__name__} needs at least one parameter with requires_grad=True")
         self.device = torch.device(device) if device is not None else params[0].device
         if self.capturable and self.device.type != "cuda":
             raise ValueError(f"capturable=True needs CUDA parameters and an NCCL process group (parameters on "
@@ -311,8 +303,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             if sync is not None:
                 sync.close()
         self.plan = self._grad_sync = self._param_sync = None
-        self.grad_shards = self.master = self.remainders = self.exp_avg = self.exp_avg_sq = None
-        self.max_exp_avg_sq = self.param_shards = self.param_buffer = self.grad_buffer = None
+        self.grad_shards = self.master = self.remainders = self.states = None
+        self.param_shards = self.param_buffer = self.grad_buffer = None
         self.params = params
         self.param_groups_of = groups_of
         elem = torch.empty((), dtype=self.grad_sync_dtype).element_size()
@@ -346,17 +338,17 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                     view.copy_(p.grad)
             self._attach_grad_views()
         fp32_shard = dict(size=(n_buckets, self.shard_size), dtype=torch.float32, device=dev)
-        # with_scaled_states: master, exp_avg and exp_avg_sq in fp16, each
-        # fragment with its own power-of-two scale, rescaled inside the kernel.
+        # with_scaled_states: the master and the rule's scalable states (Adam:
+        # exp_avg, exp_avg_sq) in fp16, each fragment with its own
+        # power-of-two scale, rescaled inside the kernel.
         state_shard = dict(fp32_shard, dtype=torch.float16) if self.with_scaled_states else fp32_shard
         # With remainders the fp32 master is the bf16 parameter shard (its high
         # half) plus int16 low halves: 2 bytes per parameter instead of 4.
         self.master = torch.zeros(**state_shard) if self.store_params and not self.store_param_remainders else None
         self.remainders = (torch.zeros(n_buckets, self.shard_size, dtype=torch.int16, device=dev)
                            if self.store_param_remainders else None)
-        self.exp_avg = torch.zeros(**state_shard)
-        self.exp_avg_sq = torch.zeros(**state_shard)
-        self.max_exp_avg_sq = torch.zeros(**fp32_shard) if self.amsgrad else None
+        self.states = {name: torch.zeros(**(state_shard if name in self.rule.scalable else fp32_shard))
+                       for name in self.rule.states}
         # What the all-gather sends: a slice of the contiguous parameter buffer,
         # the master itself when it already is in param_sync_dtype (fp32 model:
         # no separate copy), or a shard buffer the kernel writes (params_out).
@@ -366,7 +358,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             self.param_shards = self.master
         else:
             self.param_shards = torch.zeros(n_buckets, self.shard_size, dtype=self.param_sync_dtype, device=dev)
-        self._state_names = ("master", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if self.amsgrad else ())
+        self._state_names = ("master",) + self.rule.states
         # This rank's pieces, ordered by group so that one launch covers them all.
         shard = sorted(self.layout.shard_fragments(self.rank), key=lambda f: self.param_groups_of[f.param])
         self._shard_fragments = shard
@@ -378,24 +370,21 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self._initialized = [False] * len(self.params)
         self._fragment_index = {(f.bucket, f.shard_start): j for j, f in enumerate(shard)}
         self.state_scales = {name: torch.ones(len(shard), dtype=torch.float32, device=dev)
-                             for name in ("master", "exp_avg", "exp_avg_sq")} if self.with_scaled_states else {}
+                             for name in ("master",) + self.rule.scalable} if self.with_scaled_states else {}
         sizes = [0] * len(self.param_groups)
         for f in shard:
             sizes[self.param_groups_of[f.param]] += 1
         pieces = [(f.bucket, f.shard_start, f.shard_end) for f in shard]
         rem = self.store_param_remainders
         updated = self.master if self.master is not None else self.param_shards
-        self.plan = kernels.AdamPlan(
-            [updated[b, s:e] for b, s, e in pieces],
-            [self.grad_shards[b, s:e] for b, s, e in pieces],
-            [self.exp_avg[b, s:e] for b, s, e in pieces], [self.exp_avg_sq[b, s:e] for b, s, e in pieces],
-            params_out=None if updated is self.param_shards
-            else [self.param_shards[b, s:e] for b, s, e in pieces], group_sizes=sizes,
-            max_exp_avg_sqs=[self.max_exp_avg_sq[b, s:e] for b, s, e in pieces] if self.amsgrad else None,
+        # Views of this optimizer's own buffers, which never move: the rule's
+        # plan does not re-check their addresses.
+        self.plan = self.rule.plan(
+            [updated[b, s:e] for b, s, e in pieces], [self.grad_shards[b, s:e] for b, s, e in pieces],
+            {name: [t[b, s:e] for b, s, e in pieces] for name, t in self.states.items()},
+            params_out=None if updated is self.param_shards else [self.param_shards[b, s:e] for b, s, e in pieces],
             param_remainders=[self.remainders[b, s:e] for b, s, e in pieces] if rem else None,
-            master_scales=self.state_scales.get("master"), exp_avg_scales=self.state_scales.get("exp_avg"),
-            exp_avg_sq_scales=self.state_scales.get("exp_avg_sq"), device=dev,
-            check_addresses=False)  # views of this optimizer's own buffers, which never move
+            scales=self.state_scales, group_sizes=sizes, device=dev)
         self._norm_plan, self._subset_norm_plans = None, {}
         self._grad_sync = GradSync(self.params, self.layout, self.grad_shards, self.dist_group, self.pipeline_size,
                                    self.redundant_group, self.grad_buffer, self._grad_views, reduce)
@@ -420,10 +409,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         (rank 0's, so that every rank has the same layout): buckets then
         complete, and start, while backward goes on. Runs at the first step,
         before state exists (or carrying it through a portable state dict)."""
-        self._learning_order = False
-        seen = list(dict.fromkeys(self._arrivals))
-        known = set(seen)
-        order = seen + [k for k in range(len(self.params)) if k not in known]
+        order = self._probe.take(len(self.params))
         agreed = torch.tensor(order, dtype=torch.int64, device=self.device)
         dist.broadcast(agreed, src=self._src, group=self.group)
         order = agreed.tolist()
@@ -437,7 +423,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
     @torch.no_grad()
     def init_params(self, params=None) -> None:
         """(Re)start the optimizer state of `params` (default: all) from their
-        current values: fp32 master = the parameter, exp_avg = exp_avg_sq = 0.
+        current values: fp32 master = the parameter, the rule's states = 0.
         Runs by itself at the first step for parameters never initialised, so
         weights loaded into the model after the optimizer was built are used.
         Every rank must call it with the same parameters."""
@@ -455,8 +441,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             if f.param in chosen:
                 flat = memory_flat(self.params[f.param].detach())
                 self._write_state("master", f, flat[f.param_start:f.param_end].float())
-                for name in self._state_names[1:]:
-                    getattr(self, name)[f.bucket, f.shard_start:f.shard_end].zero_()
+                for state in self.states.values():
+                    state[f.bucket, f.shard_start:f.shard_end].zero_()
         for k in chosen:
             self._initialized[k] = True
 
@@ -466,7 +452,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             return join_remainders(self.param_shards[b], self.remainders[b])
         if name == "master" and self.master is None:  # store_params=False
             return self.param_shards[b].float()
-        row = getattr(self, name)[b].float()
+        row = self.state_buffer(name)[b].float()
         if name in self.state_scales:
             for f in self._shard_fragments_by_bucket[b]:
                 row[f.shard_start:f.shard_end] /= self.state_scales[name][self._fragment_index[(b, f.shard_start)]]
@@ -485,9 +471,14 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             j = self._fragment_index[(f.bucket, f.shard_start)]
             scale = pow2_scale_for(float(values.abs().max()) if values.numel() else 0.0)
             self.state_scales[name][j] = scale
-            getattr(self, name)[where].copy_(values * scale)
+            self.state_buffer(name)[where].copy_(values * scale)
         else:
-            getattr(self, name)[where].copy_(values)
+            self.state_buffer(name)[where].copy_(values)
+
+    def state_buffer(self, name: str) -> torch.Tensor | None:
+        """This rank's [buckets, shard] buffer of a state ("master": the
+        separate master, None without one), as stored."""
+        return self.master if name == "master" else self.states[name]
 
     def init_params_bucket(self, params) -> None:
         """apex's name for initialising a set of parameters: init_params(params)."""
@@ -515,7 +506,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         """param's gradient inside the contiguous gradient buffer (a view
         shaped like param; what autograd accumulates into)."""
         if not self.contiguous_grad_buffer:
-            raise RuntimeError("grad_buffer_view needs DistributedFusedAdam(contiguous_grad_buffer=True); "
+            raise RuntimeError(f"grad_buffer_view needs {type(self).__name__}(contiguous_grad_buffer=True); "
                                "without it gradients live in temporary buckets")
         for p, view in zip(self.params, self._grad_views):
             if p is param:
@@ -530,7 +521,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None, *, grad_scaler=None):
-        """One Adam step over this rank's shard, then the parameter all-gather.
+        """One step of the rule over this rank's shard, then the parameter all-gather.
 
         With grad_scaler (``scaler.step(opt)`` passes it), the gradients are
         still scaled: 1/scale joins the kernel's gradient scale, and a
@@ -547,15 +538,15 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         loss = run_closure(closure)
         # [Note: validate, then mutate] (_validate.py): every refusal comes first.
         _watchdog.check()  # a copy-engine collective whose peer died: this iteration is invalid
-        check_step_groups(self.param_groups)
+        check_step_groups(self.param_groups, self.rule)
         self._check_params_in_place()
         if grad_scaler is not None:
-            if self._inv_scale is not None:
+            if self.iteration.inv_scale is not None:
                 raise RuntimeError("step(grad_scaler=...) after unscale_grads(): the gradients would be unscaled "
                                    "twice; use one of the two")
             inv_loss_scale = self._scaler_inv_scale(grad_scaler)
-        self._param_sync.finish()  # the last all-gather reads the shards this step writes
-        if not self._grads_synced:  # the first one rebuilds the layout: before any state exists, so cheaply
+        self._land_param_sync()  # the last all-gather reads the shards this step writes
+        if self.iteration.grads is not Grads.REDUCED:  # the first one rebuilds the layout: before any state exists
             self.grad_sync()
         if not all(self._initialized):
             self.init_params([p for p, done in zip(self.params, self._initialized) if not done])
@@ -563,8 +554,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         # scale: the reduced gradients are never rescaled in memory.
         grad_scale = torch.full((), 1.0 / self.world_size if self.average_grad_sync else 1.0,
                                 dtype=torch.float32, device=self.device)
-        if self._inv_scale is not None:
-            grad_scale *= self._inv_scale
+        if self.iteration.inv_scale is not None:
+            grad_scale *= self.iteration.inv_scale
         found_inf = None
         if grad_scaler is not None:
             grad_scale *= inv_loss_scale
@@ -577,27 +568,29 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         if found_inf is not None and not self.capturable and found_inf.item():  # the host's step counters must know
             if self.skip_nonfinite_grads:
                 self.skipped_steps += 1
-                _log.warning("DistributedFusedAdam: step skipped on every rank: the reduced gradients hold inf or "
-                             "NaN (%d steps skipped so far)", self.skipped_steps)
+                _log.warning("%s: step skipped on every rank: the reduced gradients hold inf or NaN (%d steps "
+                             "skipped so far)", type(self).__name__, self.skipped_steps)
             self._end_iteration()
             return loss
-        if self._clip_max_norm is not None:  # deferred: on the unscaled norm
-            unscaled = self._clip_norm * (grad_scale * (self.world_size if self.average_grad_sync else 1.0))
-            grad_scale *= torch.clamp(self._clip_max_norm / (unscaled + 1e-6), max=1.0)
+        if self.iteration.clip is not None:  # deferred: on the unscaled norm
+            max_norm, scaled_norm = self.iteration.clip
+            unscaled = scaled_norm * (grad_scale * (self.world_size if self.average_grad_sync else 1.0))
+            grad_scale *= torch.clamp(max_norm / (unscaled + 1e-6), max=1.0)
         # Every rank, every group (empty ones too) advances; a capturable step
         # skipped for inf/NaN advances by 0, on the device.
         advance = 1 if found_inf is None or not self.capturable else (found_inf == 0).to(torch.int64).reshape(())
         for g in self.param_groups:
             g["step"] += advance
-        kernels.adam(self.plan, grad_scale=grad_scale, found_inf=found_inf if self.capturable else None,
-                     **adam_hyper(self.param_groups, self.adam_w_mode))
+        self.rule.launch(self.plan, self.rule.hyper(self.param_groups), grad_scale=grad_scale,
+                         found_inf=found_inf if self.capturable else None)
         # The all-gathers write the parameters behind autograd's back: tell
         # it, so a graph that saved a parameter before this step refuses to
         # run backward through the new values (as after torch.optim's step).
         torch.autograd.graph.increment_version(self.params)
         if self.overlap_param_sync and self.capturable:
-            self._param_sync_due = True  # started by the next forward
+            self.iteration.move_params(Params.DEFERRED)  # started by the next forward
         elif self.overlap_param_sync:
+            self.iteration.move_params(Params.GATHERING)
             self._param_sync.start()  # each module's forward waits for its own buckets
         else:
             self.param_sync()
@@ -629,7 +622,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                     else "its gradient a view of its gradient buffer"
                 raise RuntimeError(
                     f"{where} no longer lives in the optimizer's memory: its storage was replaced (model.to(...), "
-                    f"p.data = ..., a swap_tensors conversion) after DistributedFusedAdam({option}=True) made {made}, "
+                    f"p.data = ..., a swap_tensors conversion) after {type(self).__name__}({option}=True) made {made}, "
                     "so the optimizer would no longer reach the model. Convert the model before building the optimizer")
         self._param_ptrs = list(map(DATA_PTR, self.params))
 
@@ -642,13 +635,12 @@ class DistributedFusedAdam(torch.optim.Optimizer):
 
     def _end_iteration(self) -> None:
         self._grad_sync.reset()
-        self._grads_synced = False
-        self._clip_max_norm = self._clip_norm = self._inv_scale = None
+        self.iteration.end()
 
     def _scaler_inv_scale(self, grad_scaler) -> torch.Tensor:
         state = grad_scaler._per_optimizer_states[id(self)]
         if state["stage"].name == "UNSCALED":
-            raise RuntimeError("scaler.unscale_(optimizer) cannot reach DistributedFusedAdam's gradients (they "
+            raise RuntimeError(f"scaler.unscale_(optimizer) cannot reach {type(self).__name__}'s gradients (they "
                                "live in its buckets): skip it; clip_grad_norm() and step() unscale by themselves")
         return grad_scaler._scale.to(self.device, torch.float32).reciprocal()
 
@@ -667,7 +659,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             raise ValueError("unscale_grads needs exactly one of inv_scale or grad_scaler")
         if grad_scaler is not None:
             inv_scale = self._scaler_inv_scale(grad_scaler)
-        self._inv_scale = torch.as_tensor(inv_scale, dtype=torch.float32, device=self.device).reshape(())
+        self.iteration.inv_scale = torch.as_tensor(inv_scale, dtype=torch.float32, device=self.device).reshape(())
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears gradients; with contiguous_grad_buffer the buffer is zeroed
@@ -687,11 +679,11 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         """Gradient accumulation: backward passes inside this context add into
         ``p.grad`` with no communication; the first backward outside it (or
         step()) synchronises the sum."""
-        before, self._sync_in_backward = self._sync_in_backward, False
+        before, self.iteration.no_sync = self.iteration.no_sync, True
         try:
             yield
         finally:
-            self._sync_in_backward = before
+            self.iteration.no_sync = before
 
     @torch.no_grad()
     def grad_norm(self, parameters=None, norm_type: float = 2.0, *, grad_scaler=None) -> torch.Tensor:
@@ -718,7 +710,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         """The norm of the gradients as they are (loss-scaled under AMP)."""
         if norm_type != 2.0:
             raise ValueError(f"norm_type must be 2.0 (the L2 norm), got {norm_type}")
-        if not self._grads_synced:
+        if self.iteration.grads is not Grads.REDUCED:
             self.grad_sync()
         local = kernels.l2_norm(self._norm_plan_for(parameters)).total
         sum_sq = local * local
@@ -765,34 +757,41 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             raise ValueError(f"max_norm must be > 0, got {max_norm}")
         self._meet_scaler(grad_scaler)
         scaled = self._scaled_grad_norm(None, norm_type)
-        self._clip_max_norm, self._clip_norm = float(max_norm), scaled  # unscaled in step()
+        self.iteration.clip = (float(max_norm), scaled)  # unscaled in step()
         return self._unscaled(scaled)
 
     def grad_sync(self) -> None:
         """Finish this iteration's gradient synchronisation: reduce-scatter
         every bucket that backward has not started, and wait for all."""
-        if self._learning_order:
+        if self._probe.active:
             self._adopt_backward_order()
         self._grad_sync.finish()
         if not self.contiguous_grad_buffer:
             for p in self.params:  # handed over: the reduced shards hold them now
                 p.grad = None
-        self._grads_synced = True
+        self.iteration.move_grads(Grads.REDUCED)
 
     def param_sync(self) -> None:
         """Bring every parameter up to date: finish the all-gathers that
         overlap_param_sync left running (call this before reading parameters
         outside a module's forward, e.g. to save the model), or run them now."""
-        self._param_sync_due |= not self._param_sync.pending
+        if self.iteration.params is Params.CURRENT:  # nothing owed: all-gather now
+            self.iteration.move_params(Params.DEFERRED)
         self._finish_param_sync()
 
     def _finish_param_sync(self) -> None:
         """Let every all-gather the last step owes land: those running, and
         those a capturable step left to the next forward (started now)."""
-        if self._param_sync_due:
-            self._param_sync_due = False
+        if self.iteration.params is Params.DEFERRED:
+            self.iteration.move_params(Params.GATHERING)
             self._param_sync.start(depth=self.pipeline_size)
+        self._land_param_sync()
+
+    def _land_param_sync(self) -> None:
+        """Wait for the all-gathers in flight (none: nothing to do)."""
         self._param_sync.finish()
+        if self.iteration.params is Params.GATHERING:
+            self.iteration.move_params(Params.CURRENT)
 
     # ------------------------------------------------------------ checkpoints
 
@@ -803,12 +802,13 @@ class DistributedFusedAdam(torch.optim.Optimizer):
 
     def load_sharded_state_dict(self, sharded: dict) -> None:
         """Take a sharded_state_dict() structure that dcp.load has filled."""
-        self._param_sync.finish()
+        self._land_param_sync()
         sharded_checkpoint.load_sharded_state_dict(self, sharded)
 
     def state_dict(self, gather_on_root: bool = False) -> dict | None:
         """Portable state: per parameter (index in param_groups order) the fp32
-        ``param`` master, ``exp_avg`` and ``exp_avg_sq`` as full tensors, plus the
+        ``param`` master and the rule's states (Adam: ``exp_avg`` and
+        ``exp_avg_sq``) as full tensors, plus the
         groups' hyperparameters and steps. Independent of world size and bucket
         size: it loads on any number of ranks. The shards are gathered one
         bucket at a time (one bucket of extra device memory, one copy to the
@@ -860,18 +860,18 @@ class DistributedFusedAdam(torch.optim.Optimizer):
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
         """Loads a state_dict() saved on any world size and bucket size (each
-        rank takes its own pieces, no communication), or a FusedAdam or
-        torch.optim.Adam/AdamW state dict (fp32 master ``param`` /
+        rank takes its own pieces, no communication), or a fused optimizer's
+        or the rule's torch optimizer's state dict (fp32 master ``param`` /
         ``master_param`` optional: without it the master is the parameter's
         current value). Checks everything before writing; the caller's dict is
         not modified. Every rank checks the whole dict (structure, counts,
         shapes, tensor types, hyperparameters, steps: _state_dict_check.py),
         then the ranks agree (one small collective): if any rank refuses,
         every rank raises the same ValueError and nothing is written."""
-        self._param_sync.finish()
+        self._land_param_sync()
         checked = validate_then_agree(
-            "DistributedFusedAdam.load_state_dict",
-            lambda: check_state_dict(state_dict, self.param_groups, self._state_names[1:]), self.group, self.device)
+            f"{type(self).__name__}.load_state_dict",
+            lambda: check_state_dict(state_dict, self.param_groups, self.rule), self.group, self.device)
         for values, group in zip(checked.group_values, self.param_groups):
             set_group_values(group, values)
         # without a master in the checkpoint, the master is the parameter's current value
@@ -898,7 +898,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         def group_name(g, absent: str = "default") -> str:
             return absent if g is None else f"(size {dist.get_world_size(g)}, id {id(g)})"
 
-        options = dict(amsgrad=self.amsgrad, adam_w_mode=self.adam_w_mode, dtype=torch.float32,
+        options = dict(self.rule.options(), dtype=torch.float32,
                        grad_sync_dtype=self.grad_sync_dtype, param_sync_dtype=self.param_sync_dtype,
                        device=self.device, average_grad_sync=self.average_grad_sync,
                        overlap_grad_sync=self.overlap_grad_sync, overlap_param_sync=self.overlap_param_sync,
@@ -917,8 +917,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                  f"grad_sync={'copy engines' if self._grad_sync.peer is not None else 'collective'}, "
                  f"param_sync={'copy engines' if self._param_sync.peer is not None else 'collective'}"]
         for i, g in enumerate(self.param_groups):
-            lines.append(f"  group {i}: {len(g['params'])} params, lr={plain_value(g['lr'])}, betas={g['betas']}, "
-                         f"eps={g['eps']}, weight_decay={g['weight_decay']}, "
-                         f"bias_correction={g['bias_correction']}, step={plain_value(g['step'])}")
+            values = ", ".join(f"{k}={plain_value(g[k])}" for k in self.rule.group_keys + ("step",))
+            lines.append(f"  group {i}: {len(g['params'])} params, {values}")
         lines.append("  options: " + ", ".join(f"{k}={str(v).replace('torch.', '')}" for k, v in options.items()))
         return "\n".join(lines + [")"])

@@ -155,7 +155,7 @@ def _piece(opt, name: str, f, rows: dict) -> torch.Tensor:
 
 
 def _shares_buffer(opt, t: torch.Tensor) -> bool:
-    buffers = (opt.master, opt.exp_avg, opt.exp_avg_sq, opt.max_exp_avg_sq, opt.param_shards, opt.remainders)
+    buffers = (opt.master, opt.param_shards, opt.remainders, *opt.states.values())
     ptr = t.untyped_storage().data_ptr()
     return any(b is not None and b.untyped_storage().data_ptr() == ptr for b in buffers)
 
@@ -163,7 +163,7 @@ def _shares_buffer(opt, t: torch.Tensor) -> bool:
 def _live_view(opt, name: str, f) -> torch.Tensor | None:
     """Fragment f's piece of a state buffer that holds the fp32 values as they
     are (dcp.load fills it in place); None where the buffer stores them otherwise."""
-    buffer = getattr(opt, name)
+    buffer = opt.state_buffer(name)
     if buffer is not None and buffer.dtype == torch.float32 and name not in opt.state_scales:
         return buffer[f.bucket, f.shard_start:f.shard_end]
     return None
@@ -220,7 +220,7 @@ def _check(opt, sharded) -> tuple[list, list]:
         if len(saved["params"]) != len(group["params"]):
             raise ValueError(f"{where} lists {len(saved['params'])} parameters, the optimizer's group {gi} has "
                              f"{len(group['params'])}: another model, or groups built another way")
-        group_values.append(check_group_values(where, saved, group))
+        group_values.append(check_group_values(where, saved, group, opt.rule))
     space = _FlatSpace(opt)
     _check_tables(opt, space, _json(sharded, "params", "parameter table"),
                   _json(sharded, "shapes", "shape table") if "shapes" in sharded else None)

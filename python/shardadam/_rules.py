@@ -1,0 +1,111 @@
+"""Update rules: the part of an optimizer that is its math.
+
+[Note: update rules] The optimizers own everything around the math: storage
+(FusedAdam's buckets, the ZeRO engine's shards), gradient and parameter sync,
+AMP, clipping, skipped steps and both checkpoint formats. An update rule owns
+only what differs between Adam and another element-wise optimizer:
+
+- ``states``: the per-parameter state it keeps, in the kernel's list order
+  (names as torch.optim spells them: they are the checkpoints' keys);
+- ``scalable``: which of them may be stored in fp16 with per-tensor scales;
+- ``check_group``: its hyperparameters' checks (one group, or the defaults);
+- ``plan`` and ``launch``: how its kernel's plan is built from the storage's
+  lists and launched with the groups' hyperparameters.
+
+A new optimizer is one element functor in the core (cpp/), one rule here, and
+constructors that hand the rule to the shared optimizers.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import kernels
+from ._validate import check_adam_group
+
+
+class UpdateRule:
+    """The interface the optimizers use; see [Note: update rules]."""
+
+    name: str = ""
+    title: str = ""  # how messages name it
+    states: tuple[str, ...] = ()
+    # States a checkpoint of this rule may hold (all of its options' states);
+    # the ones the optimizer does not keep are ignored at load.
+    known_states: tuple[str, ...] = ()
+    scalable: tuple[str, ...] = ()
+    # Group hyperparameters every group has, as the rule's constructor names them.
+    group_keys: tuple[str, ...] = ()
+
+    def check_group(self, where: str, group: dict) -> None:
+        raise NotImplementedError
+
+    def plan(self, params: list, grads: list, states: dict, *, params_out=None, param_remainders=None,
+             scales: dict | None = None, group_sizes=None, device=None) -> kernels.TensorPlan:
+        """The kernel's plan over `params` (the values updated: masters where
+        there are masters), with ``states[name]`` a list per state and
+        ``scales[name]`` the per-tensor scales of fp16 storage ("master"
+        included), or None. The optimizers check their own tensors every step
+        and own the rest, so the plan does not re-check addresses."""
+        raise NotImplementedError
+
+    def hyper(self, param_groups: list[dict]) -> dict:
+        """The kernel's keyword arguments, one value per group."""
+        raise NotImplementedError
+
+    def launch(self, plan, hyper: dict, *, grad_scale, found_inf) -> None:
+        raise NotImplementedError
+
+    def options(self) -> dict:
+        """What the rule was built with, for reprs."""
+        return {}
+
+
+class AdamRule(UpdateRule):
+    """Adam (adam_w_mode=False: L2 weight decay) and AdamW, with AMSGrad."""
+
+    name = "adam"
+    title = "Adam"
+    known_states = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+    scalable = ("exp_avg", "exp_avg_sq")
+    group_keys = ("lr", "betas", "eps", "weight_decay", "bias_correction")
+
+    def __init__(self, adam_w_mode: bool = True, amsgrad: bool = False):
+        self.adam_w_mode = bool(adam_w_mode)
+        self.amsgrad = bool(amsgrad)
+        self.states = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
+
+    def check_group(self, where: str, group: dict) -> None:
+        check_adam_group(where, group)
+
+    def plan(self, params, grads, states, *, params_out=None, param_remainders=None, scales=None, group_sizes=None,
+             device=None):
+        scales = scales or {}
+        return kernels.AdamPlan(params, grads, states["exp_avg"], states["exp_avg_sq"],
+                                max_exp_avg_sqs=states.get("max_exp_avg_sq"), params_out=params_out,
+                                param_remainders=param_remainders, exp_avg_scales=scales.get("exp_avg"),
+                                exp_avg_sq_scales=scales.get("exp_avg_sq"), master_scales=scales.get("master"),
+                                group_sizes=group_sizes, device=device, check_addresses=False)
+
+    def hyper(self, param_groups):
+        groups = param_groups
+        return dict(lr=[g["lr"] for g in groups], step=[g["step"] for g in groups],
+                    beta1=[g["betas"][0] for g in groups], beta2=[g["betas"][1] for g in groups],
+                    eps=[g["eps"] for g in groups], weight_decay=[g["weight_decay"] for g in groups],
+                    bias_correction=[g["bias_correction"] for g in groups],
+                    maximize=[g.get("maximize", False) for g in groups], adam_w_mode=self.adam_w_mode)
+
+    def launch(self, plan, hyper, *, grad_scale, found_inf):
+        kernels.adam(plan, grad_scale=grad_scale, found_inf=found_inf, **hyper)
+
+    def options(self):
+        return dict(adam_w_mode=self.adam_w_mode, amsgrad=self.amsgrad)
+
+
+def state_tensor_dtype(name: str, dtypes: dict) -> torch.dtype:
+    """The dtype a state is stored in, given the chosen dtypes by name. The
+    AMSGrad maximum has no scale of its own: kept in fp32 when exp_avg_sq is
+    fp16 (small values would underflow), else like exp_avg_sq."""
+    if name == "max_exp_avg_sq":
+        sq = dtypes.get("exp_avg_sq", torch.float32)
+        return torch.float32 if sq == torch.float16 else sq
+    return dtypes.get(name, torch.float32)

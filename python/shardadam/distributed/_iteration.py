@@ -1,0 +1,108 @@
+"""One training iteration of the ZeRO engine, as explicit state.
+
+[Note: iteration phases] Gradients and parameters each move through an
+iteration on a track of their own; every move names the phases it may come
+from, so a call out of order raises (naming both phases) instead of reading
+half-reduced gradients or stale parameters.
+
+    gradients   accumulating --backward hands one over--> reducing
+                accumulating | reducing | reduced --grad_sync()--> reduced
+                any --step() / zero_grad()--> accumulating
+    parameters  current | gathering --step(), overlap_param_sync--> gathering
+                current | deferred --step(), overlap + capturable--> deferred
+                deferred --the next forward / param_sync()--> gathering
+                current | gathering --every bucket landed--> current
+
+A backward after the gradients were reduced (grad_sync(), grad_norm() or
+clip_grad_norm()) and before step() would start a reduction that the step
+no longer waits for: the reduced -> reducing move is refused. "deferred" is
+the capturable variant: the all-gathers after a captured step are started by
+the next forward, so that one captured iteration holds both ends of them.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+
+class Grads(enum.Enum):
+    ACCUMULATING = "accumulating"
+    REDUCING = "reducing"
+    REDUCED = "reduced"
+
+
+class Params(enum.Enum):
+    CURRENT = "current"
+    GATHERING = "gathering"
+    DEFERRED = "deferred"
+
+
+_GRAD_MOVES = {
+    Grads.ACCUMULATING: set(Grads),
+    Grads.REDUCING: {Grads.ACCUMULATING, Grads.REDUCING},
+    Grads.REDUCED: set(Grads),
+}
+_PARAM_MOVES = {
+    Params.CURRENT: {Params.CURRENT, Params.GATHERING},
+    Params.GATHERING: {Params.CURRENT, Params.GATHERING, Params.DEFERRED},
+    Params.DEFERRED: {Params.CURRENT, Params.DEFERRED},
+}
+_WHY = {
+    (Grads.REDUCED, Grads.REDUCING): (
+        "a backward after the gradients were reduced (grad_sync(), grad_norm() or clip_grad_norm()) and before "
+        "step(): its gradients would miss this step. Call step() (or zero_grad()) first, or take norms after the "
+        "last backward"),
+}
+
+
+@dataclass
+class Iteration:
+    """Where this iteration is, and what step() will fold into its gradient
+    scale: clip_grad_norm's (max_norm, loss-scaled norm) and unscale_grads'
+    factor. no_sync: inside no_sync(), backward leaves gradients in .grad."""
+
+    grads: Grads = Grads.ACCUMULATING
+    params: Params = Params.CURRENT
+    no_sync: bool = False
+    clip: tuple | None = None
+    inv_scale: torch.Tensor | None = None
+
+    def move_grads(self, to: Grads) -> None:
+        if self.grads not in _GRAD_MOVES[to]:
+            raise RuntimeError(_WHY.get((self.grads, to), f"gradient phase {self.grads.value} -> {to.value}: "
+                                                          "not a legal move (a bug in the engine)"))
+        self.grads = to
+
+    def move_params(self, to: Params) -> None:
+        if self.params not in _PARAM_MOVES[to]:
+            raise RuntimeError(f"parameter phase {self.params.value} -> {to.value}: not a legal move (a bug in "
+                               "the engine)")
+        self.params = to
+
+    def end(self) -> None:
+        """After step() or zero_grad(): the next iteration accumulates anew."""
+        self.move_grads(Grads.ACCUMULATING)
+        self.clip = self.inv_scale = None
+
+
+@dataclass
+class BackwardOrderProbe:
+    """One shot: the order in which the first backward hands gradients over
+    (parameter indices), for a layout whose buckets then start while backward
+    goes on. Inactive without overlap_grad_sync."""
+
+    active: bool
+    arrivals: list = field(default_factory=list)
+
+    def record(self, k: int) -> None:
+        self.arrivals.append(k)
+
+    def take(self, count: int) -> list[int]:
+        """The order seen (first arrival of each), then the parameters that never
+        arrived; the probe is off from now on."""
+        seen = list(dict.fromkeys(self.arrivals))
+        known = set(seen)
+        self.active, self.arrivals = False, []
+        return seen + [k for k in range(count) if k not in known]
