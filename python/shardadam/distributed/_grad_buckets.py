@@ -11,9 +11,7 @@ from ._flat import FlatGrads
 
 class _GradBuckets:
     """Gradients copied into their buckets' rows [bucket] as they arrive.
-
-    rounds: whether a parameter may bring a second gradient in one iteration
-    (a new round, staged afresh once the first round's buckets were taken)."""
+    rounds: as ReduceScatter.rounds (_transport.py)."""
 
     rounds = True
 
