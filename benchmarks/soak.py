@@ -53,7 +53,6 @@ import json
 import os
 import pathlib
 import platform
-import re
 import shlex
 import sys
 import time
@@ -210,9 +209,8 @@ def soak(args, dev: torch.device) -> tuple[list[dict], dict]:
             samples.append(sample(step, t0, loss.item(), cuda))
         del x, y, loss  # nothing of this iteration lives on into the next sample
     opt.param_sync()
-    paths = re.search(r"grad_sync=([\w ]+), param_sync=([\w ]+)", repr(opt))
     info = dict(params=sum(p.numel() for p in model.parameters()), buckets=len(opt.layout.buckets),
-                grad_sync=paths[1], param_sync=paths[2])
+                **opt.transports)
     return samples, info
 
 

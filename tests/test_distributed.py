@@ -209,8 +209,8 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out) -> None:
                          same_on_all_ranks=all(torch.equal(t, flat) for t in gathered),
                          frozen_unchanged=torch.equal(frozen.detach(), frozen_before),
                          buckets=len(opt.layout.buckets), norms=norms,
-                         copy_engine=opt._param_sync.peer is not None,
-                         grad_copy_engine=opt._grad_sync.peer is not None))
+                         copy_engine=opt.transports["param_sync"].startswith("copy-engine"),
+                         grad_copy_engine=opt.transports["grad_sync"].startswith("copy-engine")))
     _exit()
 
 
@@ -710,7 +710,7 @@ def test_copy_engines_refuse_what_cannot_use_them(option, needs):
     # Left None, the same setup falls back to the collectives, and says so.
     result = _spawn(_refusal_worker, 1, {option: None, "contiguous_param_buffer": True})
     assert result["message"] is None
-    assert "grad_sync=collective, param_sync=collective" in result["repr"], result["repr"]
+    assert "grad_sync=gloo reduce-scatter, param_sync=gloo all-gather" in result["repr"], result["repr"]
 
 
 def _train_global(model, opt, steps) -> None:

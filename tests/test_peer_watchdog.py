@@ -711,7 +711,7 @@ def _optimizer_rank(rank: int, world: int, port: int, kill: str, out) -> None:
         raised = str(error)
     elapsed = None if start is None else time.monotonic() - start
     _report_and_exit(out, dict(raised=raised, failure=_wait_for_failure(), elapsed=elapsed,
-                               copy_engines=(opt._grad_sync.peer is not None, opt._param_sync.peer is not None)))
+                               transports=opt.transports))
 
 
 @pytest.mark.multigpu
@@ -746,7 +746,8 @@ def test_distributed_fused_adam_surfaces_a_dead_rank_within_the_timeout(kill, co
         assert re.search(rf"{collective}, .* within 5 s: the peer died or stalled", err) and \
             "ending the process" in err, err
         return
-    assert result["copy_engines"] == (True, True), result
+    assert result["transports"] == {"grad_sync": "copy-engine reduce-scatter from gradients",
+                                    "param_sync": "copy-engine all-gather"}, result
     failure = result["failure"]
     assert failure is not None, f"the watchdog recorded nothing: {result}"
     pattern = (rf"{collective}, (bucket \d+|iteration \d+, before its first bucket): rank 1 did not raise "

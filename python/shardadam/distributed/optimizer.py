@@ -894,6 +894,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 p.copy_(entry["master"])
                 self._initialized[k] = True
 
+    @property
+    def transports(self) -> dict:
+        """The transport of each direction, by name: {"grad_sync": ..., "param_sync": ...}
+        (e.g. "nccl reduce-scatter", "copy-engine all-gather")."""
+        return {"grad_sync": self._grad_sync.transport.name, "param_sync": self._param_sync.transport.name}
+
     def __repr__(self) -> str:
         def group_name(g, absent: str = "default") -> str:
             return absent if g is None else f"(size {dist.get_world_size(g)}, id {id(g)})"
@@ -914,8 +920,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                  f"distributed_process_group={group_name(self.dist_group)}, "
                  f"redundant_process_group={group_name(self.redundant_group, 'None')}, "
                  f"buckets={len(self.layout.buckets)}, shard_size={self.shard_size}, "
-                 f"grad_sync={'copy engines' if self._grad_sync.peer is not None else 'collective'}, "
-                 f"param_sync={'copy engines' if self._param_sync.peer is not None else 'collective'}"]
+                 f"grad_sync={self._grad_sync.transport.name}, param_sync={self._param_sync.transport.name}"]
         for i, g in enumerate(self.param_groups):
             values = ", ".join(f"{k}={plain_value(g[k])}" for k in self.rule.group_keys + ("step",))
             lines.append(f"  group {i}: {len(g['params'])} params, {values}")
