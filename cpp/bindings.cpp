@@ -10,6 +10,7 @@
 #include "bucket_layout.h"
 #include "cuda_api.h"
 #include "kernels_cpu.h"
+#include "lion_math.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -55,7 +56,7 @@ void def_update(nb::module_& m, const char* check_name, CpuUpdate cpu, CudaUpdat
 }  // namespace
 
 NB_MODULE(_core, m) {
-  m.doc() = "shardadam compiled core: tensor tables, multi-tensor engine, Adam kernels (CPU and CUDA).";
+  m.doc() = "shardadam compiled core: tensor tables, multi-tensor engine, Adam and Lion kernels (CPU and CUDA).";
   // Optimizers hold tables and layouts, and autograd hooks on the model's
   // parameters hold the optimizer: objects still reachable from module globals
   // at interpreter exit are normal for a training script, not refcount bugs.
@@ -128,6 +129,7 @@ NB_MODULE(_core, m) {
            "Byte offset of a list's address column in the blob.");
 
   def_update<AdamRule>(m, "check_adam_table", cpu_adam, cuda_adam);
+  def_update<LionRule>(m, "check_lion_table", cpu_lion, cuda_lion);
 
   m.def(
       "scale",

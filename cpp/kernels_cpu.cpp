@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "cpu_engine.h"
+#include "lion_math.h"
 
 namespace shardadam {
 namespace {
@@ -22,6 +23,10 @@ namespace {
 #endif
 
 SHARDADAM_CPU_CLONES void run_chunks(const TableView& tv, int64_t b, int64_t e, const AdamOp& op) {
+  cpu_run_chunks(tv, b, e, op);
+}
+SHARDADAM_CPU_CLONES void run_chunks(const TableView& tv, int64_t b, int64_t e,
+                                     const UpdateOp<LionRule>& op) {
   cpu_run_chunks(tv, b, e, op);
 }
 SHARDADAM_CPU_CLONES void run_chunks(const TableView& tv, int64_t b, int64_t e, const ScaleOp& op) {
@@ -76,6 +81,11 @@ const char* cpu_isa() {
 void cpu_adam(const TensorTable& t, const std::vector<AdamGroup>& groups, const AdamExtras& x,
               int threads) {
   run_update<AdamRule>(CpuEngine{t.host_view(), threads}, t, groups, x);
+}
+
+void cpu_lion(const TensorTable& t, const std::vector<AdamGroup>& groups, const AdamExtras& x,
+              int threads) {
+  run_update<LionRule>(CpuEngine{t.host_view(), threads}, t, groups, x);
 }
 
 void cpu_scale(const TensorTable& t, ScalarSrc scale, uint64_t found_inf, uint64_t skip_if,

@@ -5,9 +5,14 @@ launch over all of them on the caller's current CUDA stream, or on the CPU
 threads torch is allowed (``torch.get_num_threads()``), with the GIL released.
 
 Building the table of tensors costs host time per tensor; build a plan once
-(``AdamPlan``, ``ScalePlan``, ``NormPlan``) and pass it instead of the lists to
-make every later call cost the same whatever the number of tensors. Plans
-built before CUDA graph capture can be launched inside it.
+(``AdamPlan``, ``LionPlan``, ``ScalePlan``, ``NormPlan``) and pass it instead
+of the lists to make every later call cost the same whatever the number of
+tensors. Plans built before CUDA graph capture can be launched inside it.
+
+Optimizer steps: ``adam`` (Adam and AdamW, with AMSGrad) and ``lion`` (Lion,
+Chen et al. 2023, as lion-pytorch's ``Lion``) share one kernel: the same
+lists (bf16 params with int16 remainders, a params_out copy, per-tensor
+scaled fp16/bf16 states), per-group hyperparameters and found_inf skip.
 
 Safety at launch: a plan checks (check_addresses=True, the default) that its
 tensors were not re-pointed since it was built (``t.data = ...``, ``set_()``,
@@ -30,7 +35,7 @@ from ._torch import as_list, bump_flag, flag_ptr, per_tensor_ptr, scalar
 from ._validate import (check_beta, check_finite, check_host_number, check_nonnegative, check_positive,
                         check_update_step)
 
-__all__ = ["AdamPlan", "ScalePlan", "NormPlan", "Norms", "adam", "scale", "copy", "l2_norm"]
+__all__ = ["AdamPlan", "LionPlan", "ScalePlan", "NormPlan", "Norms", "adam", "lion", "scale", "copy", "l2_norm"]
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -105,6 +110,27 @@ class AdamPlan(_UpdatePlan):
                       exp_avg_sq_scales=exp_avg_sq_scales)
         super().__init__("adam", _core.check_adam_table, ("grads", "exp_avgs", "exp_avg_sqs"), lists, scales,
                          group_sizes, device, check_addresses)
+
+
+class LionPlan(_UpdatePlan):
+    """The tensors of a Lion update.
+
+    params: fp32/fp16/bf16, updated in place (the master weights when params_out
+    is given). grads: any of those dtypes. exp_avgs: fp32/fp16/bf16, Lion's only
+    state. params_out, param_remainders, exp_avg_scales, master_scales,
+    group_sizes, device, check_addresses: as for AdamPlan. Every launch bumps
+    the version counters of params, exp_avgs, params_out, param_remainders and
+    the scales.
+    """
+
+    def __init__(self, params, grads, exp_avgs, *, params_out=None, param_remainders=None, exp_avg_scales=None,
+                 master_scales=None, group_sizes: Sequence[int] | None = None, device=None,
+                 check_addresses: bool = True):
+        lists = dict(params=params, grads=grads, exp_avgs=exp_avgs, params_out=params_out,
+                     param_remainders=param_remainders)
+        scales = dict(master_scales=master_scales, exp_avg_scales=exp_avg_scales)
+        super().__init__("lion", _core.check_lion_table, ("grads", "exp_avgs"), lists, scales, group_sizes, device,
+                         check_addresses)
 
 
 class ScalePlan(TensorPlan):
@@ -193,6 +219,38 @@ def adam(params, grads=None, exp_avgs=None, exp_avg_sqs=None, *, lr, step, beta1
                  grads, exp_avgs, exp_avg_sqs, **plan_lists)
     _update(plan, _core.adam, grad_scale, found_inf, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
             lr=lr, step=step, bias_correction=bias_correction, adam_w_mode=adam_w_mode, maximize=maximize)
+
+
+def lion(params, grads=None, exp_avgs=None, *, lr, beta1=0.9, beta2=0.99, weight_decay=0.0, maximize=False,
+         grad_scale=1.0, found_inf=None, **plan_lists) -> None:
+    """One Lion step over all tensors, in place, as lion-pytorch's update:
+
+        g = grad * grad_scale (negated with maximize)
+        param *= 1 - lr * weight_decay
+        param -= lr * sign(beta1 * exp_avg + (1 - beta1) * g)
+        exp_avg = beta2 * exp_avg + (1 - beta2) * g
+
+    in float32, with 1 - lr * weight_decay, 1 - beta1 and 1 - beta2 computed in
+    double and rounded once. sign gives 0 for 0 and, unlike torch.sign, NaN for
+    NaN: a non-finite gradient makes the param NaN instead of freezing it.
+
+    params is a LionPlan or the params list (then grads, exp_avgs and any
+    LionPlan keyword are lists too). lr and grad_scale are numbers or
+    one-element tensors read by the kernel (CUDA-graph capturable). When
+    found_inf (float32 [1]) is nonzero nothing is written. Hyperparameters may
+    be sequences with one value per group of the plan.
+
+    Numbers are checked before anything is launched, for every group: lr and
+    weight_decay finite and >= 0; beta1, beta2 in [0, 1); grad_scale finite
+    and > 0; beta1, beta2 and weight_decay must be numbers. lr and grad_scale
+    given as tensors are read on the device, never read back: their values
+    are not checked. A plan with check_addresses verifies its tensors'
+    addresses first (RuntimeError if one was re-pointed). The launch bumps
+    the version counters of the written tensors.
+    """
+    plan = _plan(LionPlan, params, grads is not None or bool(plan_lists), grads, exp_avgs, **plan_lists)
+    _update(plan, _core.lion, grad_scale, found_inf, beta1=beta1, beta2=beta2, weight_decay=weight_decay, lr=lr,
+            maximize=maximize)
 
 
 # AdamGroup fields (cpp/update_rule.h) by kind: read by the kernel from a number
