@@ -6,24 +6,9 @@
 
 #include <cmath>
 
-#include "scalar.h"
+#include "update_rule.h"
 
 namespace shardadam {
-
-// One parameter group's hyperparameters, as the kernels receive them.
-// Kept in double, as torch.optim keeps them, so that derived coefficients
-// such as 1 - beta2 round once to float (1 - float(0.999) is 1.3e-5 off).
-struct AdamGroup {
-  double beta1 = 0.9;
-  double beta2 = 0.999;
-  double eps = 1e-8;
-  double weight_decay = 0.0;
-  bool adam_w_mode = true;      // decoupled decay (AdamW) instead of L2
-  bool bias_correction = true;
-  bool maximize = false;
-  ScalarSrc lr;
-  ScalarSrc step;  // the step number of the update being applied (1 for the first)
-};
 
 struct AdamCoeffs {
   float grad_mul;   // grad scale, negated for maximize
@@ -56,11 +41,6 @@ SHARDADAM_HD AdamCoeffs make_adam_coeffs(const AdamGroup& g, double grad_scale) 
   return c;
 }
 
-// max that propagates NaN from either side, like torch.maximum.
-SHARDADAM_HD float nan_max(float a, float b) {
-  return (a != a || a > b) ? a : b;
-}
-
 // One element. `vmax` is the AMSGrad running maximum when has_max, ignored
 // otherwise.
 SHARDADAM_HD void adam_element(float& p, float g, float& m, float& v, float& vmax,
@@ -76,17 +56,20 @@ SHARDADAM_HD void adam_element(float& p, float g, float& m, float& v, float& vma
   p = p - c.step_size * m / denom;
 }
 
-// Scaled low-precision states keep value * scale with scale a power of two,
-// so scaling and unscaling are exact. The scale maps the tensor's absolute
-// maximum just under 2^15: far from fp16 overflow (65504), and values 2^39
-// below the maximum still land on fp16's subnormal grid.
-SHARDADAM_HD float pow2_scale_for(float amax, float old_scale) {
-  if (!(amax > 0.0f) || !is_finite(amax)) return old_scale;
-  int e;
-  frexpf(amax, &e);  // amax < 2^e
-  int k = 15 - e;
-  k = k > 126 ? 126 : (k < -126 ? -126 : k);
-  return ldexpf(1.0f, k);
-}
+// Adam as a rule of UpdateOp (ops.h, update_rule.h).
+struct AdamRule {
+  static constexpr const char* kName = "adam";
+  static constexpr uint32_t kRequired =
+      list_bit(kParam) | list_bit(kGrad) | list_bit(kExpAvg) | list_bit(kExpAvgSq);
+  static constexpr uint32_t kUnused = 0;
+  using Coeffs = AdamCoeffs;
+  SHARDADAM_HD static Coeffs coeffs(const AdamGroup& g, double grad_scale) {
+    return make_adam_coeffs(g, grad_scale);
+  }
+  SHARDADAM_HD static void element(float& p, float g, float& m, float& v, float& vmax, bool has_max,
+                                   const Coeffs& c) {
+    adam_element(p, g, m, v, vmax, has_max, c);
+  }
+};
 
 }  // namespace shardadam

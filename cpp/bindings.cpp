@@ -10,6 +10,7 @@
 #include "bucket_layout.h"
 #include "cuda_api.h"
 #include "kernels_cpu.h"
+#include "lion_math.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -32,10 +33,30 @@ ScalarSrc make_scalar(double value, uint64_t ptr, int dtype) {
   return ScalarSrc{value, reinterpret_cast<const void*>(ptr), DType(dtype)};
 }
 
+using CpuUpdate = void (*)(const TensorTable&, const std::vector<AdamGroup>&, const AdamExtras&, int);
+using CudaUpdate = void (*)(const TensorTable&, const CudaTarget&, const std::vector<AdamGroup>&,
+                            const AdamExtras&);
+
+// An update rule's functions: its table check, and one step on the CPU
+// (device < 0) or on a CUDA device.
+template <class Rule>
+void def_update(nb::module_& m, const char* check_name, CpuUpdate cpu, CudaUpdate cuda) {
+  m.def(check_name, &check_table<Rule>, "table"_a, "scaled_master"_a);
+  m.def(
+      Rule::kName,
+      [cpu, cuda](const TensorTable& t, const std::vector<AdamGroup>& groups, const AdamExtras& x, int device,
+                  uint64_t stream, uint64_t blob, int threads) {
+        if (device < 0) cpu(t, groups, x, threads);
+        else cuda(t, CudaTarget{device, stream, blob}, groups, x);
+      },
+      "table"_a, "groups"_a, "extras"_a, "device"_a, "stream"_a, "blob"_a, "threads"_a,
+      nb::call_guard<nb::gil_scoped_release>());
+}
+
 }  // namespace
 
 NB_MODULE(_core, m) {
-  m.doc() = "shardadam compiled core: tensor tables, multi-tensor engine, Adam kernels (CPU and CUDA).";
+  m.doc() = "shardadam compiled core: tensor tables, multi-tensor engine, Adam and Lion kernels (CPU and CUDA).";
   // Optimizers hold tables and layouts, and autograd hooks on the model's
   // parameters hold the optimizer: objects still reachable from module globals
   // at interpreter exit are normal for a training script, not refcount bugs.
@@ -107,17 +128,8 @@ NB_MODULE(_core, m) {
       .def("ptrs_offset", &TensorTable::ptrs_offset, "list"_a,
            "Byte offset of a list's address column in the blob.");
 
-  m.def("check_adam_table", &check_adam_table, "table"_a, "scaled_master"_a);
-
-  m.def(
-      "adam",
-      [](const TensorTable& t, const std::vector<AdamGroup>& groups, const AdamExtras& x, int device,
-         uint64_t stream, uint64_t blob, int threads) {
-        if (device < 0) cpu_adam(t, groups, x, threads);
-        else cuda_adam(t, CudaTarget{device, stream, blob}, groups, x);
-      },
-      "table"_a, "groups"_a, "extras"_a, "device"_a, "stream"_a, "blob"_a, "threads"_a,
-      nb::call_guard<nb::gil_scoped_release>());
+  def_update<AdamRule>(m, "check_adam_table", cpu_adam, cuda_adam);
+  def_update<LionRule>(m, "check_lion_table", cpu_lion, cuda_lion);
 
   m.def(
       "scale",

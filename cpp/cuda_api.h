@@ -18,6 +18,8 @@ struct CudaTarget {
 
 void cuda_adam(const TensorTable& t, const CudaTarget& where, const std::vector<AdamGroup>& groups,
                const AdamExtras& x);
+void cuda_lion(const TensorTable& t, const CudaTarget& where, const std::vector<AdamGroup>& groups,
+               const AdamExtras& x);
 void cuda_scale(const TensorTable& t, const CudaTarget& where, ScalarSrc scale, uint64_t found_inf,
                 uint64_t skip_if);
 void cuda_l2_norm(const TensorTable& t, const CudaTarget& where, uint64_t partials,

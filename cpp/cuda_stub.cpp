@@ -18,6 +18,9 @@ namespace {
 void cuda_adam(const TensorTable&, const CudaTarget&, const std::vector<AdamGroup>&, const AdamExtras&) {
   no_cuda();
 }
+void cuda_lion(const TensorTable&, const CudaTarget&, const std::vector<AdamGroup>&, const AdamExtras&) {
+  no_cuda();
+}
 void cuda_scale(const TensorTable&, const CudaTarget&, ScalarSrc, uint64_t, uint64_t) { no_cuda(); }
 void cuda_l2_norm(const TensorTable&, const CudaTarget&, uint64_t, uint64_t, uint64_t, uint64_t) {
   no_cuda();

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "cpu_engine.h"
+#include "lion_math.h"
 
 namespace shardadam {
 namespace {
@@ -24,6 +25,10 @@ namespace {
 SHARDADAM_CPU_CLONES void run_chunks(const TableView& tv, int64_t b, int64_t e, const AdamOp& op) {
   cpu_run_chunks(tv, b, e, op);
 }
+SHARDADAM_CPU_CLONES void run_chunks(const TableView& tv, int64_t b, int64_t e,
+                                     const UpdateOp<LionRule>& op) {
+  cpu_run_chunks(tv, b, e, op);
+}
 SHARDADAM_CPU_CLONES void run_chunks(const TableView& tv, int64_t b, int64_t e, const ScaleOp& op) {
   cpu_run_chunks(tv, b, e, op);
 }
@@ -41,7 +46,7 @@ struct CpuEngine {
               [](const TableView& v, int64_t b, int64_t e, const Op& o) { run_chunks(v, b, e, o); });
   }
   void zero(float* p, int64_t n) const { std::memset(p, 0, size_t(n) * sizeof(float)); }
-  void commit_scales(const AdamArgs& a, int64_t num_tensors, const float* skip_if) const {
+  void commit_scales(const UpdateArgs& a, int64_t num_tensors, const float* skip_if) const {
     if (flag_is_set(skip_if)) return;
     for (int i = 0; i < kScaledStates; ++i)
       if (a.scales[i])
@@ -75,7 +80,12 @@ const char* cpu_isa() {
 
 void cpu_adam(const TensorTable& t, const std::vector<AdamGroup>& groups, const AdamExtras& x,
               int threads) {
-  run_adam(CpuEngine{t.host_view(), threads}, t, groups, x);
+  run_update<AdamRule>(CpuEngine{t.host_view(), threads}, t, groups, x);
+}
+
+void cpu_lion(const TensorTable& t, const std::vector<AdamGroup>& groups, const AdamExtras& x,
+              int threads) {
+  run_update<LionRule>(CpuEngine{t.host_view(), threads}, t, groups, x);
 }
 
 void cpu_scale(const TensorTable& t, ScalarSrc scale, uint64_t found_inf, uint64_t skip_if,

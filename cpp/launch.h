@@ -4,17 +4,20 @@
 // provide:
 //   apply(chunk_begin, chunk_end, op, skip_if)   run op over a chunk range
 //   zero(float* p, n)                             clear scratch
-//   commit_scales(AdamArgs, num_tensors, skip_if) scales <- f(amax)
+//   commit_scales(UpdateArgs, num_tensors, skip_if) scales <- f(amax)
 //   finalize_norm(partials, per_tensor, total)    per-tensor and total norms
 #pragma once
 
 #include <algorithm>
+#include <string>
 #include <vector>
 
 #include "ops.h"
 
 namespace shardadam {
 
+// The per-call inputs of an update beyond the groups, for every rule (the
+// name is Adam's, the first rule's; Python builds _core.AdamExtras).
 struct AdamExtras {
   ScalarSrc grad_scale{1.0, nullptr, DType::None};
   uint64_t found_inf = 0;  // float32 flag: set -> the step writes nothing
@@ -22,32 +25,44 @@ struct AdamExtras {
   uint64_t amax_scratch = 0;  // float32 [3 * num_tensors], needed with scales
 };
 
-// Dtype rules for Adam tables; called once when a plan is built.
-void check_adam_table(const TensorTable& t, bool scaled_master);
+// Dtype and presence rules for update tables (cpp/check_update.cpp); called
+// once when a plan is built. `required`, `unused`: list_bit masks.
+void check_update_table(const TensorTable& t, bool scaled_master, const std::string& rule,
+                        uint32_t required, uint32_t unused);
 
-template <class Engine>
-void run_adam(const Engine& e, const TensorTable& t, const std::vector<AdamGroup>& groups,
-              const AdamExtras& x) {
+template <class Rule>
+void check_table(const TensorTable& t, bool scaled_master) {
+  check_update_table(t, scaled_master, Rule::kName, Rule::kRequired, Rule::kUnused);
+}
+
+template <class Rule, class Engine>
+void run_update(const Engine& e, const TensorTable& t, const std::vector<AdamGroup>& groups,
+                const AdamExtras& x) {
+  const std::string name = Rule::kName;
   SHARDADAM_CHECK(int64_t(groups.size()) == t.num_groups(),
-                  "adam: " + std::to_string(groups.size()) + " groups given for a table of " +
+                  name + ": " + std::to_string(groups.size()) + " groups given for a table of " +
                       std::to_string(t.num_groups()) + " groups");
-  AdamOp op;
+  UpdateOp<Rule> op;
   op.a.grad_scale = x.grad_scale;
   bool scaled = false;
+  static constexpr const char* kScaleNames[kScaledStates] = {"master_scales", "exp_avg_scales",
+                                                             "exp_avg_sq_scales"};
   for (int i = 0; i < kScaledStates; ++i) {
+    SHARDADAM_CHECK(!(x.scales[i] && (Rule::kUnused & list_bit(kScaledList[i]))),
+                    name + ": " + kScaleNames[i] + " given for a state " + name + " does not keep");
     op.a.scales[i] = reinterpret_cast<float*>(x.scales[i]);
     scaled |= x.scales[i] != 0;
   }
   const float* skip_if = reinterpret_cast<const float*>(x.found_inf);
-  std::vector<AdamPhase> phases{AdamPhase::Apply};
+  std::vector<UpdatePhase> phases{UpdatePhase::Apply};
   if (scaled) {
-    SHARDADAM_CHECK(x.amax_scratch != 0, "adam: scaled states need an amax scratch buffer");
+    SHARDADAM_CHECK(x.amax_scratch != 0, name + ": scaled states need an amax scratch buffer");
     float* scratch = reinterpret_cast<float*>(x.amax_scratch);
     for (int i = 0; i < kScaledStates; ++i) op.a.amax[i] = scratch + i * t.num_tensors();
     e.zero(scratch, kScaledStates * t.num_tensors());
-    phases = {AdamPhase::Measure, AdamPhase::ApplyScaled};
+    phases = {UpdatePhase::Measure, UpdatePhase::ApplyScaled};
   }
-  for (AdamPhase phase : phases) {
+  for (UpdatePhase phase : phases) {
     op.a.phase = phase;
     for (int64_t g0 = 0; g0 < t.num_groups(); g0 += kMaxGroupsPerLaunch) {
       const int64_t g1 = std::min<int64_t>(g0 + kMaxGroupsPerLaunch, t.num_groups());

@@ -16,6 +16,8 @@
 // group_state / begin / tile / finish.
 #pragma once
 
+#include <cmath>
+
 #include "adam_math.h"
 #include "tensor_table.h"
 
@@ -38,57 +40,63 @@ struct ChunkCtx {
   int64_t chunk;
 };
 
-// ---------------------------------------------------------------- Adam
+// ---------------------------------------------------------------- update rules
 
-enum AdamList : int {
-  kParam = 0,         // fp32/fp16/bf16 param or master; bf16 high half with remainders
-  kGrad = 1,
-  kExpAvg = 2,
-  kExpAvgSq = 3,
-  kMaxExpAvgSq = 4,   // AMSGrad, optional
-  kParamOut = 5,      // optional copy of the new param in another dtype
-  kRemainder = 6,     // optional int16 low half of the fp32 master
-  kAdamLists = 7,
-};
-
-// Scaled low-precision states: index into AdamArgs::scales / amax.
+// Scaled low-precision states: index into UpdateArgs::scales / amax.
 enum ScaledState : int { kScaledMaster = 0, kScaledExpAvg = 1, kScaledExpAvgSq = 2, kScaledStates = 3 };
 constexpr int kScaledList[kScaledStates] = {kParam, kExpAvg, kExpAvgSq};
+
+// Scaled low-precision states keep value * scale with scale a power of two,
+// so scaling and unscaling are exact. The scale maps the tensor's absolute
+// maximum just under 2^15: far from fp16 overflow (65504), and values 2^39
+// below the maximum still land on fp16's subnormal grid.
+SHARDADAM_HD float pow2_scale_for(float amax, float old_scale) {
+  if (!(amax > 0.0f) || !is_finite(amax)) return old_scale;
+  int e;
+  frexpf(amax, &e);  // amax < 2^e
+  int k = 15 - e;
+  k = k > 126 ? 126 : (k < -126 ? -126 : k);
+  return ldexpf(1.0f, k);
+}
 
 // Groups travel inside the kernel arguments; more groups than this take
 // several launches (one per slice of groups).
 constexpr int kMaxGroupsPerLaunch = 32;
 
-enum class AdamPhase : int {
+enum class UpdatePhase : int {
   Apply = 0,    // plain update
   Measure = 1,  // scaled states, pass 1: compute the update, record per-tensor amax, write nothing
   ApplyScaled = 2,  // scaled states, pass 2: recompute, store under scales derived from amax
 };
 
-struct AdamArgs {
+struct UpdateArgs {
   AdamGroup groups[kMaxGroupsPerLaunch];
   uint32_t group_base = 0;  // group index of groups[0]
   ScalarSrc grad_scale;     // multiplies every gradient
   float* scales[kScaledStates] = {nullptr, nullptr, nullptr};  // [num_tensors] each, or null
   float* amax[kScaledStates] = {nullptr, nullptr, nullptr};    // scratch [num_tensors] each
-  AdamPhase phase = AdamPhase::Apply;
+  UpdatePhase phase = UpdatePhase::Apply;
 };
 
-struct AdamOp {
-  static constexpr int kLists = kAdamLists;
-  AdamArgs a;
+// One optimizer step over the lists of UpdateList for any rule (see
+// update_rule.h): the rule computes one element, the op does the rest.
+template <class Rule>
+struct UpdateOp {
+  static constexpr int kLists = kUpdateLists;
+  using Coeffs = typename Rule::Coeffs;
+  UpdateArgs a;
 
   template <int K>
   struct State {
-    AdamCoeffs c;
+    Coeffs c;
     float unscale[kScaledStates];  // stored -> true value
     float rescale[kScaledStates];  // true value -> stored
     float amax[kScaledStates];
   };
 
-  using GroupState = AdamCoeffs;
+  using GroupState = Coeffs;
   SHARDADAM_HD GroupState group_state(uint32_t group) const {
-    return make_adam_coeffs(a.groups[group - a.group_base], a.grad_scale.read());
+    return Rule::coeffs(a.groups[group - a.group_base], a.grad_scale.read());
   }
 
   template <int K>
@@ -98,7 +106,7 @@ struct AdamOp {
     for (int i = 0; i < kScaledStates; ++i) {
       const float old_scale = a.scales[i] ? a.scales[i][ctx.tensor] : 1.0f;
       s.unscale[i] = 1.0f / old_scale;  // exact: scales are powers of two
-      s.rescale[i] = (a.phase == AdamPhase::ApplyScaled && a.scales[i])
+      s.rescale[i] = (a.phase == UpdatePhase::ApplyScaled && a.scales[i])
                          ? pow2_scale_for(a.amax[i][ctx.tensor], old_scale)
                          : 1.0f;
       s.amax[i] = 0.0f;
@@ -127,9 +135,9 @@ struct AdamOp {
       p[k] *= s.unscale[kScaledMaster];
       m[k] *= s.unscale[kScaledExpAvg];
       v[k] *= s.unscale[kScaledExpAvgSq];
-      adam_element(p[k], g[k], m[k], v[k], vmax[k], has_max, s.c);
+      Rule::element(p[k], g[k], m[k], v[k], vmax[k], has_max, s.c);
     }
-    if (a.phase == AdamPhase::Measure) {
+    if (a.phase == UpdatePhase::Measure) {
       // A fixed trip count with a select (not k < count()) keeps the tile in
       // GPU registers; lanes past count() hold padding and must not count.
       const int n = io.count();
@@ -161,11 +169,13 @@ struct AdamOp {
 
   template <int K, class R>
   SHARDADAM_HD void finish(const ChunkCtx& ctx, State<K>& s, R& red) const {
-    if (a.phase != AdamPhase::Measure) return;
+    if (a.phase != UpdatePhase::Measure) return;
     for (int i = 0; i < kScaledStates; ++i)
       if (a.scales[i]) red.max_to(&a.amax[i][ctx.tensor], s.amax[i]);
   }
 };
+
+using AdamOp = UpdateOp<AdamRule>;
 
 // ---------------------------------------------------------------- scale / copy
 

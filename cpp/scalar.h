@@ -32,4 +32,9 @@ SHARDADAM_HD bool is_finite(float x) {
   return (float_bits(x) & 0x7f800000u) != 0x7f800000u;
 }
 
+// max that propagates NaN from either side, like torch.maximum.
+SHARDADAM_HD float nan_max(float a, float b) {
+  return (a != a || a > b) ? a : b;
+}
+
 }  // namespace shardadam

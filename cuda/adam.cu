@@ -22,7 +22,7 @@ struct OpFastDtypes<AdamOp> {
 void cuda_adam(const TensorTable& t, const CudaTarget& where, const std::vector<AdamGroup>& groups,
                const AdamExtras& x) {
   DeviceGuard guard(where.device);
-  run_adam(make_engine(t, where), t, groups, x);
+  run_update<AdamRule>(make_engine(t, where), t, groups, x);
 }
 
 }  // namespace shardadam

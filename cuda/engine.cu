@@ -4,7 +4,7 @@
 namespace shardadam {
 namespace {
 
-__global__ void commit_scales_kernel(const __grid_constant__ AdamArgs a, int64_t num_tensors,
+__global__ void commit_scales_kernel(const __grid_constant__ UpdateArgs a, int64_t num_tensors,
                                      const float* skip_if) {
   if (flag_is_set(skip_if)) return;
   for (int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; t < num_tensors;
@@ -32,7 +32,7 @@ __global__ void __launch_bounds__(kBlock)
 
 }  // namespace
 
-void launch_commit_scales(const AdamArgs& a, int64_t num_tensors, const float* skip_if,
+void launch_commit_scales(const UpdateArgs& a, int64_t num_tensors, const float* skip_if,
                           cudaStream_t stream) {
   if (num_tensors == 0) return;
   const int64_t blocks = (num_tensors + 255) / 256;

@@ -266,7 +266,7 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
 }
 
 // Small kernels for the steps around a multi-tensor pass (cuda/engine.cu).
-void launch_commit_scales(const AdamArgs& a, int64_t num_tensors, const float* skip_if,
+void launch_commit_scales(const UpdateArgs& a, int64_t num_tensors, const float* skip_if,
                           cudaStream_t stream);
 void launch_finalize_norm(const TableView& tv, const float* partials, float* per_tensor,
                           float* total, cudaStream_t stream);
@@ -310,7 +310,7 @@ struct CudaEngine {
   void zero(float* p, int64_t n) const {
     cuda_check(cudaMemsetAsync(p, 0, size_t(n) * sizeof(float), stream), "cudaMemsetAsync");
   }
-  void commit_scales(const AdamArgs& a, int64_t num_tensors, const float* skip_if) const {
+  void commit_scales(const UpdateArgs& a, int64_t num_tensors, const float* skip_if) const {
     launch_commit_scales(a, num_tensors, skip_if, stream);
   }
   void finalize_norm(const float* partials, float* per_tensor, float* total) const {

@@ -1,6 +1,7 @@
-"""An independent float64 Adam / AdamW step, written from the algorithm's
-definition (Kingma & Ba; Loshchilov & Hutter for decoupled decay) and
-torch.optim's documented conventions, not from shardadam's code.
+"""Independent float64 optimizer steps, written from the algorithms'
+definitions and the reference implementations' documented conventions, not
+from shardadam's code: Adam / AdamW (Kingma & Ba; Loshchilov & Hutter for
+decoupled decay; torch.optim) and Lion (Chen et al. 2023; lion-pytorch).
 
 All inputs may be of any float dtype; everything is computed in float64 and
 float64 tensors come back. ``step`` is the number of the update being applied
@@ -102,6 +103,54 @@ def adam_steps(param, grads, exp_avg, exp_avg_sq, max_exp_avg_sq=None, *, first_
         r = adam_step(p, g, m, v, vmax, step=first_step + i, h=h)
         p, m, v, vmax = r.param, r.exp_avg, r.exp_avg_sq, r.max_exp_avg_sq
     return r
+
+
+@dataclass
+class LionHyper:
+    lr: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.99
+    weight_decay: float = 0.0
+    maximize: bool = False
+    grad_scale: float = 1.0
+
+    def kwargs(self) -> dict:
+        """The same hyperparameters as shardadam.kernels.lion keywords."""
+        return dict(lr=self.lr, beta1=self.beta1, beta2=self.beta2, weight_decay=self.weight_decay,
+                    maximize=self.maximize, grad_scale=self.grad_scale)
+
+
+@dataclass
+class LionStepResult:
+    param: torch.Tensor
+    exp_avg: torch.Tensor
+    update: torch.Tensor  # beta1 * exp_avg + (1 - beta1) * grad, whose sign moves the param
+    # Magnitudes of the terms each result was computed from (see StepResult).
+    param_terms: torch.Tensor
+    exp_avg_terms: torch.Tensor
+    update_terms: torch.Tensor
+
+
+def lion_step(param, grad, exp_avg, *, h: LionHyper) -> LionStepResult:
+    """One Lion step (Chen et al. 2023): decoupled weight decay, the
+    sign of an interpolation of momentum and gradient, then the momentum.
+    sign(0) = 0; a NaN interpolation gives a NaN step."""
+    p, g, m = _f64(param), _f64(grad), _f64(exp_avg)
+    g = g * h.grad_scale
+    if h.maximize:
+        g = -g
+    p_decayed = p * (1.0 - h.lr * h.weight_decay)
+    update = h.beta1 * m + (1.0 - h.beta1) * g
+    direction = torch.where(update.isnan(), update, torch.sign(update))
+    m_new = h.beta2 * m + (1.0 - h.beta2) * g
+    return LionStepResult(
+        param=p_decayed - h.lr * direction,
+        exp_avg=m_new,
+        update=update,
+        param_terms=p.abs() + h.lr,
+        exp_avg_terms=(h.beta2 * m).abs() + (1.0 - h.beta2) * g.abs(),
+        update_terms=(h.beta1 * m).abs() + (1.0 - h.beta1) * g.abs(),
+    )
 
 
 # Unit roundoff-ish constants per storage dtype: relative spacing (ulp at 1)

@@ -51,8 +51,8 @@ def test_version_matches_metadata():
 def test_core_imports_with_its_api():
     core = importlib.import_module("shardadam._core")
     assert Path(core.__file__).parent == PKG_DIR
-    for name in ("adam", "scale", "l2_norm", "build_info", "check_adam_table", "TensorTable", "AdamGroup",
-                 "AdamExtras", "Scalar", "DType"):
+    for name in ("adam", "lion", "scale", "l2_norm", "build_info", "check_adam_table", "check_lion_table",
+                 "TensorTable", "AdamGroup", "AdamExtras", "Scalar", "DType"):
         assert hasattr(core, name), name
     assert core.DType.float32.value == 1 and core.DType.int16.value == 4
     g = core.AdamGroup()
@@ -75,8 +75,8 @@ def test_stub_and_py_typed_are_installed():
     assert marker.is_file(), f"missing {marker}"
     tree = ast.parse(stub.read_text())
     names = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
-    for name in ("adam", "scale", "l2_norm", "build_info", "check_adam_table", "TensorTable", "AdamGroup",
-                 "AdamExtras", "Scalar", "DType"):
+    for name in ("adam", "lion", "scale", "l2_norm", "build_info", "check_adam_table", "check_lion_table",
+                 "TensorTable", "AdamGroup", "AdamExtras", "Scalar", "DType"):
         assert name in names, f"{name} not in {stub}"
     core = importlib.import_module("shardadam._core")
     for name in names:

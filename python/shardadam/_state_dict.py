@@ -21,7 +21,7 @@ from ._state_dict_check import check_state_dict
 
 
 def pow2_scale_for(amax: float, old_scale: float = 1.0) -> float:
-    """The scale the kernels choose (cpp/adam_math.h): amax * scale just under 2^15."""
+    """The scale the kernels choose (cpp/ops.h): amax * scale just under 2^15."""
     if not amax > 0.0 or not math.isfinite(amax):
         return old_scale
     _, e = math.frexp(amax)

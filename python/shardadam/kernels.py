@@ -5,9 +5,14 @@ launch over all of them on the caller's current CUDA stream, or on the CPU
 threads torch is allowed (``torch.get_num_threads()``), with the GIL released.
 
 Building the table of tensors costs host time per tensor; build a plan once
-(``AdamPlan``, ``ScalePlan``, ``NormPlan``) and pass it instead of the lists to
-make every later call cost the same whatever the number of tensors. Plans
-built before CUDA graph capture can be launched inside it.
+(``AdamPlan``, ``LionPlan``, ``ScalePlan``, ``NormPlan``) and pass it instead
+of the lists to make every later call cost the same whatever the number of
+tensors. Plans built before CUDA graph capture can be launched inside it.
+
+Optimizer steps: ``adam`` (Adam and AdamW, with AMSGrad) and ``lion`` (Lion,
+Chen et al. 2023, as lion-pytorch's ``Lion``) share one kernel: the same
+lists (bf16 params with int16 remainders, a params_out copy, per-tensor
+scaled fp16/bf16 states), per-group hyperparameters and found_inf skip.
 
 Safety at launch: a plan checks (check_addresses=True, the default) that its
 tensors were not re-pointed since it was built (``t.data = ...``, ``set_()``,
@@ -30,12 +35,54 @@ from ._torch import as_list, bump_flag, flag_ptr, per_tensor_ptr, scalar
 from ._validate import (check_beta, check_finite, check_host_number, check_nonnegative, check_positive,
                         check_update_step)
 
-__all__ = ["AdamPlan", "ScalePlan", "NormPlan", "Norms", "adam", "scale", "copy", "l2_norm"]
+__all__ = ["AdamPlan", "LionPlan", "ScalePlan", "NormPlan", "Norms", "adam", "lion", "scale", "copy", "l2_norm"]
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
-class AdamPlan(TensorPlan):
+# The lists of the core's update op, in its order (UpdateList in cpp/update_rule.h):
+# name -> (written, allowed dtypes). A rule's plan gives the lists it uses.
+_UPDATE_LISTS = {
+    "params": (True, FLOATS),
+    "grads": (False, FLOATS),
+    "exp_avgs": (True, FLOATS),
+    "exp_avg_sqs": (True, FLOATS),
+    "max_exp_avg_sqs": (True, FLOATS),
+    "params_out": (True, FLOATS),
+    "param_remainders": (True, (torch.int16,)),
+}
+# Per-tensor scales of scaled states, in the core's order (ScaledState in cpp/ops.h).
+_UPDATE_SCALES = ("master_scales", "exp_avg_scales", "exp_avg_sq_scales")
+
+
+class _UpdatePlan(TensorPlan):
+    """The tensors of one optimizer step of any update rule (AdamPlan, ...).
+
+    kind: the rule's name; check_table: the core's table check for the rule.
+    required: the lists that must be given besides params. lists, scales: the
+    rule's given lists and scales by name (see _UPDATE_LISTS, _UPDATE_SCALES);
+    the others are absent.
+    """
+
+    def __init__(self, kind: str, check_table, required: tuple[str, ...], lists: dict, scales: dict,
+                 group_sizes: Sequence[int] | None, device, check_addresses: bool):
+        lists = {name: (as_list(name, lists.get(name)), written, dtypes)
+                 for name, (written, dtypes) in _UPDATE_LISTS.items()}
+        for name in required:
+            if lists[name][0] is None:
+                raise ValueError(f"{kind}: {name} must be given")
+        n = len(lists["params"][0] or [])
+        super().__init__(kind, lists, groups=_group_index(group_sizes, n),
+                         num_groups=len(group_sizes) if group_sizes is not None else 1, device=device,
+                         check_addresses=check_addresses)
+        self.scale_ptrs = tuple(per_tensor_ptr(name, scales.get(name), n, self.device) for name in _UPDATE_SCALES)
+        check_table(self.table, scales.get("master_scales") is not None)
+        # The kernel reads and writes the scales through their addresses too.
+        for name in _UPDATE_SCALES:
+            self._watch(name, scales.get(name), written=True)
+
+
+class AdamPlan(_UpdatePlan):
     """The tensors of an Adam update.
 
     params: fp32/fp16/bf16, updated in place (the master weights when params_out
@@ -57,33 +104,33 @@ class AdamPlan(TensorPlan):
     def __init__(self, params, grads, exp_avgs, exp_avg_sqs, *, max_exp_avg_sqs=None, params_out=None,
                  param_remainders=None, exp_avg_scales=None, exp_avg_sq_scales=None, master_scales=None,
                  group_sizes: Sequence[int] | None = None, device=None, check_addresses: bool = True):
-        lists = {
-            "params": (as_list("params", params), True, FLOATS),
-            "grads": (as_list("grads", grads), False, FLOATS),
-            "exp_avgs": (as_list("exp_avgs", exp_avgs), True, FLOATS),
-            "exp_avg_sqs": (as_list("exp_avg_sqs", exp_avg_sqs), True, FLOATS),
-            "max_exp_avg_sqs": (as_list("max_exp_avg_sqs", max_exp_avg_sqs), True, FLOATS),
-            "params_out": (as_list("params_out", params_out), True, FLOATS),
-            "param_remainders": (as_list("param_remainders", param_remainders), True, (torch.int16,)),
-        }
-        for name in ("grads", "exp_avgs", "exp_avg_sqs"):
-            if lists[name][0] is None:
-                raise ValueError(f"adam: {name} must be given")
-        n = len(lists["params"][0] or [])
-        super().__init__("adam", lists, groups=_group_index(group_sizes, n),
-                         num_groups=len(group_sizes) if group_sizes is not None else 1, device=device,
-                         check_addresses=check_addresses)
-        self._scale_tensors = (master_scales, exp_avg_scales, exp_avg_sq_scales)
-        self.scale_ptrs = (
-            per_tensor_ptr("master_scales", master_scales, n, self.device),
-            per_tensor_ptr("exp_avg_scales", exp_avg_scales, n, self.device),
-            per_tensor_ptr("exp_avg_sq_scales", exp_avg_sq_scales, n, self.device),
-        )
-        _core.check_adam_table(self.table, master_scales is not None)
-        # The kernel reads and writes the scales through their addresses too.
-        for name, t in (("master_scales", master_scales), ("exp_avg_scales", exp_avg_scales),
-                        ("exp_avg_sq_scales", exp_avg_sq_scales)):
-            self._watch(name, t, written=True)
+        lists = dict(params=params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs,
+                     max_exp_avg_sqs=max_exp_avg_sqs, params_out=params_out, param_remainders=param_remainders)
+        scales = dict(master_scales=master_scales, exp_avg_scales=exp_avg_scales,
+                      exp_avg_sq_scales=exp_avg_sq_scales)
+        super().__init__("adam", _core.check_adam_table, ("grads", "exp_avgs", "exp_avg_sqs"), lists, scales,
+                         group_sizes, device, check_addresses)
+
+
+class LionPlan(_UpdatePlan):
+    """The tensors of a Lion update.
+
+    params: fp32/fp16/bf16, updated in place (the master weights when params_out
+    is given). grads: any of those dtypes. exp_avgs: fp32/fp16/bf16, Lion's only
+    state. params_out, param_remainders, exp_avg_scales, master_scales,
+    group_sizes, device, check_addresses: as for AdamPlan. Every launch bumps
+    the version counters of params, exp_avgs, params_out, param_remainders and
+    the scales.
+    """
+
+    def __init__(self, params, grads, exp_avgs, *, params_out=None, param_remainders=None, exp_avg_scales=None,
+                 master_scales=None, group_sizes: Sequence[int] | None = None, device=None,
+                 check_addresses: bool = True):
+        lists = dict(params=params, grads=grads, exp_avgs=exp_avgs, params_out=params_out,
+                     param_remainders=param_remainders)
+        scales = dict(master_scales=master_scales, exp_avg_scales=exp_avg_scales)
+        super().__init__("lion", _core.check_lion_table, ("grads", "exp_avgs"), lists, scales, group_sizes, device,
+                         check_addresses)
 
 
 class ScalePlan(TensorPlan):
@@ -170,26 +217,71 @@ def adam(params, grads=None, exp_avgs=None, exp_avg_sqs=None, *, lr, step, beta1
     """
     plan = _plan(AdamPlan, params, grads is not None or bool(plan_lists),
                  grads, exp_avgs, exp_avg_sqs, **plan_lists)
+    _update(plan, _core.adam, grad_scale, found_inf, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+            lr=lr, step=step, bias_correction=bias_correction, adam_w_mode=adam_w_mode, maximize=maximize)
+
+
+def lion(params, grads=None, exp_avgs=None, *, lr, beta1=0.9, beta2=0.99, weight_decay=0.0, maximize=False,
+         grad_scale=1.0, found_inf=None, **plan_lists) -> None:
+    """One Lion step over all tensors, in place, as lion-pytorch's update:
+
+        g = grad * grad_scale (negated with maximize)
+        param *= 1 - lr * weight_decay
+        param -= lr * sign(beta1 * exp_avg + (1 - beta1) * g)
+        exp_avg = beta2 * exp_avg + (1 - beta2) * g
+
+    in float32, with 1 - lr * weight_decay, 1 - beta1 and 1 - beta2 computed in
+    double and rounded once. sign gives 0 for 0 and, unlike torch.sign, NaN for
+    NaN: a non-finite gradient makes the param NaN instead of freezing it.
+
+    params is a LionPlan or the params list (then grads, exp_avgs and any
+    LionPlan keyword are lists too). lr and grad_scale are numbers or
+    one-element tensors read by the kernel (CUDA-graph capturable). When
+    found_inf (float32 [1]) is nonzero nothing is written. Hyperparameters may
+    be sequences with one value per group of the plan.
+
+    Numbers are checked before anything is launched, for every group: lr and
+    weight_decay finite and >= 0; beta1, beta2 in [0, 1); grad_scale finite
+    and > 0; beta1, beta2 and weight_decay must be numbers. lr and grad_scale
+    given as tensors are read on the device, never read back: their values
+    are not checked. A plan with check_addresses verifies its tensors'
+    addresses first (RuntimeError if one was re-pointed). The launch bumps
+    the version counters of the written tensors.
+    """
+    plan = _plan(LionPlan, params, grads is not None or bool(plan_lists), grads, exp_avgs, **plan_lists)
+    _update(plan, _core.lion, grad_scale, found_inf, beta1=beta1, beta2=beta2, weight_decay=weight_decay, lr=lr,
+            maximize=maximize)
+
+
+# AdamGroup fields (cpp/update_rule.h) by kind: read by the kernel from a number
+# or a one-element tensor; booleans; host numbers in [0, 1); host numbers >= 0.
+_SCALAR_FIELDS = ("lr", "step")
+_FLAG_FIELDS = ("adam_w_mode", "bias_correction", "maximize")
+_BETA_FIELDS = ("beta1", "beta2")
+_NONNEGATIVE_FIELDS = ("eps", "weight_decay")
+
+
+def _update(plan: _UpdatePlan, kernel, grad_scale, found_inf, **hyper) -> None:
+    """One step of an update rule: hyper holds the AdamGroup fields the rule
+    reads, each a value for all groups or a sequence of one per group. Every
+    number is checked before the launch; then the versions are bumped."""
     count = plan.table.num_groups
-    columns = [_per_group(name, value, count) for name, value in (
-        ("beta1", beta1), ("beta2", beta2), ("eps", eps), ("weight_decay", weight_decay), ("lr", lr),
-        ("step", step), ("bias_correction", bias_correction), ("adam_w_mode", adam_w_mode),
-        ("maximize", maximize))]
-    rows = list(zip(*columns))
+    columns = {field: _per_group(field, value, count) for field, value in hyper.items()}
+    rows = [dict(zip(columns, row)) for row in zip(*columns.values())]
     # Every group's numbers first: a refusal leaves everything as it was.
-    for (b1, b2, e, wd, lr_g, step_g, bc, _, _) in rows:
-        _check_group(b1, b2, e, wd, lr_g, step_g, bool(bc[1]))
+    for row in rows:
+        _check_group(plan.kind, row)
     if not isinstance(grad_scale, torch.Tensor):
-        check_positive("adam", "grad_scale", grad_scale)
+        check_positive(plan.kind, "grad_scale", grad_scale)
     groups = []
-    for (b1, b2, e, wd, lr_g, step_g, bc, w_mode, maxi) in rows:
+    for row in rows:
         group = _core.AdamGroup()
-        group.beta1, group.beta2, group.eps, group.weight_decay = b1[1], b2[1], e[1], wd[1]
-        group.adam_w_mode = bool(w_mode[1])
-        group.bias_correction = bool(bc[1])
-        group.maximize = bool(maxi[1])
-        group.lr = scalar(lr_g[0], lr_g[1], plan.device)
-        group.step = scalar(step_g[0], step_g[1], plan.device)
+        for field, (name, value) in row.items():
+            if field in _SCALAR_FIELDS:
+                value = scalar(name, value, plan.device)
+            elif field in _FLAG_FIELDS:
+                value = bool(value)
+            setattr(group, field, value)
         groups.append(group)
     extras = _core.AdamExtras()
     extras.grad_scale = scalar("grad_scale", grad_scale, plan.device)
@@ -199,22 +291,25 @@ def adam(params, grads=None, exp_avgs=None, exp_avg_sqs=None, *, lr, step, beta1
         extras.scales = plan.scale_ptrs
         scratch = torch.empty(3 * plan.num_tensors, dtype=torch.float32, device=plan.device)
         extras.amax_scratch = scratch.data_ptr()
-    _core.adam(plan.table, groups, extras, *plan.target())
+    kernel(plan.table, groups, extras, *plan.target())
     plan._bump_versions()
 
 
-def _check_group(beta1, beta2, eps, weight_decay, lr, step, bias_correction: bool) -> None:
-    """One group's hyperparameters, each a (name, value) pair."""
-    for name, value in (beta1, beta2, eps, weight_decay):
-        check_host_number("adam", name, value)
-    check_beta("adam", *beta1)
-    check_beta("adam", *beta2)
-    check_nonnegative("adam", *eps)
-    check_nonnegative("adam", *weight_decay)
-    if not isinstance(lr[1], torch.Tensor):
-        check_nonnegative("adam", *lr)
-    if not isinstance(step[1], torch.Tensor):
-        check_update_step("adam", *step, bias_correction)
+def _check_group(kind: str, row: dict) -> None:
+    """One group's hyperparameters: AdamGroup field -> (name, value)."""
+    for field in _BETA_FIELDS + _NONNEGATIVE_FIELDS:
+        if field in row:
+            check_host_number(kind, *row[field])
+    for field in _BETA_FIELDS:
+        if field in row:
+            check_beta(kind, *row[field])
+    for field in _NONNEGATIVE_FIELDS:
+        if field in row:
+            check_nonnegative(kind, *row[field])
+    if not isinstance(row["lr"][1], torch.Tensor):
+        check_nonnegative(kind, *row["lr"])
+    if "step" in row and not isinstance(row["step"][1], torch.Tensor):
+        check_update_step(kind, *row["step"], bool(row["bias_correction"][1]))
 
 
 def scale(inputs, outputs=None, scale=1.0, *, found_inf=None, skip_if=None) -> None:

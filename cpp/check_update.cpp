@@ -7,16 +7,21 @@ bool is_float(DType d) { return d == DType::F32 || d == DType::F16 || d == DType
 
 }  // namespace
 
-void check_adam_table(const TensorTable& t, bool scaled_master) {
-  SHARDADAM_CHECK(t.num_lists() == kAdamLists, "adam: a table needs the 7 Adam lists");
+void check_update_table(const TensorTable& t, bool scaled_master, const std::string& rule,
+                        uint32_t required, uint32_t unused) {
+  SHARDADAM_CHECK(t.num_lists() == kUpdateLists,
+                  rule + ": a table needs the 7 update lists (UpdateList in cpp/update_rule.h)");
+  for (int l = 0; l < kUpdateLists; ++l)
+    SHARDADAM_CHECK(!(unused & list_bit(l)) || !t.has_list(l),
+                    rule + ": " + t.list(l).name + " must not be given: " + rule + " keeps no such state");
   if (t.num_tensors() == 0) return;  // nothing to update: every list is empty
-  for (int l : {int(kParam), int(kGrad), int(kExpAvg), int(kExpAvgSq)})
-    SHARDADAM_CHECK(t.has_list(l), "adam: " + t.list(l).name + " must be given");
+  for (int l = 0; l < kUpdateLists; ++l)
+    SHARDADAM_CHECK(!(required & list_bit(l)) || t.has_list(l), rule + ": " + t.list(l).name + " must be given");
   const bool rem = t.has_list(kRemainder);
   SHARDADAM_CHECK(!(rem && scaled_master),
-                  "adam: param_remainders and master_scales exclude each other: the remainder "
-                  "already makes the bf16 param an exact fp32 master");
-  for (int l = 0; l < kAdamLists; ++l) {
+                  rule + ": param_remainders and master_scales exclude each other: the remainder "
+                         "already makes the bf16 param an exact fp32 master");
+  for (int l = 0; l < kUpdateLists; ++l) {
     if (!t.has_list(l)) continue;
     const ListSpec& spec = t.list(l);
     for (int64_t i = 0; i < t.num_tensors(); ++i) {
