@@ -1,6 +1,8 @@
 """DistributedFusedAdam on gloo (CPU), several processes: the result must equal
 one process running torch.optim.AdamW (or Adam) on the global batch, which is
-what DDP + AdamW computes."""
+what DDP + AdamW computes. The workers and the reference also run
+DistributedFusedLion against a plain torch Lion (cfg optimizer="lion":
+test_lion.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -18,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import shardadam
+from torch_lion import TorchLion
 
 STEPS, GLOBAL_BATCH = 5, 24  # 24 splits evenly over 1, 2, 3, 4 and 8 ranks
 
@@ -216,6 +219,8 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out) -> None:
 
 def _distributed(cfg: dict, groups: list, **options):
     """cfg["optimizer"]'s distributed optimizer (lr 1e-2, weight decay 0.1)."""
+    if cfg["optimizer"] == "lion":
+        return shardadam.DistributedFusedLion(groups, lr=1e-2, weight_decay=0.1, **options)
     return shardadam.DistributedFusedAdam(groups, lr=1e-2, weight_decay=0.1, adam_w_mode=cfg.get("adam_w_mode", True),
                                           amsgrad=cfg.get("amsgrad", False), **options)
 
@@ -243,15 +248,18 @@ def _config(**kw) -> dict:
 def _reference(world: int, adam_w_mode: bool = True, clip: float | None = None, model_kind: str = "sequential",
                amsgrad: bool = False, scaler: bool = False, inf_step: int | None = None, sync_dtype=None,
                lr_schedule: bool = False, optimizer: str = "adam"):
-    """Single-process Adam/AdamW on the global batches: (params, pre-clip
-    norms, final loss scale or None). sync_dtype: the gradients are summed as
-    2 ranks in that dtype would (each rank's gradient rounded, the sum rounded)."""
+    """Single-process Adam/AdamW (optimizer="lion": TorchLion) on the global
+    batches: (params, pre-clip norms, final loss scale or None). sync_dtype:
+    the gradients are summed as 2 ranks in that dtype would (each rank's
+    gradient rounded, the sum rounded)."""
     model = _model(model_kind)
     frozen = _frozen(model)
     frozen.requires_grad_(False)
-    assert optimizer == "adam", optimizer
-    cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
-    opt = cls(_groups(model, frozen), lr=1e-2, weight_decay=0.1, foreach=False, amsgrad=amsgrad)
+    if optimizer == "lion":
+        opt = TorchLion(_groups(model, frozen), lr=1e-2, weight_decay=0.1)
+    else:
+        cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
+        opt = cls(_groups(model, frozen), lr=1e-2, weight_decay=0.1, foreach=False, amsgrad=amsgrad)
     amp = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) if scaler else None
     schedule = _lr_schedule(opt) if lr_schedule else None
     x, y = _data()

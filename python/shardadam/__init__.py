@@ -1,8 +1,9 @@
-"""shardadam: distributed fused Adam for PyTorch on a compiled C++/CUDA core."""
+"""shardadam: distributed fused Adam (and Lion) for PyTorch on a compiled C++/CUDA core."""
 from . import _core, checkpoint, kernels
-from .distributed import DistributedFusedAdam
+from .distributed import DistributedFusedAdam, DistributedFusedLion
 from ._state_dict import torch_adam_state_dict
 from .fused_adam import FusedAdam
+from .fused_lion import FusedLion
 
 __version__ = _core.build_info()["version"]
 
@@ -12,5 +13,5 @@ def build_info() -> dict:
     return _core.build_info()
 
 
-__all__ = ["DistributedFusedAdam", "FusedAdam", "build_info", "checkpoint", "kernels", "torch_adam_state_dict",
-           "__version__"]
+__all__ = ["DistributedFusedAdam", "DistributedFusedLion", "FusedAdam", "FusedLion", "build_info", "checkpoint",
+           "kernels", "torch_adam_state_dict", "__version__"]

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from . import kernels
-from ._validate import check_adam_group
+from ._validate import check_adam_group, check_lion_group
 
 
 class UpdateRule:
@@ -99,6 +99,37 @@ class AdamRule(UpdateRule):
 
     def options(self):
         return dict(adam_w_mode=self.adam_w_mode, amsgrad=self.amsgrad)
+
+
+class LionRule(UpdateRule):
+    """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization
+    Algorithms"), as lion-pytorch computes it: p *= 1 - lr * weight_decay;
+    p -= lr * sign(beta1 * m + (1 - beta1) * g); m = beta2 * m + (1 - beta2) * g."""
+
+    name = "lion"
+    title = "Lion"
+    states = known_states = scalable = ("exp_avg",)
+    group_keys = ("lr", "betas", "weight_decay")
+
+    def check_group(self, where: str, group: dict) -> None:
+        check_lion_group(where, group)
+
+    def plan(self, params, grads, states, *, params_out=None, param_remainders=None, scales=None, group_sizes=None,
+             device=None):
+        scales = scales or {}
+        return kernels.LionPlan(params, grads, states["exp_avg"], params_out=params_out,
+                                param_remainders=param_remainders, exp_avg_scales=scales.get("exp_avg"),
+                                master_scales=scales.get("master"), group_sizes=group_sizes, device=device,
+                                check_addresses=False)
+
+    def hyper(self, param_groups):
+        groups = param_groups
+        return dict(lr=[g["lr"] for g in groups], beta1=[g["betas"][0] for g in groups],
+                    beta2=[g["betas"][1] for g in groups], weight_decay=[g["weight_decay"] for g in groups],
+                    maximize=[g.get("maximize", False) for g in groups])
+
+    def launch(self, plan, hyper, *, grad_scale, found_inf):
+        kernels.lion(plan, grad_scale=grad_scale, found_inf=found_inf, **hyper)
 
 
 def state_tensor_dtype(name: str, dtypes: dict) -> torch.dtype:

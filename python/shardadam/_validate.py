@@ -61,6 +61,14 @@ def check_adam_group(where: str, group: dict) -> None:
     check_nonnegative(where, "weight_decay", group["weight_decay"])
 
 
+def check_lion_group(where: str, group: dict) -> None:
+    """lr, betas, weight_decay of one Lion parameter group (or a defaults
+    dict): finite and in range; lr may be a one-element tensor."""
+    check_nonnegative(where, "lr", group["lr"], tensor_ok=True)
+    check_betas(where, group["betas"])
+    check_nonnegative(where, "weight_decay", group["weight_decay"])
+
+
 # ---------------------------------------------------------------- kernel hyperparameters
 #
 # The kernels take lr, step and grad_scale (and scale's factor) either as

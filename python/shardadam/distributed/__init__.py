@@ -3,6 +3,7 @@ holds each parameter element), the engine built on it (ShardedOptimizer) and
 its optimizers."""
 from .adam import DistributedFusedAdam
 from .layout import Bucket, BucketLayout, Fragment, ShardFragment
+from .lion import DistributedFusedLion
 from .optimizer import ShardedOptimizer
 
-__all__ = ["Bucket", "BucketLayout", "DistributedFusedAdam", "Fragment", "ShardFragment", "ShardedOptimizer"]
+__all__ = ["Bucket", "BucketLayout", "DistributedFusedAdam", "DistributedFusedLion", "Fragment", "ShardFragment", "ShardedOptimizer"]
