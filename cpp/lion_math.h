@@ -39,7 +39,7 @@ SHARDADAM_HD float lion_sign(float x) {
 
 SHARDADAM_HD void lion_element(float& p, float g, float& m, const LionCoeffs& c) {
   g = g * c.grad_mul;
-  p = p * c.decay;
+  p = mul_rounded(p, c.decay);  // then p - lr * sign: exact product, one rounding, as lion-pytorch's two steps
   const float update = c.beta1 * m + c.one_minus_beta1 * g;
   p = p - c.lr * lion_sign(update);
   m = c.beta2 * m + c.one_minus_beta2 * g;

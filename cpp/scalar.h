@@ -32,6 +32,17 @@ SHARDADAM_HD bool is_finite(float x) {
   return (float_bits(x) & 0x7f800000u) != 0x7f800000u;
 }
 
+// a * b rounded on its own. nvcc fuses a product into the add that follows
+// (one rounding where torch's separate mul_ and add_ round twice); where an
+// update must round as torch's in-place steps do, this keeps them apart.
+SHARDADAM_HD float mul_rounded(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
 // max that propagates NaN from either side, like torch.maximum.
 SHARDADAM_HD float nan_max(float a, float b) {
   return (a != a || a > b) ? a : b;

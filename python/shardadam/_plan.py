@@ -56,7 +56,7 @@ class TensorPlan:
         self.kind = kind
         # `device` matters for a plan of no tensors (it launches nothing, but its
         # scalars are checked against it); otherwise the tensors decide.
-        self.device = first_device(tensor_lists) if any(tensor_lists) or device is None else torch.device(device)
+        self.device = first_device(tensor_lists) if any(tensor_lists) or device is None else _indexed(device)
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"build the {kind} plan before CUDA graph capture starts, then launch it inside")
         ref_name = names[0]
@@ -238,3 +238,12 @@ class TensorPlan:
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
+
+
+def _indexed(device) -> torch.device:
+    """device with its index: "cuda" alone means the current CUDA device (the
+    core is told an index, as tensors always carry one)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
