@@ -53,6 +53,22 @@ void def_update(nb::module_& m, const char* check_name, CpuUpdate cpu, CudaUpdat
       nb::call_guard<nb::gil_scoped_release>());
 }
 
+using CpuPass = void (*)(const TensorTable&, int);
+using CudaPass = void (*)(const TensorTable&, const CudaTarget&);
+
+// A pass over a table with no arguments of its own, on the CPU (device < 0)
+// or on a CUDA device.
+void def_pass(nb::module_& m, const char* name, CpuPass cpu, CudaPass cuda, const char* doc) {
+  m.def(
+      name,
+      [cpu, cuda](const TensorTable& t, int device, uint64_t stream, uint64_t blob, int threads) {
+        if (device < 0) cpu(t, threads);
+        else cuda(t, CudaTarget{device, stream, blob});
+      },
+      "table"_a, "device"_a, "stream"_a, "blob"_a, "threads"_a, doc,
+      nb::call_guard<nb::gil_scoped_release>());
+}
+
 }  // namespace
 
 NB_MODULE(_core, m) {
@@ -140,6 +156,13 @@ NB_MODULE(_core, m) {
       },
       "table"_a, "scale"_a, "found_inf"_a, "skip_if"_a, "device"_a, "stream"_a, "blob"_a, "threads"_a,
       nb::call_guard<nb::gil_scoped_release>());
+
+  def_pass(m, "split_remainders", cpu_split_remainders, cuda_split_remainders,
+           "Lists (fp32 masters, bf16 params, int16 remainders): write each master's high half, "
+           "rounded to nearest, to the param and its low half to the remainder (cpp/dtype.h).");
+  def_pass(m, "join_remainders", cpu_join_remainders, cuda_join_remainders,
+           "Lists (bf16 params, int16 remainders, fp32 masters): write the exact fp32 master that "
+           "each param and remainder represent (the inverse of split_remainders).");
 
   m.def(
       "l2_norm",

@@ -22,6 +22,8 @@ void cuda_lion(const TensorTable& t, const CudaTarget& where, const std::vector<
                const AdamExtras& x);
 void cuda_scale(const TensorTable& t, const CudaTarget& where, ScalarSrc scale, uint64_t found_inf,
                 uint64_t skip_if);
+void cuda_split_remainders(const TensorTable& t, const CudaTarget& where);
+void cuda_join_remainders(const TensorTable& t, const CudaTarget& where);
 void cuda_l2_norm(const TensorTable& t, const CudaTarget& where, uint64_t partials,
                   uint64_t per_tensor, uint64_t total, uint64_t nonfinite);
 

@@ -22,6 +22,8 @@ void cuda_lion(const TensorTable&, const CudaTarget&, const std::vector<AdamGrou
   no_cuda();
 }
 void cuda_scale(const TensorTable&, const CudaTarget&, ScalarSrc, uint64_t, uint64_t) { no_cuda(); }
+void cuda_split_remainders(const TensorTable&, const CudaTarget&) { no_cuda(); }
+void cuda_join_remainders(const TensorTable&, const CudaTarget&) { no_cuda(); }
 void cuda_l2_norm(const TensorTable&, const CudaTarget&, uint64_t, uint64_t, uint64_t, uint64_t) {
   no_cuda();
 }

@@ -32,6 +32,14 @@ SHARDADAM_CPU_CLONES void run_chunks(const TableView& tv, int64_t b, int64_t e,
 SHARDADAM_CPU_CLONES void run_chunks(const TableView& tv, int64_t b, int64_t e, const ScaleOp& op) {
   cpu_run_chunks(tv, b, e, op);
 }
+SHARDADAM_CPU_CLONES void run_chunks(const TableView& tv, int64_t b, int64_t e,
+                                     const SplitRemaindersOp& op) {
+  cpu_run_chunks(tv, b, e, op);
+}
+SHARDADAM_CPU_CLONES void run_chunks(const TableView& tv, int64_t b, int64_t e,
+                                     const JoinRemaindersOp& op) {
+  cpu_run_chunks(tv, b, e, op);
+}
 SHARDADAM_CPU_CLONES void run_chunks(const TableView& tv, int64_t b, int64_t e, const SumSqOp& op) {
   cpu_run_chunks(tv, b, e, op);
 }
@@ -91,6 +99,14 @@ void cpu_lion(const TensorTable& t, const std::vector<AdamGroup>& groups, const 
 void cpu_scale(const TensorTable& t, ScalarSrc scale, uint64_t found_inf, uint64_t skip_if,
                int threads) {
   run_scale(CpuEngine{t.host_view(), threads}, t, scale, found_inf, skip_if);
+}
+
+void cpu_split_remainders(const TensorTable& t, int threads) {
+  run_remainders<SplitRemaindersOp>(CpuEngine{t.host_view(), threads}, t);
+}
+
+void cpu_join_remainders(const TensorTable& t, int threads) {
+  run_remainders<JoinRemaindersOp>(CpuEngine{t.host_view(), threads}, t);
 }
 
 void cpu_l2_norm(const TensorTable& t, uint64_t partials, uint64_t per_tensor, uint64_t total,

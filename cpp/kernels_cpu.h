@@ -11,6 +11,8 @@ void cpu_lion(const TensorTable& t, const std::vector<AdamGroup>& groups, const 
               int threads);
 void cpu_scale(const TensorTable& t, ScalarSrc scale, uint64_t found_inf, uint64_t skip_if,
                int threads);
+void cpu_split_remainders(const TensorTable& t, int threads);
+void cpu_join_remainders(const TensorTable& t, int threads);
 void cpu_l2_norm(const TensorTable& t, uint64_t partials, uint64_t per_tensor, uint64_t total,
                  uint64_t nonfinite, int threads);
 

@@ -83,6 +83,22 @@ void run_scale(const Engine& e, const TensorTable& t, ScalarSrc scale, uint64_t 
   e.apply(0, t.num_chunks(), op, reinterpret_cast<const float*>(skip_if));
 }
 
+// The dtype of every tensor of each list, and which lists are marked written
+// (so the table refused written memory that overlaps any other), for ops with
+// fixed dtypes (cpp/check_fixed_dtypes.cpp).
+void check_fixed_dtypes(const TensorTable& t, const std::string& op, const DType* dtypes, int num_lists,
+                        uint32_t written);
+
+// split_remainders / join_remainders: one pass over every chunk. Their tables
+// are checked on every call (O(tensors), host only): the 16-bit lists are
+// moved as raw bits whatever their dtype code says, so a table of other
+// dtypes would address memory past its tensors.
+template <class Op, class Engine>
+void run_remainders(const Engine& e, const TensorTable& t) {
+  check_fixed_dtypes(t, Op::kName, Op::kDtypes, Op::kLists, Op::kWritten);
+  e.apply(0, t.num_chunks(), Op{}, nullptr);
+}
+
 // partials: float32 [num_chunks] scratch. per_tensor: float32 [num_tensors] or 0.
 template <class Engine>
 void run_l2_norm(const Engine& e, const TensorTable& t, uint64_t partials, uint64_t per_tensor,

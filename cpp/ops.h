@@ -218,6 +218,59 @@ struct ScaleOp {
   }
 };
 
+// ---------------------------------------------------------------- remainders
+
+// The hooks of an op that keeps nothing per group or chunk.
+struct StatelessOp {
+  struct GroupState {};
+  template <int K>
+  struct State {};
+  SHARDADAM_HD GroupState group_state(uint32_t) const { return {}; }
+  template <int K>
+  SHARDADAM_HD State<K> begin(const ChunkCtx&, const GroupState&) const { return {}; }
+  template <int K, class R>
+  SHARDADAM_HD void finish(const ChunkCtx&, State<K>&, R&) const {}
+};
+
+// fp32 masters <-> bf16 params + int16 remainders through split_remainder and
+// join_remainder (dtype.h), the functions the update uses, so checkpoints
+// convert exactly as the optimizer stores. Bit moves only: every pattern,
+// NaN payloads included, survives join(split(x)). kDtypes and kWritten are
+// the table rules launch.h checks before each run.
+struct SplitRemaindersOp : StatelessOp {
+  static constexpr int kLists = 3;  // 0: fp32 masters (read), 1: bf16 params, 2: int16 remainders
+  static constexpr const char* kName = "split_remainders";
+  static constexpr DType kDtypes[kLists] = {DType::F32, DType::BF16, DType::I16};
+  static constexpr uint32_t kWritten = list_bit(1) | list_bit(2);
+
+  template <int K, class IO>
+  SHARDADAM_HD void tile(const IO& io, State<K>&) const {
+    float x[K];
+    uint16_t hi[K], lo[K];
+    io.load(0, x);
+    for (int k = 0; k < io.lanes(); ++k) split_remainder(x[k], hi[k], lo[k]);
+    io.store_bits(1, hi);
+    io.store_bits(2, lo);
+  }
+};
+
+struct JoinRemaindersOp : StatelessOp {
+  static constexpr int kLists = 3;  // 0: bf16 params, 1: int16 remainders (read), 2: fp32 masters
+  static constexpr const char* kName = "join_remainders";
+  static constexpr DType kDtypes[kLists] = {DType::BF16, DType::I16, DType::F32};
+  static constexpr uint32_t kWritten = list_bit(2);
+
+  template <int K, class IO>
+  SHARDADAM_HD void tile(const IO& io, State<K>&) const {
+    uint16_t hi[K], lo[K];
+    float x[K];
+    io.load_bits(0, hi);
+    io.load_bits(1, lo);
+    for (int k = 0; k < io.lanes(); ++k) x[k] = join_remainder(hi[k], lo[k]);
+    io.store(2, x);
+  }
+};
+
 // ---------------------------------------------------------------- L2 norm
 
 // Sum of squares per chunk in fp32, written to partials[chunk]; the engine's
