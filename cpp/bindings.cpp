@@ -163,6 +163,9 @@ NB_MODULE(_core, m) {
   def_pass(m, "join_remainders", cpu_join_remainders, cuda_join_remainders,
            "Lists (bf16 params, int16 remainders, fp32 masters): write the exact fp32 master that "
            "each param and remainder represent (the inverse of split_remainders).");
+  m.def("pow2_scale_for", &pow2_scale_for, "amax"_a, "old_scale"_a,
+        "The per-tensor scale the kernels choose for scaled fp16 states (cpp/ops.h), in float32: "
+        "amax * scale just under 2^15, a power of two; old_scale when amax is 0 or not finite.");
 
   m.def(
       "l2_norm",
