@@ -14,6 +14,11 @@ Chen et al. 2023, as lion-pytorch's ``Lion``) share one kernel: the same
 lists (bf16 params with int16 remainders, a params_out copy, per-tensor
 scaled fp16/bf16 states), per-group hyperparameters and found_inf skip.
 
+Checkpoint conversions: ``split_remainders`` and ``join_remainders`` turn fp32
+masters into bf16 params + int16 remainders and back, bit for bit as the
+update stores them; ``pow2_scale_for`` is the scale the kernels choose for
+scaled fp16 states.
+
 Safety at launch: a plan checks (check_addresses=True, the default) that its
 tensors were not re-pointed since it was built (``t.data = ...``, ``set_()``,
 ``resize_()``, a freed storage) and raises RuntimeError if one was, before
@@ -35,7 +40,8 @@ from ._torch import as_list, bump_flag, flag_ptr, per_tensor_ptr, scalar
 from ._validate import (check_beta, check_finite, check_host_number, check_nonnegative, check_positive,
                         check_update_step)
 
-__all__ = ["AdamPlan", "LionPlan", "ScalePlan", "NormPlan", "Norms", "adam", "lion", "scale", "copy", "l2_norm"]
+__all__ = ["AdamPlan", "LionPlan", "ScalePlan", "NormPlan", "Norms", "adam", "lion", "scale", "copy",
+           "l2_norm", "split_remainders", "join_remainders", "pow2_scale_for"]
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -357,3 +363,62 @@ def l2_norm(tensors, *, per_tensor: bool = False, found_inf=None) -> Norms:
                   flag_ptr("found_inf", flag, dev), *plan.target())
     bump_flag(found_inf)
     return Norms(total, per, flag)
+
+
+def split_remainders(masters, params, remainders) -> None:
+    """params, remainders = the bf16 high halves and int16 low halves of fp32 masters.
+
+    Each argument is a tensor or a list of tensors, corresponding tensors with
+    the same number of elements: masters float32 (read), params bfloat16 and
+    remainders int16 (written). The high half is rounded to nearest, ties away
+    from zero (the remainder's sign bit records the rounding), exactly as the
+    update stores a master with param_remainders, so join_remainders gives back
+    every fp32 bit pattern, NaN payloads included. Runs as one launch on the
+    current CUDA stream or on the CPU threads; bad input raises before
+    anything is written; bumps the version counters of params and remainders.
+    """
+    _remainder_pass("split_remainders", _core.split_remainders, {
+        "masters": (masters, False, (torch.float32,)),
+        "params": (params, True, (torch.bfloat16,)),
+        "remainders": (remainders, True, (torch.int16,)),
+    })
+
+
+def join_remainders(params, remainders, masters) -> None:
+    """masters = the exact fp32 values that bf16 params + int16 remainders represent.
+
+    The inverse of split_remainders: params bfloat16 and remainders int16
+    (read), masters float32 (written); tensors or lists of tensors as there.
+    Bumps the version counters of masters.
+    """
+    _remainder_pass("join_remainders", _core.join_remainders, {
+        "params": (params, False, (torch.bfloat16,)),
+        "remainders": (remainders, False, (torch.int16,)),
+        "masters": (masters, True, (torch.float32,)),
+    })
+
+
+def _remainder_pass(kind: str, kernel, lists: dict) -> None:
+    """One conversion over lists: name -> (tensors, written, allowed dtypes).
+    A plan built for this call (conversions run at checkpoint time, where the
+    host cost of tabling the tensors does not matter); just built, so its
+    addresses need no check."""
+    for name, (tensors, _, _) in lists.items():
+        if tensors is None:
+            raise ValueError(f"{kind}: {name} must be given")
+    plan = TensorPlan(kind, {name: (as_list(name, tensors), written, dtypes)
+                             for name, (tensors, written, dtypes) in lists.items()}, check_addresses=False)
+    kernel(plan.table, *plan.target())
+    plan._bump_versions()
+
+
+def pow2_scale_for(amax: float, old_scale: float = 1.0) -> float:
+    """The scale the kernels choose for fp16 states: amax * scale just under
+    2^15, powers of two; old_scale kept when amax is 0 or not finite.
+
+    The core's own function, computed as the kernels do in float32: amax and
+    old_scale are rounded to float32 first (an amax below float32's range
+    counts as 0, above it as infinite), and the exponent is clamped to
+    [-126, 126].
+    """
+    return _core.pow2_scale_for(float(amax), float(old_scale))
