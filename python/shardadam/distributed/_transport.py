@@ -1,4 +1,4 @@
-"""How buckets travel between ranks: the reduce-scatter of the gradients and
+"""[Note: transports] How buckets travel between ranks: the reduce-scatter of the gradients and
 the all-gather of the updated parameters, each a transport chosen once per
 layout (choose_reduce_scatter, choose_all_gather) and driven bucket by bucket
 by GradSync and ParamSync (_sync.py), which decide only when.

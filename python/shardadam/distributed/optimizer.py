@@ -43,7 +43,7 @@ import torch.distributed as dist
 from .. import kernels
 from .._groups import check_step_groups, pack_groups, param_names, plain_value, run_closure, set_group_values
 from .._rules import UpdateRule
-from .._state_dict import join_remainders, pow2_scale_for, split_remainders
+from .. import _storage
 from .._torch import check_tensor
 from .._tracked import DATA_PTR, ReplacedParams, moved_indices
 from .._state_dict_check import check_state_dict
@@ -447,33 +447,33 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._initialized[k] = True
 
     def _state_row(self, name: str, b: int) -> torch.Tensor:
-        """Bucket b of this rank's shard of a state, as true fp32 values."""
+        """Bucket b of this rank's shard of a state, as true fp32 values (a new
+        tensor: [Note: storage codecs] in _storage.py)."""
         if name == "master" and self.remainders is not None:
-            return join_remainders(self.param_shards[b], self.remainders[b])
+            return _storage.joined_master(self.param_shards[b], self.remainders[b])
         if name == "master" and self.master is None:  # store_params=False
-            return self.param_shards[b].float()
-        row = self.state_buffer(name)[b].float()
-        if name in self.state_scales:
-            for f in self._shard_fragments_by_bucket[b]:
-                row[f.shard_start:f.shard_end] /= self.state_scales[name][self._fragment_index[(b, f.shard_start)]]
+            return _storage.true_values(self.param_shards[b])
+        stored = self.state_buffer(name)[b]
+        if name not in self.state_scales:
+            return _storage.true_values(stored)
+        row = torch.zeros(stored.shape, dtype=torch.float32, device=stored.device)  # padding holds zeros
+        for f in self._shard_fragments_by_bucket[b]:
+            scale = self.state_scales[name][self._fragment_index[(b, f.shard_start)]]
+            row[f.shard_start:f.shard_end] = _storage.true_values(stored[f.shard_start:f.shard_end], scale)
         return row
 
     def _write_state(self, name: str, f, values: torch.Tensor) -> None:
         """Store fp32 values into shard fragment f of a state."""
         where = (f.bucket, slice(f.shard_start, f.shard_end))
         if name == "master" and self.remainders is not None:
-            hi, lo = split_remainders(values)
-            self.param_shards[where].copy_(hi)
-            self.remainders[where].copy_(lo)
+            _storage.split_master(values, self.param_shards[where], self.remainders[where])
         elif name == "master" and self.master is None:  # store_params=False
-            self.param_shards[where].copy_(values)
-        elif name in self.state_scales:  # a scale that fits these values, as the kernel would choose
+            _storage.store(self.param_shards[where], values)
+        elif name in self.state_scales:  # each fragment its own scale
             j = self._fragment_index[(f.bucket, f.shard_start)]
-            scale = pow2_scale_for(float(values.abs().max()) if values.numel() else 0.0)
-            self.state_scales[name][j] = scale
-            self.state_buffer(name)[where].copy_(values * scale)
+            _storage.store(self.state_buffer(name)[where], values, self.state_scales[name][j:j + 1])
         else:
-            self.state_buffer(name)[where].copy_(values)
+            _storage.store(self.state_buffer(name)[where], values)
 
     def state_buffer(self, name: str) -> torch.Tensor | None:
         """This rank's [buckets, shard] buffer of a state ("master": the

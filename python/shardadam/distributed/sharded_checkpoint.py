@@ -146,18 +146,9 @@ def _piece(opt, name: str, f, rows: dict) -> torch.Tensor:
     view = _live_view(opt, name, f)
     if view is not None:
         return view
-    if f.bucket not in rows:
-        row = opt._state_row(name, f.bucket)
-        if _shares_buffer(opt, row):  # store_params=False with fp32 parameters: the shard itself
-            row = row.clone()
-        rows[f.bucket] = row
+    if f.bucket not in rows:  # true values, a copy ([Note: storage codecs] in _storage.py)
+        rows[f.bucket] = opt._state_row(name, f.bucket)
     return rows[f.bucket][f.shard_start:f.shard_end]
-
-
-def _shares_buffer(opt, t: torch.Tensor) -> bool:
-    buffers = (opt.master, opt.param_shards, opt.remainders, *opt.states.values())
-    ptr = t.untyped_storage().data_ptr()
-    return any(b is not None and b.untyped_storage().data_ptr() == ptr for b in buffers)
 
 
 def _live_view(opt, name: str, f) -> torch.Tensor | None:
