@@ -256,13 +256,16 @@ def optimizer_bytes(opt) -> int:
     public per-rank view: its `state` is empty and state_dict() gathers the full
     states on every rank, so this counts the tensors it holds as attributes, i.e.
     its sharded fp32 master, exp_avg and exp_avg_sq plus its gradient and
-    parameter communication buffers."""
+    parameter communication buffers (its rule's states by name in `states`)."""
     inner = getattr(opt, "optim", opt)
     tensors = [v for s in inner.state.values() for v in s.values() if torch.is_tensor(v)]
     # param_buffer holds the model's parameters themselves (and param_shards is
     # a slice of it), grad_buffer the model's gradients: not optimizer memory.
     model_owned = ("param_buffer", "param_shards", "grad_buffer")
     tensors += [v for k, v in vars(opt).items() if torch.is_tensor(v) and k not in model_owned]
+    # The ZeRO engine keeps the rule's states and fp16 scales by name.
+    for held in (getattr(opt, "states", None), getattr(opt, "state_scales", None)):
+        tensors += list((held or {}).values())
     local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
     unique = {t.data_ptr(): t for t in local if t.numel()}  # a tensor held twice counts once
     return sum(t.numel() * t.element_size() for t in unique.values())

@@ -35,6 +35,7 @@ def owned_bytes(opt) -> tuple[int, int]:
     """(optimizer-only bytes, bytes of buffers holding the model's params/grads)."""
     seen, own, model = set(), 0, 0
     tensors = [(k, v) for k, v in vars(opt).items() if torch.is_tensor(v)]
+    tensors += [(f"state:{k}", v) for k, v in getattr(opt, "states", {}).items()]
     tensors += [(f"scale:{k}", v) for k, v in getattr(opt, "state_scales", {}).items()]
     for name, t in tensors:
         if t.data_ptr() in seen or not t.numel():

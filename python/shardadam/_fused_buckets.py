@@ -1,11 +1,12 @@
 """Flat optimizer state for the fused single-process optimizers (FusedAdam, FusedLion).
 
-Parameters are split by device and by how their master value is stored:
+Parameters are split by device and by where their master lives ([Note:
+storage codecs] in _storage.py):
 
-- ``plain``: the parameter is its own master (fp32 params, or 16-bit params
+- ``param``: the parameter is its own master (fp32 params, or 16-bit params
   without master weights);
-- ``master``: a separate master copy (``master_weight_dtype``) is updated and
-  the 16-bit parameter is written as the master rounded to nearest;
+- ``separate``: a master copy (``master_weight_dtype``) is updated and the
+  16-bit parameter is written as the master rounded to nearest;
 - ``remainder``: bf16 parameter + int16 remainder form an exact fp32 master.
 
 Each (device, kind) is one bucket: flat state buffers (the update rule's
@@ -22,7 +23,7 @@ import operator
 import torch
 
 from . import kernels
-from ._rules import state_tensor_dtype
+from ._storage import PARAM, REMAINDER, SEPARATE, StorageSpec
 from ._torch import check_tensor
 from ._tracked import DATA_PTR, GRAD
 
@@ -30,16 +31,16 @@ from ._tracked import DATA_PTR, GRAD
 # each view starts 64-byte aligned and the kernels can use vector access.
 ALIGN_ELEMS = 32
 
-PLAIN, MASTER, REMAINDER = "plain", "master", "remainder"
 GRAD_LIST = 1  # index of grads in an update rule's table
 
 
 def storage_kind(p: torch.Tensor, master_weights: bool, store_param_remainders: bool) -> str:
+    """Where p's master lives ([Note: storage codecs] in _storage.py)."""
     if store_param_remainders and p.dtype == torch.bfloat16:
         return REMAINDER
     if master_weights and p.dtype in (torch.float16, torch.bfloat16):
-        return MASTER
-    return PLAIN
+        return SEPARATE
+    return PARAM
 
 
 def _dense_view(flat: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
@@ -67,20 +68,13 @@ class Bucket:
             self.offsets.append(total)
             total += -(-p.numel() // ALIGN_ELEMS) * ALIGN_ELEMS
         self.total = total
-        dev, n = self.device, len(params)
+        n = len(params)
         # The rule's states, flat; fp16 ones keep per-tensor power-of-two
         # scales (stored = true * scale), keyed like the states ("master" too).
-        self.states = {name: torch.zeros(total, dtype=state_tensor_dtype(name, opts["state_dtypes"]), device=dev)
-                       for name in self.rule.states}
-        self.scales = {name: torch.ones(n, device=dev) for name in self.rule.scalable
-                       if name in self.states and self.states[name].dtype == torch.float16}
-        self.master = self.remainders = None
-        if kind == MASTER:
-            self.master = torch.empty(total, dtype=opts["master_weight_dtype"], device=dev)
-            if opts["master_weight_dtype"] == torch.float16:
-                self.scales["master"] = torch.ones(n, device=dev)
-        elif kind == REMAINDER:
-            self.remainders = torch.zeros(total, dtype=torch.int16, device=dev)  # master == param exactly
+        spec = StorageSpec(kind, opts["master_weight_dtype"], tuple(opts["state_dtypes"].items()))
+        stored = spec.allocate(self.rule, total, n, self.device)
+        self.states, self.scales, self.master, self.remainders = (stored.states, stored.scales, stored.master,
+                                                                  stored.remainders)
         self.views = [self._views_of(i) for i in range(n)]
         for i, p in enumerate(params):
             if self.master is not None:

@@ -17,8 +17,6 @@ constructors that hand the rule to the shared optimizers.
 """
 from __future__ import annotations
 
-import torch
-
 from . import kernels
 from ._validate import check_adam_group, check_lion_group
 
@@ -130,13 +128,3 @@ class LionRule(UpdateRule):
 
     def launch(self, plan, hyper, *, grad_scale, found_inf):
         kernels.lion(plan, grad_scale=grad_scale, found_inf=found_inf, **hyper)
-
-
-def state_tensor_dtype(name: str, dtypes: dict) -> torch.dtype:
-    """The dtype a state is stored in, given the chosen dtypes by name. The
-    AMSGrad maximum has no scale of its own: kept in fp32 when exp_avg_sq is
-    fp16 (small values would underflow), else like exp_avg_sq."""
-    if name == "max_exp_avg_sq":
-        sq = dtypes.get("exp_avg_sq", torch.float32)
-        return torch.float32 if sq == torch.float16 else sq
-    return dtypes.get(name, torch.float32)

@@ -12,17 +12,16 @@ from __future__ import annotations
 
 import torch
 
-from ._fused_buckets import MASTER, REMAINDER
 from ._rules import AdamRule
 from ._groups import pack_groups, plain_value, set_group_values
 from ._state_dict_check import check_state_dict
-from ._storage import joined_master, split_master, store, true_values
+from ._storage import REMAINDER, SEPARATE, joined_master, split_master, store, true_values
 
 
 def _bucket_state(b, j: int) -> dict:
     v = b.views[j]
     out = {k: true_values(v[k], v.get(k + "_scale")) for k in b.states}
-    if b.kind == MASTER:
+    if b.kind == SEPARATE:
         out["master_param"] = true_values(v["master_param"], v.get("master_scale"))
     elif b.kind == REMAINDER:
         out["master_param"] = joined_master(b.params[j].detach(), v["param_remainder"])
@@ -57,10 +56,10 @@ def load_buckets_state(opt, layout, state_dict: dict) -> None:
                     store(views[k], entry[k], views.get(k + "_scale"))
             master = entry["master"]
             if master is None:
-                if b.kind == MASTER:
+                if b.kind == SEPARATE:
                     store(views["master_param"], p.detach(), views.get("master_scale"))
                 continue
-            if b.kind == MASTER:
+            if b.kind == SEPARATE:
                 store(views["master_param"], master, views.get("master_scale"))
                 p.copy_(master)
             elif b.kind == REMAINDER:

@@ -19,9 +19,63 @@ kernels.pow2_scale_for: what the kernels use), never re-written in Python.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from . import kernels
+
+# Where the exact master of a parameter lives.
+PARAM = "param"            # the parameter (shard) itself is the master
+SEPARATE = "separate"      # a master tensor of its own (fp32, or fp16 scaled), the parameter a rounded copy
+REMAINDER = "remainder"    # the bf16 parameter plus an int16 remainder
+
+
+@dataclass(frozen=True)
+class StorageSpec:
+    """What a set of parameters stores, in one vocabulary for both optimizers:
+    FusedOptimizer's (master_weights / master_weight_dtype,
+    store_param_remainders, exp_avg_dtype, ...) and apex's for the ZeRO engine
+    (store_params=False: PARAM, store_param_remainders: REMAINDER,
+    with_scaled_states: fp16 master and states). state_dtypes: (name, dtype)
+    pairs; states not named are fp32."""
+
+    master: str = PARAM
+    master_dtype: torch.dtype = torch.float32
+    state_dtypes: tuple = ()
+
+    def state_dtype(self, name: str) -> torch.dtype:
+        """The AMSGrad maximum has no scale of its own: fp32 when exp_avg_sq is
+        fp16 (small values would underflow), else like exp_avg_sq."""
+        dtypes = dict(self.state_dtypes)
+        if name == "max_exp_avg_sq":
+            sq = dtypes.get("exp_avg_sq", torch.float32)
+            return torch.float32 if sq == torch.float16 else sq
+        return dtypes.get(name, torch.float32)
+
+    def allocate(self, rule, size, scale_count: int, device) -> "Stored":
+        """Zeroed buffers of `size` for the rule's states and the master, and
+        scale_count ones for each fp16 one (a scale per tensor or fragment)."""
+        states = {name: torch.zeros(size, dtype=self.state_dtype(name), device=device) for name in rule.states}
+        master = torch.zeros(size, dtype=self.master_dtype, device=device) if self.master == SEPARATE else None
+        remainders = torch.zeros(size, dtype=torch.int16, device=device) if self.master == REMAINDER else None
+        scaled = [name for name in rule.scalable if states[name].dtype == torch.float16]
+        if master is not None and master.dtype == torch.float16:
+            scaled.append("master")
+        scales = {name: torch.ones(scale_count, dtype=torch.float32, device=device) for name in scaled}
+        return Stored(states, scales, master, remainders)
+
+
+@dataclass
+class Stored:
+    """Buffers a StorageSpec allocated: the rule's states by name, the
+    per-tensor (or per-fragment) scales of the fp16 ones ("master" too), the
+    separate master or the remainders (None where the spec has none)."""
+
+    states: dict
+    scales: dict
+    master: torch.Tensor | None
+    remainders: torch.Tensor | None
 
 
 def true_values(stored: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:

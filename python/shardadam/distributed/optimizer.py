@@ -337,18 +337,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 if p.grad is not None:
                     view.copy_(p.grad)
             self._attach_grad_views()
-        fp32_shard = dict(size=(n_buckets, self.shard_size), dtype=torch.float32, device=dev)
+        # This rank's pieces, ordered by group so that one launch covers them all.
+        shard = sorted(self.layout.shard_fragments(self.rank), key=lambda f: self.param_groups_of[f.param])
         # with_scaled_states: the master and the rule's scalable states (Adam:
         # exp_avg, exp_avg_sq) in fp16, each fragment with its own
-        # power-of-two scale, rescaled inside the kernel.
-        state_shard = dict(fp32_shard, dtype=torch.float16) if self.with_scaled_states else fp32_shard
-        # With remainders the fp32 master is the bf16 parameter shard (its high
-        # half) plus int16 low halves: 2 bytes per parameter instead of 4.
-        self.master = torch.zeros(**state_shard) if self.store_params and not self.store_param_remainders else None
-        self.remainders = (torch.zeros(n_buckets, self.shard_size, dtype=torch.int16, device=dev)
-                           if self.store_param_remainders else None)
-        self.states = {name: torch.zeros(**(state_shard if name in self.rule.scalable else fp32_shard))
-                       for name in self.rule.states}
+        # power-of-two scale, rescaled inside the kernel. With remainders the
+        # fp32 master is the bf16 parameter shard (its high half) plus int16
+        # low halves: 2 bytes per parameter instead of 4.
+        stored = self._storage_spec().allocate(self.rule, (n_buckets, self.shard_size), len(shard), dev)
+        self.states, self.master, self.remainders = stored.states, stored.master, stored.remainders
+        self.state_scales = stored.scales
         # What the all-gather sends: a slice of the contiguous parameter buffer,
         # the master itself when it already is in param_sync_dtype (fp32 model:
         # no separate copy), or a shard buffer the kernel writes (params_out).
@@ -359,8 +357,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         else:
             self.param_shards = torch.zeros(n_buckets, self.shard_size, dtype=self.param_sync_dtype, device=dev)
         self._state_names = ("master",) + self.rule.states
-        # This rank's pieces, ordered by group so that one launch covers them all.
-        shard = sorted(self.layout.shard_fragments(self.rank), key=lambda f: self.param_groups_of[f.param])
         self._shard_fragments = shard
         self._shard_fragments_by_bucket = [[] for _ in self.layout.buckets]
         for f in shard:
@@ -369,8 +365,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # init_params()), so model weights loaded after construction count.
         self._initialized = [False] * len(self.params)
         self._fragment_index = {(f.bucket, f.shard_start): j for j, f in enumerate(shard)}
-        self.state_scales = {name: torch.ones(len(shard), dtype=torch.float32, device=dev)
-                             for name in ("master",) + self.rule.scalable} if self.with_scaled_states else {}
         sizes = [0] * len(self.param_groups)
         for f in shard:
             sizes[self.param_groups_of[f.param]] += 1
@@ -403,6 +397,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._param_ptrs = list(map(DATA_PTR, self.params))
         self._param_shapes = [p.shape for p in self.params]
         self._replaced.track(p for g in self.param_groups for p in g["params"])
+
+    def _storage_spec(self) -> _storage.StorageSpec:
+        """apex's storage options in the shared vocabulary ([Note: storage codecs])."""
+        if self.store_param_remainders:
+            return _storage.StorageSpec(_storage.REMAINDER)
+        if not self.store_params:
+            return _storage.StorageSpec(_storage.PARAM)
+        if self.with_scaled_states:
+            return _storage.StorageSpec(_storage.SEPARATE, torch.float16,
+                                        tuple((name, torch.float16) for name in self.rule.scalable))
+        return _storage.StorageSpec(_storage.SEPARATE)
 
     def _adopt_backward_order(self) -> None:
         """Rebuild the layout in the order the first backward produced gradients
