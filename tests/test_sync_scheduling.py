@@ -11,8 +11,9 @@ import torch
 from shardadam.distributed._grad_buckets import GradBufferRows, PackedGradBuckets
 from shardadam.distributed._sync import GradSync, ParamSync
 from shardadam.distributed._transport import (
-    AllGather, CollectiveAllGather, CollectiveReduceScatter, CopyEngineAllGather, CopyEngineReduceScatter,
-    CopyEngineReduceScatterFromGradients, InFlight, ReduceScatter, choose_all_gather, choose_reduce_scatter)
+    AllGather, BucketReduceScatter, CollectiveAllGather, CollectiveReduceScatter, CopyEngineAllGather,
+    CopyEngineReduceScatter, CopyEngineReduceScatterFromGradients, InFlight, choose_all_gather,
+    choose_reduce_scatter)
 from shardadam.distributed.layout import BucketLayout
 
 # 4 buckets of 256 elements; parameters 1 and 4 span two buckets each:
@@ -42,36 +43,31 @@ class _Work:
         return True
 
 
-class RecordingReduceScatter(ReduceScatter):
-    """Stages through a real staging (packed buckets, or the contiguous
-    buffer's rows); reduce() records (bucket, the GradSync's round) and
-    writes this rank's piece of the bucket, the sum in a world whose other
-    ranks sent zeros."""
+class RecordingReduceScatter(BucketReduceScatter):
+    """The real bucket transport's staging (packed buckets, or the contiguous
+    buffer's rows) with a recording collective: it records (bucket, the
+    GradSync's round) and writes this rank's piece of the bucket, the sum in
+    a world whose other ranks sent zeros."""
 
     name = "recording reduce-scatter"
 
     def __init__(self, buckets, world: int = 1, rank: int = 0):
-        self.buckets = buckets
-        self.rounds = buckets.rounds
+        super().__init__(buckets)
         self.world, self.rank = world, rank
         self.sync = None  # the GradSync driving it, for its round
         self.calls, self.absent, self.waited = [], [], []
         self.in_flight = self.most_in_flight = 0
 
-    def new_round(self) -> None:
-        self.buckets.new_round()
-
-    def stage(self, k: int, grad: torch.Tensor) -> None:
-        self.buckets.stage(k, grad)
-
     def reduce(self, b: int, out: torch.Tensor, absent: list) -> InFlight:
-        bucket = self.buckets.take(b, absent)
+        self.absent.append((b, sorted(f.param for f in absent)))
+        return super().reduce(b, out, absent)
+
+    def _reduce(self, out: torch.Tensor, bucket: torch.Tensor, b: int) -> _Work:
         out.copy_(bucket.view(self.world, -1)[self.rank])
         self.calls.append((b, self.sync.round))
-        self.absent.append((b, sorted(f.param for f in absent)))
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
-        return InFlight(_Work(lambda: self._done(b)), bucket)
+        return _Work(lambda: self._done(b))
 
     def _done(self, b: int) -> None:
         self.in_flight -= 1

@@ -27,7 +27,6 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-from ._flat import flat_like, memory_flat  # noqa: F401 - optimizer.py imports them from here
 from ._transport import AllGather, InFlight, ReduceScatter, choose_all_gather, choose_reduce_scatter
 
 

@@ -91,7 +91,7 @@ def _backend(group) -> str:
     return str(dist.get_backend(group))
 
 
-class _BucketReduceScatter(ReduceScatter):
+class BucketReduceScatter(ReduceScatter):
     """A reduce-scatter of whole buckets, staged by ``buckets`` (packed, or
     the contiguous gradient buffer's rows: _grad_buckets.py)."""
 
@@ -114,7 +114,7 @@ class _BucketReduceScatter(ReduceScatter):
         """The work of out = the sum over ranks of their piece of bucket (bucket b)."""
 
 
-class CollectiveReduceScatter(_BucketReduceScatter):
+class CollectiveReduceScatter(BucketReduceScatter):
     """torch.distributed's reduce-scatter over group (NCCL's kernels, gloo's threads)."""
 
     def __init__(self, buckets, group):
@@ -129,7 +129,7 @@ class CollectiveReduceScatter(_BucketReduceScatter):
         return _reduce_scatter(out, bucket, group=self.group, async_op=True)
 
 
-class CopyEngineReduceScatter(_BucketReduceScatter):
+class CopyEngineReduceScatter(BucketReduceScatter):
     """Each piece of a bucket written into the rank that sums it, on the copy
     engines (PeerGradReduce.reduce_scatter)."""
 

@@ -52,7 +52,8 @@ from ._agreement import check_same_setup, validate_then_agree
 from ._iteration import BackwardOrderProbe, Grads, Iteration, Params
 from ._peer_gather import PeerParamGather
 from ._peer_reduce import PeerGradReduce
-from ._sync import GradSync, ParamSync, flat_like, memory_flat
+from ._flat import flat_like, memory_flat
+from ._sync import GradSync, ParamSync
 from .layout import BucketLayout
 
 __all__ = ["ShardedOptimizer"]
