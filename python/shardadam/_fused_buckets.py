@@ -23,6 +23,7 @@ import operator
 import torch
 
 from . import kernels
+from ._dtensor import PLAIN
 from ._storage import PARAM, REMAINDER, SEPARATE, StorageSpec
 from ._torch import check_tensor
 from ._tracked import DATA_PTR, GRAD
@@ -51,13 +52,19 @@ def _dense_view(flat: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Te
 class Bucket:
     """The parameters of one device and one storage kind, with their flat state."""
 
-    def __init__(self, kind: str, params: list, group_of: list[int], num_groups: int, opts: dict, names: list[str]):
+    def __init__(self, kind: str, params: list, group_of: list[int], num_groups: int, opts: dict, names: list[str],
+                 shards=PLAIN):
         """opts: the optimizer's options (``rule``, ``state_dtypes`` by state
         name, ``master_weight_dtype``). names: how errors call each parameter
-        (``param_groups[g]['params'][i]``)."""
+        (``param_groups[g]['params'][i]``). shards: how the parameters reach
+        the tensors the kernels step (_dtensor.py: PLAIN, or LocalShards for
+        DTensor parameters)."""
         self.kind = kind
         self.rule = opts["rule"]
-        self.params = params
+        self.owners = params  # the optimizer's parameters
+        self.shards = shards
+        self.params = shards.tensors(params)  # what the kernels step: the local tensors of DTensors
+        params = self.params
         self.names = names
         self.device = params[0].device
         self.group_sizes = [0] * num_groups
@@ -106,6 +113,19 @@ class Bucket:
             views[f"{name}_scale"] = scales[i]
         return views
 
+    def exposed_state(self, i: int) -> dict:
+        """``optimizer.state[p]`` of parameter i: its views, as DTensors of the
+        parameter's placements for a DTensor parameter (the per-tensor scales
+        stay plain: each belongs to this rank's piece)."""
+        scales = {f"{name}_scale" for name in self.scales}
+        owner = self.owners[i]
+        return {name: view if name in scales else self.shards.wrap(view, owner) for name, view in self.views[i].items()}
+
+    def local_grads(self) -> list:
+        """The gradients the kernels read (local tensors of DTensor gradients);
+        None where a parameter has none."""
+        return self.shards.grads(self.owners, list(map(GRAD, self.owners)))
+
     # ------------------------------------------------------------ gradients
 
     def use_flat_grads(self) -> None:
@@ -113,15 +133,17 @@ class Bucket:
         total = self.total
         self.flat_grads = torch.zeros(total, dtype=self.params[0].dtype, device=self.device) \
             if all(p.dtype == self.params[0].dtype for p in self.params) else None
+        grads = self.local_grads()
+        self._flat_views = []
         for i, p in enumerate(self.params):
             if self.flat_grads is not None:
                 view = _dense_view(self.flat_grads, self.offsets[i], p)
             else:  # mixed param dtypes in one bucket: one buffer per parameter
                 view = torch.zeros_like(p)
-            if p.grad is not None:
-                view.copy_(p.grad)
-            p.grad = view
-        self._flat_views = [p.grad for p in self.params]
+            if grads[i] is not None:
+                view.copy_(grads[i])
+            self.owners[i].grad = self.shards.wrap(view, self.owners[i])
+            self._flat_views.append(view)
         self._flat_ptrs = list(map(DATA_PTR, self._flat_views))
 
     def zero_flat_grads(self) -> None:
@@ -137,14 +159,15 @@ class Bucket:
         the parameters (README, "Guarantees"): the gradients' addresses, which
         tell all three apart from a gradient that still is (a view of) the
         bucket's own."""
+        grads = self.local_grads()
         try:
-            if list(map(DATA_PTR, map(GRAD, self.params))) == self._flat_ptrs:
+            if list(map(DATA_PTR, grads)) == self._flat_ptrs:
                 return
         except TypeError:  # a gradient set to None: named below
             pass
-        for i, p in enumerate(self.params):
-            if p.grad is None or p.grad.data_ptr() != self._flat_ptrs[i]:
-                what = "set to None" if p.grad is None else "replaced"
+        for i, (p, g) in enumerate(zip(self.owners, grads)):
+            if g is None or g.data_ptr() != self._flat_ptrs[i]:
+                what = "set to None" if g is None else "replaced"
                 raise RuntimeError(
                     f"FusedAdam(flat_grads=True): the gradient of {self.names[i]} (shape {tuple(p.shape)}) was "
                     f"{what} since the last step (model.zero_grad(), p.grad = ..., p.grad.data = ...): backward no "
@@ -155,7 +178,7 @@ class Bucket:
         """The parameters' gradients, re-pointing the plan when they moved
         (new gradient tensors, or ``p.grad.data = t``); None when some
         parameter has no gradient this step."""
-        grads = list(map(GRAD, self.params))
+        grads = self.local_grads()
         try:
             ptrs = list(map(DATA_PTR, grads))
         except (TypeError, RuntimeError):  # None (no gradient), or a sparse gradient: told apart below
@@ -229,12 +252,10 @@ class Bucket:
             return self._plan, None
         # Some parameters have no gradient this step: update the others only
         # (like torch.optim), through a one-off plan.
-        idx = [i for i, p in enumerate(self.params) if p.grad is not None]
+        grads = self.local_grads()
+        idx = [i for i, g in enumerate(grads) if g is not None]
         if not idx:
             return None
-        grads = [None] * len(self.params)
-        for i in idx:
-            grads[i] = self.params[i].grad
         self._check_grads([grads[i] for i in idx], idx)
         lists = self._lists(idx, grads)
         sizes = [0] * len(self.group_sizes)

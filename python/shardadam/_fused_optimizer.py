@@ -13,13 +13,12 @@ from collections import defaultdict
 import torch
 
 from . import kernels
+from ._dtensor import agree_on_flag, check_param, is_dtensor, shards_for
 from ._fused_buckets import Bucket, storage_kind
 from ._groups import check_step_groups, plain_value, run_closure
 from ._rules import UpdateRule
 from ._state_dict import load_buckets_state, pack_state
-from ._torch import check_tensor
 from ._tracked import ReplacedParams, moved_indices
-from .kernels import FLOATS
 
 _log = logging.getLogger("shardadam")
 
@@ -87,7 +86,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 raise ValueError("a parameter appears twice (in two parameter groups, or twice in one); "
                                  "give each parameter to one group once")
             seen.add(id(p))
-            check_tensor(f"param_groups[{len(self.param_groups) - 1}]['params'][{i}]", p, p.device, FLOATS)
+            check_param(f"param_groups[{len(self.param_groups) - 1}]['params'][{i}]", p)
             devices.add(p.device)
         if len(devices) > 1:
             raise ValueError(f"parameters of one group are on several devices ({sorted(map(str, devices))}): "
@@ -120,7 +119,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         key = self._structure_key()
         if self._buckets is not None and key == self._structure and not self._params_moved():
             return self._buckets
-        old = {id(p): views for b in (self._buckets or []) for p, views in zip(b.params, b.views)}
+        old = {id(p): views for b in (self._buckets or []) for p, views in zip(b.owners, b.views)}
         o = self._opts
         members = defaultdict(lambda: ([], [], []))
         self._frozen = []  # never touched, and given no state, unless they get gradients later
@@ -130,19 +129,19 @@ class FusedOptimizer(torch.optim.Optimizer):
                     self._frozen.append(p)
                     continue
                 kind = storage_kind(p, o["master_weights"], o["store_param_remainders"])
-                ps, gs, names = members[(p.device, kind)]
+                ps, gs, names = members[(p.device, kind, is_dtensor(p))]  # [Note: DTensor parameters]
                 ps.append(p)
                 gs.append(gi)
                 names.append(f"param_groups[{gi}]['params'][{pi}]")
-        self._buckets = [Bucket(kind, ps, gs, len(self.param_groups), o, names)
-                         for (_, kind), (ps, gs, names) in members.items()]
+        self._buckets = [Bucket(kind, ps, gs, len(self.param_groups), o, names, shards_for(ps, names))
+                         for (_, kind, _), (ps, gs, names) in members.items()]
         self._replaced.track(p for g in self.param_groups for p in g["params"])
         for b in self._buckets:
-            for p, views in zip(b.params, b.views):
+            for j, (p, views) in enumerate(zip(b.owners, b.views)):
                 for name, view in views.items():
                     if id(p) in old:
                         view.copy_(old[id(p)][name])
-                self.state[p].update(views)
+                self.state[p].update(b.exposed_state(j))
             if o["flat_grads"]:
                 b.use_flat_grads()
         self._structure = key
@@ -154,8 +153,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         (its state has the old one): that raises, before anything changes."""
         moved = False
         for b in self._buckets:
-            for i in moved_indices(b.params, b.param_ptrs):
-                p = b.params[i]
+            current = b.shards.tensors(b.owners)
+            for i in moved_indices(current, b.param_ptrs):
+                p = current[i]
                 if p.shape != b.param_shapes[i]:
                     raise ValueError(
                         f"{b.names[i]} changed shape from {tuple(b.param_shapes[i])} to {tuple(p.shape)} since the "
@@ -186,7 +186,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
         if self.skip_nonfinite_grads:
-            nonfinite = _nonfinite_grads(prepared)
+            nonfinite = agree_on_flag(_nonfinite_grads(prepared), buckets)  # every rank skips alike
             if nonfinite is not None and not self._opts["capturable"]:
                 if nonfinite.item():  # the host's step counters must know
                     self.skipped_steps += 1

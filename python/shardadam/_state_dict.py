@@ -7,6 +7,9 @@ and ``master_param`` as the exact fp32 master (remainders joined with the bf16
 param; fp16 masters unscaled) where the parameter has a separate master.
 Groups carry their hyperparameters and step counter as plain numbers. So a
 checkpoint loads into any choice of state dtypes, master weights or remainders.
+The states of a DTensor parameter are DTensors of its mesh and placements
+([Note: DTensor parameters] in _dtensor.py): torch.distributed.checkpoint
+saves and reshards them; a load copies the local pieces.
 """
 from __future__ import annotations
 
@@ -25,12 +28,12 @@ def _bucket_state(b, j: int) -> dict:
         out["master_param"] = true_values(v["master_param"], v.get("master_scale"))
     elif b.kind == REMAINDER:
         out["master_param"] = joined_master(b.params[j].detach(), v["param_remainder"])
-    return out
+    return {k: b.shards.wrap(value, b.owners[j]) for k, value in out.items()}
 
 
 def pack_state(opt, buckets) -> dict:
     groups, index = pack_groups(opt.param_groups, plain_value)
-    state = {index[id(p)]: _bucket_state(b, j) for b in buckets for j, p in enumerate(b.params)}
+    state = {index[id(p)]: _bucket_state(b, j) for b in buckets for j, p in enumerate(b.owners)}
     return {"state": state, "param_groups": groups}
 
 
@@ -42,7 +45,7 @@ def load_buckets_state(opt, layout, state_dict: dict) -> None:
     caller's dict is only read."""
     checked = check_state_dict(state_dict, opt.param_groups, opt.rule)
     buckets = layout()
-    where = {id(p): (b, j) for b in buckets for j, p in enumerate(b.params)}
+    where = {id(p): (b, j) for b in buckets for j, p in enumerate(b.owners)}
     with torch.no_grad():
         for values, group in zip(checked.group_values, opt.param_groups):
             set_group_values(group, values)
@@ -50,7 +53,7 @@ def load_buckets_state(opt, layout, state_dict: dict) -> None:
             if id(p) not in where:
                 continue  # frozen: no state
             b, j = where[id(p)]
-            views = b.views[j]
+            p, views = b.params[j], b.views[j]  # a DTensor's local tensor; the entry holds local pieces
             for k in b.states:
                 if k in entry:
                     store(views[k], entry[k], views.get(k + "_scale"))

@@ -15,7 +15,8 @@ dict with a 'params' list, every state entry a dict), the number of groups and
 of parameters in each, that every key appears once and every state entry
 belongs to a listed parameter, state names, tensors (a torch.Tensor, strided,
 with data (not on the meta device), of a real floating dtype, shaped as its
-parameter), the states the optimizer keeps present, the groups'
+parameter; for a DTensor parameter a DTensor of its mesh and placements, whose
+local piece is what loads), the states the optimizer keeps present, the groups'
 hyperparameters (finite, in range) and the step counters (whole numbers >= 0).
 A tensor on another device than the optimizer's is fine: it is copied.
 
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ._dtensor import local_value
 from ._validate import check_betas, check_flag, check_step_count
 
 MASTER_KEYS = ("master_param", "param")  # the fused optimizers' name, the distributed ones' name
@@ -121,6 +123,7 @@ def check_state_dict(state_dict, param_groups: list, rule) -> CheckedLoad:
                 steps[gi].append(check_step_count(where, "'step'", value))
                 continue
             check_state_tensor(f"{where}[{name!r}]", value, p.shape, f"param_groups[{gi}]['params'][{pi}]")
+            value = local_value(f"{where}[{name!r}]", value, p, f"param_groups[{gi}]['params'][{pi}]")
             loaded["master" if name in MASTER_KEYS else name] = value
         checked.entries.append((p, loaded))
     for gi, (saved, group) in enumerate(zip(saved_groups, param_groups)):

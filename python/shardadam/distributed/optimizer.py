@@ -44,6 +44,7 @@ from .. import kernels
 from .._groups import check_step_groups, pack_groups, param_names, plain_value, run_closure, set_group_values
 from .._rules import UpdateRule
 from .. import _storage
+from .._dtensor import refuse_sharded_params
 from .._torch import check_tensor
 from .._tracked import DATA_PTR, ReplacedParams, moved_indices
 from .._state_dict_check import check_state_dict
@@ -211,6 +212,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------ layout
 
     def _build(self, grad_sync_dtype, param_sync_dtype, device) -> None:
+        refuse_sharded_params(type(self).__name__, self.param_groups)  # FSDP2's DTensors: use FusedAdam
         check_same_setup(self, grad_sync_dtype, param_sync_dtype, device)  # every rank alike, before any broadcast
         params, groups = [], []
         for gi, g in enumerate(self.param_groups):
