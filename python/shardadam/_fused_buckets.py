@@ -26,7 +26,7 @@ from . import kernels
 from ._dtensor import PLAIN
 from ._storage import PARAM, REMAINDER, SEPARATE, StorageSpec
 from ._torch import check_tensor
-from ._tracked import DATA_PTR, GRAD
+from ._tracked import DATA_PTR
 
 # Offsets of every parameter's state are multiples of this many elements, so
 # each view starts 64-byte aligned and the kernels can use vector access.
@@ -124,7 +124,7 @@ class Bucket:
     def local_grads(self) -> list:
         """The gradients the kernels read (local tensors of DTensor gradients);
         None where a parameter has none."""
-        return self.shards.grads(self.owners, list(map(GRAD, self.owners)))
+        return self.shards.grads(self.owners)
 
     # ------------------------------------------------------------ gradients
 
