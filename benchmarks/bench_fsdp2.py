@@ -153,16 +153,18 @@ def summarize(rounds: list[list[dict]]) -> list[dict]:
     return summary
 
 
+# (header, summary key, format) of each column after the implementation's name
+COLUMNS = (("step ms", "step_ms", ".2f"), ("step host ms", "step_host_ms", ".2f"), ("iteration ms", "iter_ms", ".1f"),
+           ("step vs fused", "step_vs_torch_fused", ".3f"), ("iteration vs fused", "iter_vs_torch_fused", ".3f"),
+           ("opt B/param", "opt_bytes_per_param", ".2f"))
+
+
 def table(summary: list[dict]) -> str:
-    lines = ["| impl | step ms | step host ms | iteration ms | step vs fused | iteration vs fused | opt B/param |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| impl | " + " | ".join(c[0] for c in COLUMNS) + " |", "|---|" + "---:|" * len(COLUMNS)]
     for s in summary:
-        if s["error"]:
-            lines.append(f"| {s['impl']} | failed: {s['error']} | | | | | |")
-            continue
-        lines.append(f"| {s['impl']} | {s['step_ms']:.2f} | {s['step_host_ms']:.2f} | {s['iter_ms']:.1f} | "
-                     f"{s.get('step_vs_torch_fused', float('nan')):.3f} | "
-                     f"{s.get('iter_vs_torch_fused', float('nan')):.3f} | {s['opt_bytes_per_param']:.2f} |")
+        cells = [f"failed: {s['error']}"] + [""] * (len(COLUMNS) - 1) if s["error"] else [
+            "-" if s.get(key) is None else format(s[key], spec) for _, key, spec in COLUMNS]
+        lines.append(f"| {s['impl']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
