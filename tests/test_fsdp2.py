@@ -141,6 +141,8 @@ def _variants(mesh, rank: int, world: int, checks: _Checks) -> None:
     cases = {
         "adamw": (f32, None, lambda g: shardadam.FusedAdam(g, **adamw),
                   lambda g: torch.optim.AdamW(g, foreach=False, **adamw)),
+        "adam-l2": (f32, None, lambda g: shardadam.FusedAdam(g, adam_w_mode=False, **adamw),
+                    lambda g: torch.optim.Adam(g, foreach=False, **adamw)),
         "amsgrad-maximize": (f32, None, lambda g: shardadam.FusedAdam(g, amsgrad=True, maximize=True, **adamw),
                              lambda g: torch.optim.AdamW(g, foreach=False, amsgrad=True, maximize=True, **adamw)),
         "flat-grads": (f32, None, lambda g: shardadam.FusedAdam(g, flat_grads=True, **adamw),
@@ -182,15 +184,16 @@ def _variants(mesh, rank: int, world: int, checks: _Checks) -> None:
     checks.close("remainders equal fp32 masters bit for bit", bf16["remainders"], bf16["master-weights"],
                  rtol=0, atol=0)
 
-    # bf16 states: close to the fp32 run (bf16's 8 bits), stored as bf16 DTensors
-    model, ref = _model(mesh), _model(mesh)
-    opt = shardadam.FusedAdam(_groups(model), exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16, **adamw)
-    _train(model, opt, range(STEPS), rank, world)
-    _train(ref, torch.optim.AdamW(_groups(ref), foreach=False, **adamw), range(STEPS), rank, world)
-    checks.close("bf16 states: params", _locals(model.parameters()), _locals(ref.parameters()), rtol=2e-2, atol=2e-4)
-    checks.true("bf16 states are bf16 DTensors", all(
-        isinstance(s["exp_avg"], DTensor) and s["exp_avg"].dtype == torch.bfloat16 for s in opt.state.values()),
-        "a state is not a bf16 DTensor")
+    # 16-bit states (fp16 with a scale per local piece): close to the fp32 run, stored as 16-bit DTensors
+    for dtype, tol in ((torch.bfloat16, dict(rtol=2e-2, atol=2e-4)), (torch.float16, dict(rtol=2e-3, atol=2e-5))):
+        model, ref = _model(mesh), _model(mesh)
+        opt = shardadam.FusedAdam(_groups(model), exp_avg_dtype=dtype, exp_avg_sq_dtype=dtype, **adamw)
+        _train(model, opt, range(STEPS), rank, world)
+        _train(ref, torch.optim.AdamW(_groups(ref), foreach=False, **adamw), range(STEPS), rank, world)
+        checks.close(f"16-bit states {dtype}: params", _locals(model.parameters()), _locals(ref.parameters()), **tol)
+        checks.true(f"16-bit states {dtype} are DTensors of that dtype", all(
+            isinstance(s["exp_avg"], DTensor) and s["exp_avg"].dtype == dtype for s in opt.state.values()),
+            "a state is not")
 
     # skip_nonfinite_grads: an inf in rank 0's shard only; both ranks skip that step
     def inf_on_rank_0(s, m):
@@ -331,7 +334,7 @@ def two_ranks(request, tmp_path_factory):
     return _spawn_all(_fsdp_worker, 2, request.param, path), path, request.param
 
 
-CHECKS = ["adamw", "amsgrad-maximize", "flat-grads", "lion", "mixed-precision-policy"]
+CHECKS = ["adamw", "adam-l2", "amsgrad-maximize", "flat-grads", "lion", "mixed-precision-policy"]
 
 
 @pytest.mark.parametrize("variant", CHECKS)
@@ -344,7 +347,7 @@ def test_bf16_sharded_params_with_masters_match_fp32_adamw(two_ranks, prefix):
     _assert_checks(two_ranks, prefix)
 
 
-@pytest.mark.parametrize("prefix", ["bf16 states", "skip-nonfinite", "state[p]"])
+@pytest.mark.parametrize("prefix", ["16-bit states", "skip-nonfinite", "state[p]"])
 def test_fsdp2_state_and_options(two_ranks, prefix):
     _assert_checks(two_ranks, prefix)
 

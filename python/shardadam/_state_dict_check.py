@@ -15,8 +15,8 @@ dict with a 'params' list, every state entry a dict), the number of groups and
 of parameters in each, that every key appears once and every state entry
 belongs to a listed parameter, state names, tensors (a torch.Tensor, strided,
 with data (not on the meta device), of a real floating dtype, shaped as its
-parameter; for a DTensor parameter a DTensor of its mesh and placements, whose
-local piece is what loads), the states the optimizer keeps present, the groups'
+parameter; for a DTensor parameter a DTensor of its mesh and placements, or a
+full tensor, whose local piece is what loads), the states the optimizer keeps present, the groups'
 hyperparameters (finite, in range) and the step counters (whole numbers >= 0).
 A tensor on another device than the optimizer's is fine: it is copied.
 
