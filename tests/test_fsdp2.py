@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Partial, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 import shardadam
 from test_distributed import _exit, _rank_group, _spawn_all
@@ -214,6 +214,18 @@ def _variants(mesh, rank: int, world: int, checks: _Checks) -> None:
                 f"rank {rank} skipped {opt.skipped_steps} steps")
     checks.close("skip-nonfinite: params", _locals(model.parameters()), _locals(ref.parameters()))
 
+    # a parameter without a gradient is left alone, as torch.optim does (never given one here: FusedAdam's
+    # bias correction counts the group's steps, torch's the parameter's)
+    def no_grad_for_last_bias(s, m):
+        m[4].bias.grad = None
+
+    model, ref = _model(mesh), _model(mesh)
+    opt = shardadam.FusedAdam(_groups(model), **adamw)
+    _train(model, opt, range(STEPS), rank, world, no_grad_for_last_bias)
+    _train(ref, torch.optim.AdamW(_groups(ref), foreach=False, **adamw), range(STEPS), rank, world,
+           no_grad_for_last_bias)
+    checks.close("missing gradients: params", _locals(model.parameters()), _locals(ref.parameters()))
+
     # state[p]: DTensors of p's mesh and placements, views into one flat buffer
     model = _model(mesh)
     opt = shardadam.FusedAdam(_groups(model), **adamw)
@@ -237,6 +249,12 @@ def _variants(mesh, rank: int, world: int, checks: _Checks) -> None:
     _train(other, other_opt, range(1), rank, world)
     checks.raises("another placement", lambda: opt.load_state_dict(other_opt.state_dict()), "laid out as",
                   "torch.distributed.checkpoint")
+    weight = model[0].weight
+    weight.grad = weight.detach().redistribute(placements=[Replicate()])  # global shape fits, local pieces do not
+    before = _locals(model.parameters())
+    checks.raises("a gradient of other placements", opt.step, "laid out as", "Replicate")
+    checks.close("a gradient of other placements changes nothing", _locals(model.parameters()), before, rtol=0,
+                 atol=0)
     partial = nn.Parameter(DTensor.from_local(torch.ones(2, device=mesh.device_type), mesh, [Partial()]))
     checks.raises("a Partial parameter", lambda: shardadam.FusedAdam([partial]), "Partial")
 
@@ -334,7 +352,7 @@ def two_ranks(request, tmp_path_factory):
     return _spawn_all(_fsdp_worker, 2, request.param, path), path, request.param
 
 
-CHECKS = ["adamw", "adam-l2", "amsgrad-maximize", "flat-grads", "lion", "mixed-precision-policy"]
+CHECKS = ["adamw", "adam-l2", "amsgrad-maximize", "missing gradients", "flat-grads", "lion", "mixed-precision-policy"]
 
 
 @pytest.mark.parametrize("variant", CHECKS)
@@ -353,6 +371,7 @@ def test_fsdp2_state_and_options(two_ranks, prefix):
 
 
 @pytest.mark.parametrize("prefix", ["DistributedFusedAdam refuses", "a DTensor state", "another placement",
+                                    "a gradient of other placements",
                                     "a Partial parameter"])
 def test_fsdp2_refusals(two_ranks, prefix):
     _assert_checks(two_ranks, prefix)
