@@ -53,10 +53,12 @@ class Bucket:
 
     def __init__(self, kind: str, params: list, group_of: list[int], num_groups: int, opts: dict, names: list[str]):
         """opts: the optimizer's options (``rule``, ``state_dtypes`` by state
-        name, ``master_weight_dtype``). names: how errors call each parameter
+        name, ``master_weight_dtype``, ``grad_of``: reads a parameter's
+        gradient, ``p.grad`` or TE's ``p.decoupled_grad``). names: how errors call each parameter
         (``param_groups[g]['params'][i]``)."""
         self.kind = kind
         self.rule = opts["rule"]
+        self.grad_of = opts["grad_of"]
         self.params = params
         self.names = names
         self.device = params[0].device
@@ -155,7 +157,7 @@ class Bucket:
         """The parameters' gradients, re-pointing the plan when they moved
         (new gradient tensors, or ``p.grad.data = t``); None when some
         parameter has no gradient this step."""
-        grads = list(map(GRAD, self.params))
+        grads = list(map(self.grad_of, self.params))
         try:
             ptrs = list(map(DATA_PTR, grads))
         except (TypeError, RuntimeError):  # None (no gradient), or a sparse gradient: told apart below
@@ -229,12 +231,10 @@ class Bucket:
             return self._plan, None
         # Some parameters have no gradient this step: update the others only
         # (like torch.optim), through a one-off plan.
-        idx = [i for i, p in enumerate(self.params) if p.grad is not None]
+        grads = list(map(self.grad_of, self.params))
+        idx = [i for i, g in enumerate(grads) if g is not None]
         if not idx:
             return None
-        grads = [None] * len(self.params)
-        for i in idx:
-            grads[i] = self.params[i].grad
         self._check_grads([grads[i] for i in idx], idx)
         lists = self._lists(idx, grads)
         sizes = [0] * len(self.group_sizes)
@@ -252,9 +252,9 @@ class Bucket:
                               param_remainders=lists["param_remainders"], scales=lists["scales"],
                               group_sizes=group_sizes)
 
-    def launch(self, prepared: tuple, hyper: dict, grad_scale, found_inf) -> None:
+    def launch(self, prepared: tuple, hyper: dict, grad_scale, found_inf, unscale_grads: bool = False) -> None:
         plan, idx = prepared
-        self.rule.launch(plan, hyper, grad_scale=grad_scale, found_inf=found_inf)
+        self.rule.launch(plan, hyper, grad_scale=grad_scale, found_inf=found_inf, unscale_grads=unscale_grads)
         if idx is not None:
             for name, scales in self.scales.items():  # the kernel chose new scales for the subset's copy
                 scales[idx] = plan.subset_scales[name]
