@@ -368,3 +368,45 @@ def test_model_steps_like_adamw_under_the_protocol():
         opt.zero_grad()
         topt.zero_grad()
     torch.testing.assert_close(list(model.parameters()), list(ref.parameters()))
+
+
+@pytest.mark.cuda
+def test_captured_step_unscales_like_torch_fused_adamw():
+    """capturable=True in a CUDA graph with GradScaler's attributes in static
+    tensors (the scale and the flag change between replays): each replay
+    leaves the gradients unscaled, or scaled and everything unchanged when
+    found_inf is set, as torch's fused capturable AdamW does eagerly."""
+    params = _params(device="cuda")
+    rparams = _fp32_copies(params)
+    lr = 2.0 ** -8  # exact in the float32 lr tensor
+    hyper = dict(HYPER, lr=lr)
+    opt = FusedAdam(params, capturable=True, **hyper)
+    ref = torch.optim.AdamW(rparams, fused=True, capturable=True, **hyper)
+    scale, flag = torch.ones((), device="cuda"), torch.ones((), device="cuda")
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.grad_scale, opt.found_inf = scale, flag
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        opt.step()  # warm-up with found_inf set: builds the plan, changes nothing
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    assert opt.param_groups[0]["step"].item() == 0
+    for s, (factor, skip) in enumerate([(1024.0, 0.0), (512.0, 0.0), (512.0, 1.0), (2048.0, 0.0)]):
+        scaled = [torch.randn(p.shape, device="cuda") * factor for p in params]
+        for p, r, g in zip(params, rparams, scaled):
+            p.grad.copy_(g)
+            r.grad = g.clone()
+        scale.fill_(factor)
+        flag.fill_(skip)
+        graph.replay()
+        ref.grad_scale, ref.found_inf = scale.clone(), flag.clone()
+        ref.step()
+        for p, r in zip(params, rparams):
+            assert torch.equal(p.grad, r.grad), f"gradients after replay {s}"
+        torch.testing.assert_close(params, rparams)
+    del opt.grad_scale, opt.found_inf
+    assert opt.param_groups[0]["step"].item() == 3 == int(ref.state[rparams[0]]["step"])

@@ -244,7 +244,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         for i, g in enumerate(self.param_groups):
             values = ", ".join(f"{k}={plain_value(g[k])}" for k in self.rule.group_keys + ("maximize", "step"))
             lines.append(f"  group {i}: {len(g['params'])} params, {values}")
-        options = dict(self.rule.options(), **{k: v for k, v in self._opts.items() if k not in ("rule", "state_dtypes", "grad_of")},
+        shown = {k: v for k, v in self._opts.items() if k not in ("rule", "state_dtypes", "grad_of")}
+        options = dict(self.rule.options(), **shown,
                        **{f"{k}_dtype": v for k, v in self._opts["state_dtypes"].items()})
         opts = ", ".join(f"{k}={str(v).replace('torch.', '')}" for k, v in options.items())
         lines.append(f"  options: {opts}")
