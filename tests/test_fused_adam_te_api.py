@@ -88,6 +88,9 @@ def test_te_only_options_are_refused_with_the_fix():
     with pytest.raises(TypeError, match="quantized"):
         opt.add_param_group({"params": [q]})
     assert len(opt.param_groups) == 1
+    model = nn.Linear(3, 2)
+    opt.add_param_group({"params": model.parameters()})  # a generator: read once, still every parameter
+    assert list(map(id, opt.param_groups[1]["params"])) == list(map(id, model.parameters()))
 
 
 # ------------------------------------------------------------ zero_grad
@@ -410,3 +413,20 @@ def test_captured_step_unscales_like_torch_fused_adamw():
         torch.testing.assert_close(params, rparams)
     del opt.grad_scale, opt.found_inf
     assert opt.param_groups[0]["step"].item() == 3 == int(ref.state[rparams[0]]["step"])
+
+
+def test_tensor_without_requires_grad_but_with_a_gradient_is_stepped():
+    """torch.optim, TE and apex step whatever has a gradient: a plain tensor
+    (requires_grad=False) given .grad by hand (TE's and apex's large-tensor
+    test does this) is trained, not taken for a frozen parameter."""
+    t = torch.zeros(1000)
+    r = torch.zeros(1000)
+    t.grad = torch.randn(1000)
+    r.grad = t.grad.clone()
+    opt = FusedAdam([t], **HYPER)
+    ref = torch.optim.AdamW([r], **HYPER)
+    for _ in range(2):
+        opt.step()
+        ref.step()
+    torch.testing.assert_close(t, r)
+    assert float(t.abs().min()) > 0

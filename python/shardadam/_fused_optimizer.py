@@ -125,10 +125,12 @@ class FusedOptimizer(torch.optim.Optimizer):
         old = {id(p): views for b in (self._buckets or []) for p, views in zip(b.params, b.views)}
         o = self._opts
         members = defaultdict(lambda: ([], [], []))
-        self._frozen = []  # never touched, and given no state, unless they get gradients later
+        # Frozen: requires_grad=False and no gradient; never touched, and given no
+        # state, until they get one (a gradient set by hand counts, as in torch.optim).
+        self._frozen = []
         for gi, group in enumerate(self.param_groups):
             for pi, p in enumerate(group["params"]):
-                if not p.requires_grad:
+                if not p.requires_grad and o["grad_of"](p) is None:
                     self._frozen.append(p)
                     continue
                 kind = storage_kind(p, o["master_weights"], o["store_param_remainders"])

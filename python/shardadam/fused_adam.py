@@ -95,8 +95,10 @@ class FusedAdam(FusedOptimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         params = param_group["params"]
+        if not isinstance(params, (torch.Tensor, set)):  # a generator is read once: keep what was read
+            param_group["params"] = params = list(params)  # (torch.optim's add_param_group does the same)
         _te_apex.check_plain_params(f"param_groups[{len(self.param_groups)}]",
-                                    [params] if isinstance(params, torch.Tensor) else list(params))
+                                    [params] if isinstance(params, torch.Tensor) else params)
         super().add_param_group(param_group)
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
