@@ -151,6 +151,20 @@ def test_decoupled_fp32_grads_for_bf16_params_with_masters(store_param_remainder
     assert not torch.equal(params[0].detach(), before[0])
 
 
+def test_decoupled_grads_under_a_grad_scaler_are_refused():
+    """GradScaler checks p.grad only: with decoupled gradients it would miss
+    inf/NaN, so its attributes are refused before anything changes."""
+    params = _params()
+    opt = FusedAdam(params, use_decoupled_grad=True)
+    for p in params:
+        p.decoupled_grad = torch.randn(p.shape)
+    before = [p.detach().clone() for p in params]
+    opt.grad_scale, opt.found_inf = torch.tensor(8.0), torch.tensor(0.0)
+    with pytest.raises(RuntimeError, match="checks and unscales p.grad, not p.decoupled_grad"):
+        opt.step()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))
+
+
 # ------------------------------------------------------------ master_weights as a list
 
 def test_master_weights_list_starts_the_masters():

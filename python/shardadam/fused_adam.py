@@ -101,6 +101,13 @@ class FusedAdam(FusedOptimizer):
                                     [params] if isinstance(params, torch.Tensor) else params)
         super().add_param_group(param_group)
 
+    def step(self, closure=None):
+        if self.use_decoupled_grad and getattr(self, "grad_scale", None) is not None:
+            raise RuntimeError("FusedAdam(use_decoupled_grad=True) under torch.amp.GradScaler: the scaler checks "
+                               "and unscales p.grad, not p.decoupled_grad, so it would miss inf/NaN gradients; "
+                               "scale and check decoupled gradients yourself (or skip_nonfinite_grads=True)")
+        return super().step(closure)
+
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         """Resets gradients: to None when set_to_none (default: set_grad_none
         if given at construction, else True), else to zeros; with
