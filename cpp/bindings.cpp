@@ -117,7 +117,8 @@ NB_MODULE(_core, m) {
             x.scales[2] = std::get<2>(s);
           },
           "Addresses of the per-tensor scales of (master, exp_avg, exp_avg_sq); 0 = unscaled.")
-      .def_rw("amax_scratch", &AdamExtras::amax_scratch);
+      .def_rw("amax_scratch", &AdamExtras::amax_scratch)
+      .def_rw("unscale_grads", &AdamExtras::unscale_grads);
 
   nb::class_<TensorTable>(m, "TensorTable",
                           "Validated lists of equally sized tensors, cut into chunks.")

@@ -23,6 +23,7 @@ struct AdamExtras {
   uint64_t found_inf = 0;  // float32 flag: set -> the step writes nothing
   uint64_t scales[kScaledStates] = {0, 0, 0};  // float32 [num_tensors] each, or 0
   uint64_t amax_scratch = 0;  // float32 [3 * num_tensors], needed with scales
+  bool unscale_grads = false;  // see UpdateArgs::unscale_grads
 };
 
 // Dtype and presence rules for update tables (cpp/check_update.cpp); called
@@ -44,6 +45,8 @@ void run_update(const Engine& e, const TensorTable& t, const std::vector<AdamGro
                       std::to_string(t.num_groups()) + " groups");
   UpdateOp<Rule> op;
   op.a.grad_scale = x.grad_scale;
+  if (x.unscale_grads) t.check_writable(kGrad);
+  op.a.unscale_grads = x.unscale_grads;
   bool scaled = false;
   static constexpr const char* kScaleNames[kScaledStates] = {"master_scales", "exp_avg_scales",
                                                              "exp_avg_sq_scales"};

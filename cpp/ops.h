@@ -76,6 +76,10 @@ struct UpdateArgs {
   float* scales[kScaledStates] = {nullptr, nullptr, nullptr};  // [num_tensors] each, or null
   float* amax[kScaledStates] = {nullptr, nullptr, nullptr};    // scratch [num_tensors] each
   UpdatePhase phase = UpdatePhase::Apply;
+  // Store grad * grad_scale back into the grad list (a GradScaler's
+  // gradients come out unscaled, as torch's fused Adam leaves them); like
+  // every other write it is skipped when found_inf is set.
+  bool unscale_grads = false;
 };
 
 // One optimizer step over the lists of UpdateList for any rule (see
@@ -92,6 +96,7 @@ struct UpdateOp {
     float unscale[kScaledStates];  // stored -> true value
     float rescale[kScaledStates];  // true value -> stored
     float amax[kScaledStates];
+    float grad_scale;  // for unscale_grads
   };
 
   using GroupState = Coeffs;
@@ -111,6 +116,7 @@ struct UpdateOp {
                          : 1.0f;
       s.amax[i] = 0.0f;
     }
+    s.grad_scale = a.unscale_grads ? float(a.grad_scale.read()) : 1.0f;
     return s;
   }
 
@@ -147,6 +153,10 @@ struct UpdateOp {
         s.amax[kScaledExpAvgSq] = nan_max(s.amax[kScaledExpAvgSq], k < n ? fabsf(v[k]) : 0.0f);
       }
       return;
+    }
+    if (a.unscale_grads) {
+      for (int k = 0; k < io.lanes(); ++k) g[k] *= s.grad_scale;
+      io.store(kGrad, g);
     }
     io.store(kParamOut, p);  // true values, before the master is rescaled
     if (has_rem) {

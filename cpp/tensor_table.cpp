@@ -82,7 +82,7 @@ TensorTable::TensorTable(std::vector<ListSpec> lists, std::vector<uint32_t> grou
   build_blob();
 }
 
-void TensorTable::validate_overlap() const {
+void TensorTable::validate_overlap(uint32_t also_written) const {
   // Sweep the address ranges in order: a range overlaps an earlier one iff it
   // starts before the furthest end seen so far. Written ranges may not overlap
   // anything; read-only ranges may share memory with each other.
@@ -108,7 +108,8 @@ void TensorTable::validate_overlap() const {
     for (int64_t t = 0; t < num_tensors_; ++t) {
       const uint64_t bytes = bytes_of(spec, t);
       if (bytes == 0 || in_place_of[t] == l) continue;
-      const bool written = spec.written || (l == alias_list_ && in_place_of[t] >= 0);
+      const bool written =
+          spec.written || ((also_written >> l) & 1u) || (l == alias_list_ && in_place_of[t] >= 0);
       ranges.push_back(Range{spec.ptrs[t], spec.ptrs[t] + bytes, l, t, written});
     }
   }
@@ -185,6 +186,13 @@ TableView TensorTable::view(const void* base) const {
 
 namespace shardadam {
 
+void TensorTable::check_writable(int l) const {
+  SHARDADAM_CHECK(l >= 0 && l < num_lists() && has_list(l), "check_writable: no such list in the table");
+  if (lists_[l].written || ((checked_writable_ >> l) & 1u)) return;
+  validate_overlap(uint32_t(1) << l);
+  checked_writable_ |= uint32_t(1) << l;
+}
+
 bool TensorTable::refresh_read_list(int l, const std::vector<uint64_t>& ptrs) {
   SHARDADAM_CHECK(l >= 0 && l < num_lists() && has_list(l), "refresh_read_list: no such list in the table");
   ListSpec& spec = lists_[l];
@@ -194,6 +202,7 @@ bool TensorTable::refresh_read_list(int l, const std::vector<uint64_t>& ptrs) {
   for (int64_t t = 0; t < num_tensors_; ++t)
     SHARDADAM_CHECK(spec.numels[t] == 0 || ptrs[t] != 0,
                     spec.name + "[" + std::to_string(t) + "] has a null data pointer");
+  checked_writable_ &= ~(uint32_t(1) << l);
   uint64_t* column = reinterpret_cast<uint64_t*>(blob_.data() + ptrs_offset(l));
   uint8_t* aligned = blob_.data() + off_aligned_;
   bool alignment_changed = false;

@@ -88,11 +88,17 @@ class TensorTable {
   // only the list's address column (ptrs_offset) changed: a device copy of
   // the blob then needs just that column patched.
   bool refresh_read_list(int l, const std::vector<uint64_t>& ptrs);
+  // Refuses (std::invalid_argument) when list l, built read-only, overlaps
+  // any other tensor of the table or of itself: an op may then write it (the
+  // update's unscale_grads). The answer is kept until refresh_read_list(l)
+  // re-points the list, so the steady state pays nothing.
+  void check_writable(int l) const;
   // Byte offset of list l's address column in the blob.
   int64_t ptrs_offset(int l) const { return int64_t(off_ptrs_) + int64_t(l) * num_tensors_ * 8; }
 
  private:
-  void validate_overlap() const;
+  // also_written: bit l set: read-only list l is checked as if written.
+  void validate_overlap(uint32_t also_written = 0) const;
   void build_blob();
 
   std::vector<ListSpec> lists_;
@@ -106,6 +112,7 @@ class TensorTable {
   int64_t total_numel_ = 0;
   int64_t chunk_size_ = 0;
   int alias_list_ = -1;
+  mutable uint32_t checked_writable_ = 0;  // bit l: check_writable(l) passed since the last refresh
   size_t off_ptrs_ = 0, off_dtypes_ = 0, off_numels_ = 0, off_groups_ = 0, off_aligned_ = 0,
          off_tensor_chunks_ = 0, off_chunks_ = 0;
 };

@@ -83,8 +83,8 @@ class PlainTensors:
         return params
 
     @staticmethod
-    def grads(params: list) -> list:
-        return list(map(GRAD, params))
+    def grads(params: list, grad_of=GRAD) -> list:
+        return list(map(grad_of, params))
 
     @staticmethod
     def wrap(local: torch.Tensor, param) -> torch.Tensor:
@@ -112,7 +112,7 @@ class LocalShards:
         """The parameters' local tensors (one C-level pass)."""
         return list(map(LOCAL, params))
 
-    def grads(self, params: list) -> list:
+    def grads(self, params: list, grad_of=GRAD) -> list:
         """The local tensors of the parameters' gradients (None where a
         parameter has none). A gradient must be a DTensor of its parameter's
         mesh and placements; its spec objects, once checked, are recognised by
@@ -120,7 +120,7 @@ class LocalShards:
         # DTensor's __torch_function__ is torch's disabled one: reading .grad
         # with it off is the same read, at a third of the host cost.
         with torch._C.DisableTorchFunctionSubclass():
-            grads = list(map(GRAD, params))
+            grads = list(map(grad_of, params))
         try:
             specs = list(map(SPEC, grads))
         except AttributeError:  # a missing gradient, or a plain tensor: told apart below

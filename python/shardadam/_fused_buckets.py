@@ -55,12 +55,14 @@ class Bucket:
     def __init__(self, kind: str, params: list, group_of: list[int], num_groups: int, opts: dict, names: list[str],
                  shards=PLAIN):
         """opts: the optimizer's options (``rule``, ``state_dtypes`` by state
-        name, ``master_weight_dtype``). names: how errors call each parameter
-        (``param_groups[g]['params'][i]``). shards: how the parameters reach
-        the tensors the kernels step (_dtensor.py: PLAIN, or LocalShards for
-        DTensor parameters)."""
+        name, ``master_weight_dtype``, ``grad_of``: reads a parameter's
+        gradient, ``p.grad`` or TE's ``p.decoupled_grad``). names: how errors
+        call each parameter (``param_groups[g]['params'][i]``). shards: how the
+        parameters reach the tensors the kernels step (_dtensor.py: PLAIN, or
+        LocalShards for DTensor parameters)."""
         self.kind = kind
         self.rule = opts["rule"]
+        self.grad_of = opts["grad_of"]
         self.owners = params  # the optimizer's parameters
         self.shards = shards
         self.params = shards.tensors(params)  # what the kernels step: the local tensors of DTensors
@@ -124,7 +126,7 @@ class Bucket:
     def local_grads(self) -> list:
         """The gradients the kernels read (local tensors of DTensor gradients);
         None where a parameter has none."""
-        return self.shards.grads(self.owners)
+        return self.shards.grads(self.owners, self.grad_of)
 
     # ------------------------------------------------------------ gradients
 
@@ -273,9 +275,9 @@ class Bucket:
                               param_remainders=lists["param_remainders"], scales=lists["scales"],
                               group_sizes=group_sizes)
 
-    def launch(self, prepared: tuple, hyper: dict, grad_scale, found_inf) -> None:
+    def launch(self, prepared: tuple, hyper: dict, grad_scale, found_inf, unscale_grads: bool = False) -> None:
         plan, idx = prepared
-        self.rule.launch(plan, hyper, grad_scale=grad_scale, found_inf=found_inf)
+        self.rule.launch(plan, hyper, grad_scale=grad_scale, found_inf=found_inf, unscale_grads=unscale_grads)
         if idx is not None:
             for name, scales in self.scales.items():  # the kernel chose new scales for the subset's copy
                 scales[idx] = plan.subset_scales[name]

@@ -18,7 +18,7 @@ from ._fused_buckets import Bucket, storage_kind
 from ._groups import check_step_groups, plain_value, run_closure
 from ._rules import UpdateRule
 from ._state_dict import load_buckets_state, pack_state
-from ._tracked import ReplacedParams, moved_indices
+from ._tracked import GRAD, ReplacedParams, moved_indices
 
 _log = logging.getLogger("shardadam")
 
@@ -33,12 +33,14 @@ class FusedOptimizer(torch.optim.Optimizer):
     or fp16 with a per-tensor scale), store_param_remainders (bf16 params +
     int16 remainders), state_dtypes (per state: fp32, bf16, or fp16 with
     per-tensor scales where the rule allows), capturable, flat_grads,
-    skip_nonfinite_grads: see FusedAdam's docstring.
+    skip_nonfinite_grads: see FusedAdam's docstring. grad_of: how a
+    parameter's gradient is read (``p.grad``; FusedAdam's use_decoupled_grad
+    reads ``p.decoupled_grad``).
     """
 
     def __init__(self, params, defaults: dict, rule: UpdateRule, *, capturable=False, master_weights=False,
                  master_weight_dtype=torch.float32, state_dtypes: dict | None = None, store_param_remainders=False,
-                 flat_grads=False, skip_nonfinite_grads=False):
+                 flat_grads=False, skip_nonfinite_grads=False, grad_of=GRAD):
         state_dtypes = dict(state_dtypes or {})
         for name, dtype, allowed in [("master_weight_dtype", master_weight_dtype, (torch.float32, torch.float16))] + [
                 (f"{state}_dtype", dtype, STATE_DTYPES) for state, dtype in state_dtypes.items()]:
@@ -50,7 +52,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.rule = rule
         self._opts = dict(rule=rule, capturable=capturable, master_weights=master_weights,
                           master_weight_dtype=master_weight_dtype, state_dtypes=state_dtypes,
-                          store_param_remainders=store_param_remainders, flat_grads=flat_grads)
+                          store_param_remainders=store_param_remainders, flat_grads=flat_grads, grad_of=grad_of)
         self._buckets: list[Bucket] | None = None
         self._structure = None
         self._frozen: list = []
@@ -122,10 +124,12 @@ class FusedOptimizer(torch.optim.Optimizer):
         old = {id(p): views for b in (self._buckets or []) for p, views in zip(b.owners, b.views)}
         o = self._opts
         members = defaultdict(lambda: ([], [], []))
-        self._frozen = []  # never touched, and given no state, unless they get gradients later
+        # Frozen: requires_grad=False and no gradient; never touched, and given no
+        # state, until they get one (a gradient set by hand counts, as in torch.optim).
+        self._frozen = []
         for gi, group in enumerate(self.param_groups):
             for pi, p in enumerate(group["params"]):
-                if not p.requires_grad:
+                if not p.requires_grad and o["grad_of"](p) is None:
                     self._frozen.append(p)
                     continue
                 kind = storage_kind(p, o["master_weights"], o["store_param_remainders"])
@@ -173,7 +177,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         # before anything changes: [Note: validate, then mutate] in _validate.py.
         check_step_groups(self.param_groups, self.rule)
         self._replaced.check()
-        if any(p.grad is not None for p in self._frozen):  # unfrozen since the layout was built
+        if any(self._opts["grad_of"](p) is not None for p in self._frozen):  # unfrozen since the layout was built
             self._structure = None
         buckets = self._layout()
         prepared = []
@@ -182,9 +186,12 @@ class FusedOptimizer(torch.optim.Optimizer):
                 b.check_flat_grads()
             prepared.append(b.prepare())
         # Set by torch.amp.GradScaler.step (capturable only): the scale the
-        # gradients still carry and the device flag of inf/NaN gradients.
+        # gradients still carry and the device flag of inf/NaN gradients. The
+        # kernel stores the gradients back unscaled, as torch's fused Adam.
         scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None and not self._opts["capturable"] and found_inf.item():
+            return loss  # host step counters: a skipped step must not advance them
         if self.skip_nonfinite_grads:
             nonfinite = agree_on_flag(_nonfinite_grads(prepared), buckets)  # every rank skips alike
             if nonfinite is not None and not self._opts["capturable"]:
@@ -211,7 +218,8 @@ class FusedOptimizer(torch.optim.Optimizer):
                 continue
             # The kernels multiply gradients by grad_scale: pass 1 / scale.
             inv_scale = 1.0 if scale is None else torch.reciprocal(scale.to(b.device, torch.float32))
-            b.launch(ready, hyper, inv_scale, None if found_inf is None else found_inf.to(b.device, torch.float32))
+            b.launch(ready, hyper, inv_scale, None if found_inf is None else found_inf.to(b.device, torch.float32),
+                     unscale_grads=scale is not None)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -238,7 +246,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         for i, g in enumerate(self.param_groups):
             values = ", ".join(f"{k}={plain_value(g[k])}" for k in self.rule.group_keys + ("maximize", "step"))
             lines.append(f"  group {i}: {len(g['params'])} params, {values}")
-        options = dict(self.rule.options(), **{k: v for k, v in self._opts.items() if k not in ("rule", "state_dtypes")},
+        shown = {k: v for k, v in self._opts.items() if k not in ("rule", "state_dtypes", "grad_of")}
+        options = dict(self.rule.options(), **shown,
                        **{f"{k}_dtype": v for k, v in self._opts["state_dtypes"].items()})
         opts = ", ".join(f"{k}={str(v).replace('torch.', '')}" for k, v in options.items())
         lines.append(f"  options: {opts}")

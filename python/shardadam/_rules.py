@@ -50,7 +50,8 @@ class UpdateRule:
         """The kernel's keyword arguments, one value per group."""
         raise NotImplementedError
 
-    def launch(self, plan, hyper: dict, *, grad_scale, found_inf) -> None:
+    def launch(self, plan, hyper: dict, *, grad_scale, found_inf, unscale_grads=False) -> None:
+        """One step; unscale_grads stores the unscaled gradients back (see kernels.adam)."""
         raise NotImplementedError
 
     def options(self) -> dict:
@@ -92,8 +93,8 @@ class AdamRule(UpdateRule):
                     bias_correction=[g["bias_correction"] for g in groups],
                     maximize=[g.get("maximize", False) for g in groups], adam_w_mode=self.adam_w_mode)
 
-    def launch(self, plan, hyper, *, grad_scale, found_inf):
-        kernels.adam(plan, grad_scale=grad_scale, found_inf=found_inf, **hyper)
+    def launch(self, plan, hyper, *, grad_scale, found_inf, unscale_grads=False):
+        kernels.adam(plan, grad_scale=grad_scale, found_inf=found_inf, unscale_grads=unscale_grads, **hyper)
 
     def options(self):
         return dict(adam_w_mode=self.adam_w_mode, amsgrad=self.amsgrad)
@@ -126,5 +127,5 @@ class LionRule(UpdateRule):
                     beta2=[g["betas"][1] for g in groups], weight_decay=[g["weight_decay"] for g in groups],
                     maximize=[g.get("maximize", False) for g in groups])
 
-    def launch(self, plan, hyper, *, grad_scale, found_inf):
-        kernels.lion(plan, grad_scale=grad_scale, found_inf=found_inf, **hyper)
+    def launch(self, plan, hyper, *, grad_scale, found_inf, unscale_grads=False):
+        kernels.lion(plan, grad_scale=grad_scale, found_inf=found_inf, unscale_grads=unscale_grads, **hyper)

@@ -21,14 +21,21 @@ from ._state_dict_check import check_state_dict
 from ._storage import REMAINDER, SEPARATE, joined_master, split_master, store, true_values
 
 
-def _bucket_state(b, j: int) -> dict:
+def true_state(b, j: int, name: str) -> torch.Tensor:
+    """A new fp32 tensor of the true values of parameter j's state `name` in
+    bucket b: a state of the rule, or ``master_param`` (the separate master,
+    or the remainders joined with the bf16 parameter)."""
     v = b.views[j]
-    out = {k: true_values(v[k], v.get(k + "_scale")) for k in b.states}
+    if name in b.states:
+        return true_values(v[name], v.get(name + "_scale"))
     if b.kind == SEPARATE:
-        out["master_param"] = true_values(v["master_param"], v.get("master_scale"))
-    elif b.kind == REMAINDER:
-        out["master_param"] = joined_master(b.params[j].detach(), v["param_remainder"])
-    return {k: b.shards.wrap(value, b.owners[j]) for k, value in out.items()}
+        return true_values(v["master_param"], v.get("master_scale"))
+    return joined_master(b.params[j].detach(), v["param_remainder"])
+
+
+def _bucket_state(b, j: int) -> dict:
+    names = list(b.states) + (["master_param"] if b.kind in (SEPARATE, REMAINDER) else [])
+    return {name: b.shards.wrap(true_state(b, j, name), b.owners[j]) for name in names}
 
 
 def pack_state(opt, buckets) -> dict:

@@ -32,6 +32,12 @@ DATA_PTR = torch.Tensor.data_ptr
 GRAD = operator.attrgetter("grad")
 
 
+def decoupled_grad(p: torch.Tensor):
+    """TransformerEngine's use_decoupled_grad: the gradient in ``p.decoupled_grad``
+    (any float dtype, e.g. fp32 for a bf16 parameter); None when absent."""
+    return getattr(p, "decoupled_grad", None)
+
+
 def moved_indices(tensors: list, cached_ptrs: list) -> list[int]:
     """Positions whose address differs from the cached one (empty in the
     common case, found by one C-level pass)."""

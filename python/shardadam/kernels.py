@@ -36,7 +36,7 @@ import torch
 
 from . import _core
 from ._plan import TensorPlan
-from ._torch import as_list, bump_flag, flag_ptr, per_tensor_ptr, scalar
+from ._torch import as_list, bump_flag, bump_versions, flag_ptr, per_tensor_ptr, scalar, version_roots
 from ._validate import (check_beta, check_finite, check_host_number, check_nonnegative, check_positive,
                         check_update_step)
 
@@ -202,14 +202,18 @@ def _plan(cls, first, rest_given: bool, *args, **kwargs) -> TensorPlan:
 
 def adam(params, grads=None, exp_avgs=None, exp_avg_sqs=None, *, lr, step, beta1=0.9, beta2=0.999,
          eps=1e-8, weight_decay=0.0, adam_w_mode=True, bias_correction=True, maximize=False,
-         grad_scale=1.0, found_inf=None, **plan_lists) -> None:
+         grad_scale=1.0, found_inf=None, unscale_grads=False, **plan_lists) -> None:
     """One Adam (adam_w_mode=False) or AdamW step over all tensors, in place.
 
     params is an AdamPlan or the params list (then grads, exp_avgs, exp_avg_sqs
     and any AdamPlan keyword are lists too). lr, step and grad_scale are numbers
     or one-element tensors read by the kernel (CUDA-graph capturable). step is
     the number of this update, starting at 1. grad_scale multiplies every
-    gradient. When found_inf (float32 [1]) is nonzero nothing is written.
+    gradient; unscale_grads=True also stores grad * grad_scale back into the
+    grads, in their dtype (GradScaler's gradients come out unscaled, as torch's
+    fused Adam leaves them; the grads must then not overlap any other tensor of
+    the plan, checked once per plan and gradient addresses). When found_inf
+    (float32 [1]) is nonzero nothing is written, the grads included.
     Hyperparameters may be sequences with one value per group of the plan.
 
     Numbers are checked before anything is launched, for every group: lr, eps,
@@ -223,12 +227,13 @@ def adam(params, grads=None, exp_avgs=None, exp_avg_sqs=None, *, lr, step, beta1
     """
     plan = _plan(AdamPlan, params, grads is not None or bool(plan_lists),
                  grads, exp_avgs, exp_avg_sqs, **plan_lists)
-    _update(plan, _core.adam, grad_scale, found_inf, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-            lr=lr, step=step, bias_correction=bias_correction, adam_w_mode=adam_w_mode, maximize=maximize)
+    _update(plan, _core.adam, grad_scale, found_inf, unscale_grads, beta1=beta1, beta2=beta2, eps=eps,
+            weight_decay=weight_decay, lr=lr, step=step, bias_correction=bias_correction, adam_w_mode=adam_w_mode,
+            maximize=maximize)
 
 
 def lion(params, grads=None, exp_avgs=None, *, lr, beta1=0.9, beta2=0.99, weight_decay=0.0, maximize=False,
-         grad_scale=1.0, found_inf=None, **plan_lists) -> None:
+         grad_scale=1.0, found_inf=None, unscale_grads=False, **plan_lists) -> None:
     """One Lion step over all tensors, in place, as lion-pytorch's update:
 
         g = grad * grad_scale (negated with maximize)
@@ -242,9 +247,10 @@ def lion(params, grads=None, exp_avgs=None, *, lr, beta1=0.9, beta2=0.99, weight
 
     params is a LionPlan or the params list (then grads, exp_avgs and any
     LionPlan keyword are lists too). lr and grad_scale are numbers or
-    one-element tensors read by the kernel (CUDA-graph capturable). When
-    found_inf (float32 [1]) is nonzero nothing is written. Hyperparameters may
-    be sequences with one value per group of the plan.
+    one-element tensors read by the kernel (CUDA-graph capturable).
+    unscale_grads: as for adam. When found_inf (float32 [1]) is nonzero
+    nothing is written. Hyperparameters may be sequences with one value per
+    group of the plan.
 
     Numbers are checked before anything is launched, for every group: lr and
     weight_decay finite and >= 0; beta1, beta2 in [0, 1); grad_scale finite
@@ -255,8 +261,8 @@ def lion(params, grads=None, exp_avgs=None, *, lr, beta1=0.9, beta2=0.99, weight
     the version counters of the written tensors.
     """
     plan = _plan(LionPlan, params, grads is not None or bool(plan_lists), grads, exp_avgs, **plan_lists)
-    _update(plan, _core.lion, grad_scale, found_inf, beta1=beta1, beta2=beta2, weight_decay=weight_decay, lr=lr,
-            maximize=maximize)
+    _update(plan, _core.lion, grad_scale, found_inf, unscale_grads, beta1=beta1, beta2=beta2,
+            weight_decay=weight_decay, lr=lr, maximize=maximize)
 
 
 # AdamGroup fields (cpp/update_rule.h) by kind: read by the kernel from a number
@@ -267,7 +273,7 @@ _BETA_FIELDS = ("beta1", "beta2")
 _NONNEGATIVE_FIELDS = ("eps", "weight_decay")
 
 
-def _update(plan: _UpdatePlan, kernel, grad_scale, found_inf, **hyper) -> None:
+def _update(plan: _UpdatePlan, kernel, grad_scale, found_inf, unscale_grads: bool, **hyper) -> None:
     """One step of an update rule: hyper holds the AdamGroup fields the rule
     reads, each a value for all groups or a sequence of one per group. Every
     number is checked before the launch; then the versions are bumped."""
@@ -292,6 +298,7 @@ def _update(plan: _UpdatePlan, kernel, grad_scale, found_inf, **hyper) -> None:
     extras = _core.AdamExtras()
     extras.grad_scale = scalar("grad_scale", grad_scale, plan.device)
     extras.found_inf = flag_ptr("found_inf", found_inf, plan.device)
+    extras.unscale_grads = bool(unscale_grads)
     scratch = None
     if any(plan.scale_ptrs):
         extras.scales = plan.scale_ptrs
@@ -299,6 +306,8 @@ def _update(plan: _UpdatePlan, kernel, grad_scale, found_inf, **hyper) -> None:
         extras.amax_scratch = scratch.data_ptr()
     kernel(plan.table, groups, extras, *plan.target())
     plan._bump_versions()
+    if unscale_grads:
+        bump_versions(version_roots(plan.lists["grads"]))
 
 
 def _check_group(kind: str, row: dict) -> None:
