@@ -317,7 +317,10 @@ def test_kernels_write_unscaled_grads(rule, grad_dtype, device):
     grad * grad_scale in their dtype (exact: a power of two), the update equals
     one on pre-unscaled gradients, and nothing is written when found_inf is set."""
     n = [37, 64, 5, 4099]
-    grads = [(torch.randn(k, device=device) * 512).to(grad_dtype) for k in n]
+    # |grad| / 512 stays a normal number of every gradient dtype: a subnormal
+    # fp16 result would round, and the unscale would not be exact.
+    grads = [(torch.randn(k, device=device).clamp(-8, 8) * 512) for k in n]
+    grads = [(g.sign() * g.abs().clamp_min(1.0)).to(grad_dtype) for g in grads]
     unscaled = [(g.float() / 512).to(grad_dtype) for g in grads]
 
     def start(k):
