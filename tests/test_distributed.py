@@ -858,3 +858,41 @@ def test_checkpoint_formats_reshard_every_storage_mode(save_world, load_world, k
         tol = dict(rtol=0, atol=0) if load_world == save_world else dict(rtol=0, atol=1e-2)
     for i, (got, w) in enumerate(zip(result["params"], want)):
         torch.testing.assert_close(torch.from_numpy(got), w, **tol, msg=lambda m: f"param {i}: {m}")
+
+
+def _tiny_dcp_worker(rank: int, world: int, port: int, path: str, out) -> None:
+    """Linear(1, 1) (two elements): on 3 ranks the last holds no piece. Without
+    a checkpoint at `path`: one step, then dcp.save; with one: dcp.load and
+    load_sharded_state_dict. Rank 0 returns the portable state, every rank
+    the deprecation warnings it saw."""
+    import torch.distributed.checkpoint as dcp
+    with _rank_group(rank, world, port, out):
+        torch.manual_seed(0)
+        model = nn.Linear(1, 1)
+        opt = shardadam.DistributedFusedAdam(model.parameters(), lr=0.1, overlap_grad_sync=False)
+        with _deprecations() as warned:
+            if not os.path.exists(path):
+                model(torch.full((1, 1), 2.0)).sum().backward()
+                opt.step()
+                dcp.save({"optim": opt.sharded_state_dict()}, checkpoint_id=path)
+            else:
+                state = {"optim": opt.sharded_state_dict()}
+                dcp.load(state, checkpoint_id=path)
+                opt.load_sharded_state_dict(state["optim"])
+        portable = _numpy(opt.state_dict()["state"])
+        out.put((rank, dict(state=portable if rank == 0 else None, warned=warned)))
+    _exit()
+
+
+def test_dcp_ranks_without_pieces(tmp_path):
+    """A rank whose shards hold only padding takes part in dcp.save and
+    dcp.load with an empty piece, and the state comes back unchanged (the
+    loading optimizer never stepped: all of it comes from the checkpoint)."""
+    path = str(tmp_path / "ckpt")
+    saved = _spawn_all(_tiny_dcp_worker, 3, path)
+    loaded = _spawn_all(_tiny_dcp_worker, 3, path)
+    assert all(r["warned"] == [] for r in saved + loaded), "dcp.save/load must not warn"
+    assert loaded[0]["state"].keys() == saved[0]["state"].keys() == {0, 1}
+    for i, entry in saved[0]["state"].items():
+        for name, value in entry.items():
+            np.testing.assert_array_equal(loaded[0]["state"][i][name], value, err_msg=f"{i} {name}")

@@ -21,7 +21,9 @@ form DCP supports for several pieces per rank at any offsets: it hands DCP
 one write item and one chunk per piece); the DTensor is ``Shard(0)`` on a 1-D
 DeviceMesh over the optimizer's process group, with the space's global size.
 Building it costs no collective (DCP's planning gathers the chunks). A rank
-with no piece holds one empty piece at offset 0.
+with no piece holds one empty piece at the end of the space: DCP keeps one
+write item per (key, offset), so at offset 0 it could drop the real piece
+that starts there in favour of the empty one.
 
 A checkpoint of another layout is refused before anything is written:
 - by DCP itself, while it plans (before it reads any data): the structure holds
@@ -133,7 +135,7 @@ def sharded_state_dict(opt) -> dict:
             pieces = [_piece(opt, name, f, rows) for f in space.frags]
             offsets = [(space.start(f),) for f in space.frags]
             if not pieces:  # [Note: ragged DTensor pieces]
-                pieces, offsets = [torch.empty(0, device=opt.device)], [(0,)]
+                pieces, offsets = [torch.empty(0, device=opt.device)], [(space.total,)]
             state[_saved_name(name)] = DTensor.from_local(LocalShardsWrapper(pieces, offsets), mesh, [Shard(0)],
                                                           run_check=False, shape=torch.Size([space.total]),
                                                           stride=(1,))
