@@ -1,0 +1,111 @@
+"""shardadam's optimizers under transformers' Trainer (CPU, gloo), against
+torch.optim.AdamW under the same Trainer: FusedAdam as a plain Trainer
+optimizer, DistributedFusedAdam through DistributedFusedAdamTrainer (no DDP
+wrapper) against DDP. The model is a tiny GPT-2 whose lm_head and wte share
+one Parameter."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import shardadam
+from hf_models import tiny_gpt2, token_rows
+from test_distributed import _exit, _rank_group, _spawn_all
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+# eps=1e-3: attention's key bias has a zero gradient up to rounding (softmax
+# ignores a shift), and with a small eps Adam turns that rounding noise into
+# whole lr-sized steps that differ between any two implementations.
+OPTIM_KW = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-3, weight_decay=0.1)
+
+
+def _args(tmp: str, **kw):
+    from transformers import TrainingArguments
+    base = dict(output_dir=tmp, use_cpu=True, per_device_train_batch_size=2, max_steps=4, learning_rate=OPTIM_KW["lr"],
+                weight_decay=OPTIM_KW["weight_decay"], adam_beta1=0.9, adam_beta2=0.99, adam_epsilon=OPTIM_KW["eps"],
+                max_grad_norm=0.5, warmup_steps=1, lr_scheduler_type="linear", report_to="none",
+                save_strategy="no", logging_strategy="no", disable_tqdm=True, seed=0, data_seed=0,
+                dataloader_num_workers=0)
+    base.update(kw)
+    return TrainingArguments(**base)
+
+
+def _params(model) -> dict:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _train_single(tmp_path, make_optimizer):
+    """One process: Trainer with optimizers=(make_optimizer(model), LambdaLR)."""
+    from transformers import Trainer, get_linear_schedule_with_warmup
+    model = tiny_gpt2()
+    opt = make_optimizer(model)
+    sched = get_linear_schedule_with_warmup(opt, num_warmup_steps=1, num_training_steps=4)
+    trainer = Trainer(model=model, args=_args(str(tmp_path)), train_dataset=token_rows(8),
+                      optimizers=(opt, sched))
+    trainer.train()
+    return model
+
+
+def test_fused_adam_under_trainer_equals_torch_adamw(tmp_path):
+    """optimizers=(FusedAdam, scheduler): Trainer clips with
+    clip_grad_norm_ and steps the optimizer; the tied embedding is one
+    parameter (updated once per step, not twice)."""
+    got = _train_single(tmp_path / "fused", lambda m: shardadam.FusedAdam(m.parameters(), **OPTIM_KW))
+    want = _train_single(tmp_path / "torch", lambda m: torch.optim.AdamW(m.parameters(), **OPTIM_KW))
+    assert got.lm_head.weight is got.transformer.wte.weight
+    before = _params(tiny_gpt2())
+    for name, p in _params(want).items():
+        assert not torch.equal(p, before[name]), f"{name} did not train"
+        torch.testing.assert_close(_params(got)[name], p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def _trainer_worker(rank: int, world: int, port: int, tmp: str, out) -> None:
+    """Rank `rank` of 2 gloo ranks: DDP + torch AdamW (Trainer's own
+    optim="adamw_torch") and DistributedFusedAdamTrainer + DistributedFusedAdam
+    (built by Trainer from optimizer_cls_and_kwargs, with its decay / no-decay
+    groups), on the same data, with gradient accumulation and clipping."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    with _rank_group(rank, world, port, out):
+        from transformers import Trainer
+        from shardadam.integrations.huggingface import DistributedFusedAdamTrainer
+        results = {}
+        for name in ("ddp", "distributed"):
+            model = tiny_gpt2()
+            args = _args(os.path.join(tmp, name), gradient_accumulation_steps=2, optim="adamw_torch")
+            if name == "ddp":
+                trainer = Trainer(model=model, args=args, train_dataset=token_rows(32))
+            else:
+                trainer = DistributedFusedAdamTrainer(
+                    model=model, args=args, train_dataset=token_rows(32),
+                    optimizer_cls_and_kwargs=(shardadam.DistributedFusedAdam,
+                                              dict(OPTIM_KW, bucket_cap_mb=1e-3, overlap_param_sync=True)))
+            trainer.train()
+            wrapped = trainer.model_wrapped
+            if name == "distributed":
+                trainer.optimizer.optimizer.param_sync()
+                results["wrapped"] = type(wrapped).__name__
+            results[name] = {n: p.numpy().copy() for n, p in _params(model).items()}
+            results[f"{name}_tied"] = model.lm_head.weight is model.transformer.wte.weight
+        out.put((rank, results))
+    _exit()
+
+
+def test_distributed_fused_adam_trainer_equals_ddp_adamw(tmp_path):
+    ranks = _spawn_all(_trainer_worker, 2, str(tmp_path))
+    result = ranks[0]
+    assert result["wrapped"] == "GPT2LMHeadModel", "DistributedFusedAdamTrainer must not wrap the model in DDP"
+    assert result["ddp_tied"] and result["distributed_tied"]
+    before = _params(tiny_gpt2())
+    for name, want in result["ddp"].items():
+        assert not np.array_equal(want, before[name].numpy()), f"{name} did not train"
+        np.testing.assert_array_equal(ranks[1]["distributed"][name], result["distributed"][name],
+                                      err_msg=f"ranks disagree on {name}")
+        torch.testing.assert_close(torch.from_numpy(result["distributed"][name]), torch.from_numpy(want),
+                                   rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
