@@ -1,0 +1,125 @@
+"""shardadam's optimizers under PyTorch Lightning (CPU, gloo), against
+torch.optim.AdamW under the same Trainer: FusedAdam from configure_optimizers,
+DistributedFusedAdam with DistributedFusedAdamStrategy (no DDP wrapper)
+against DDPStrategy, with gradient accumulation and clipping."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import shardadam
+from test_distributed import _exit, _rank_group, _spawn_all
+
+pl = pytest.importorskip("lightning.pytorch")
+
+OPTIM_KW = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+STEPS, ACCUMULATE, BATCH = 3, 2, 4
+
+
+class TinyRegression(pl.LightningModule):
+    def __init__(self, make_optimizer):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+        self.make_optimizer = make_optimizer
+
+    def training_step(self, batch, _):
+        x, y = batch
+        return F.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return self.make_optimizer(self.parameters())
+
+
+def _data(world: int):
+    g = torch.Generator().manual_seed(1)
+    rows = STEPS * ACCUMULATE * BATCH * world
+    dataset = torch.utils.data.TensorDataset(torch.randn(rows, 8, generator=g), torch.randn(rows, 4, generator=g))
+    return torch.utils.data.DataLoader(dataset, batch_size=BATCH, shuffle=False)
+
+
+def _fit(module, strategy, world: int, clip=0.5):
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS,
+                         accumulate_grad_batches=ACCUMULATE, gradient_clip_val=clip, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, _data(world))
+    return trainer
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, **OPTIM_KW)
+
+
+def _params(module) -> dict:
+    return {n: p.detach().numpy().copy() for n, p in module.named_parameters()}
+
+
+def test_fused_adam_from_configure_optimizers_equals_torch_adamw():
+    got = TinyRegression(lambda params: shardadam.FusedAdam(params, **OPTIM_KW))
+    want = TinyRegression(_adamw)
+    before = _params(want)
+    _fit(got, "auto", 1)
+    _fit(want, "auto", 1)
+    for name, value in _params(want).items():
+        assert not np.array_equal(value, before[name]), f"{name} did not train"
+        np.testing.assert_allclose(_params(got)[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def _strategy_worker(rank: int, world: int, port: int, out) -> None:
+    """DDPStrategy + AdamW, then DistributedFusedAdamStrategy +
+    DistributedFusedAdam, in the same 2 gloo ranks (launched here: Lightning
+    sees LOCAL_RANK and the initialised group and launches nothing)."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    with _rank_group(rank, world, port, out):
+        from lightning.pytorch.strategies import DDPStrategy
+        from shardadam.integrations.lightning import DistributedFusedAdamStrategy
+        ddp = TinyRegression(_adamw)
+        _fit(ddp, DDPStrategy(), world)
+        mine = TinyRegression(lambda params: shardadam.DistributedFusedAdam(params, bucket_cap_mb=1e-4,
+                                                                            overlap_param_sync=True, **OPTIM_KW))
+        trainer = _fit(mine, DistributedFusedAdamStrategy(), world)
+        opt = trainer.optimizers[0]
+        opt.param_sync()
+        out.put((rank, dict(ddp=_params(ddp), distributed=_params(mine), wrapped=type(trainer.strategy.model).__name__,
+                            steps=[int(g["step"]) for g in opt.param_groups])))
+    _exit()
+
+
+def test_distributed_fused_adam_strategy_equals_ddp_adamw():
+    ranks = _spawn_all(_strategy_worker, 2)
+    result = ranks[0]
+    assert result["wrapped"] == "TinyRegression", "the strategy must not wrap the module in DDP"
+    assert result["steps"] == [STEPS], "one optimizer step per accumulated batch"
+    for name, want in result["ddp"].items():
+        np.testing.assert_array_equal(ranks[1]["distributed"][name], result["distributed"][name],
+                                      err_msg=f"ranks disagree on {name}")
+        np.testing.assert_allclose(result["distributed"][name], want, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_a_freed_copy_of_the_optimizer_leaves_its_hooks(one_rank):
+    """Lightning's LightningOptimizer subclasses the optimizer's class and
+    copies its __dict__; freeing such a copy must not remove the hooks of the
+    optimizer still training ([Note: hooks die with their optimizer])."""
+    import gc
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    opt = shardadam.DistributedFusedAdam(model.parameters(), overlap_param_sync=True)
+    forward_hooks = dict(torch.nn.modules.module._global_forward_pre_hooks)
+    grad_hooks = [len(p._post_accumulate_grad_hooks or {}) for p in model.parameters()]
+    assert grad_hooks == [1] * 4 and forward_hooks
+    copy = LightningOptimizer(opt)
+    del copy
+    gc.collect()
+    assert dict(torch.nn.modules.module._global_forward_pre_hooks) == forward_hooks
+    assert [len(p._post_accumulate_grad_hooks or {}) for p in model.parameters()] == grad_hooks
+    del opt
+    gc.collect()
+    assert not (torch.nn.modules.module._global_forward_pre_hooks.keys() & forward_hooks.keys()), \
+        "the optimizer's own hooks go with it"
+    assert [len(p._post_accumulate_grad_hooks or {}) for p in model.parameters()] == [0] * 4
