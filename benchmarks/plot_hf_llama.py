@@ -25,7 +25,8 @@ def render(data: dict) -> str:
         y = TOP + PLOT_H * (hi - v) / max(hi - lo, 1e-9)
         return f"{x:.1f},{y:.1f}"
 
-    title = (f"LlamaForCausalLM {meta['parameters'] / 1e9:.2f}B, {meta['world']} x {meta['device']}, "
+    size = f"{meta['parameters'] / 1e9:.2f}B" if meta["parameters"] >= 1e8 else f"{meta['parameters'] / 1e6:.2f}M"
+    title = (f"LlamaForCausalLM {size}, {meta['world']} x {meta['device']}, "
              f"{'bf16 autocast, ' if meta['bf16'] else ''}{meta['global_batch']} x {meta['seq']} tokens/step")
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" '
            f'font-size="12"><rect width="{W}" height="{H}" fill="white"/>',
