@@ -76,9 +76,13 @@ def _trainer_worker(rank: int, world: int, port: int, tmp: str, out) -> None:
         from transformers import Trainer
         from shardadam.integrations.huggingface import DistributedFusedAdamTrainer
         results = {}
-        for name in ("ddp", "distributed"):
+        for name in ("ddp", "distributed", "resumed"):
             model = tiny_gpt2()
-            args = _args(os.path.join(tmp, name), gradient_accumulation_steps=2, optim="adamw_torch")
+            # The distributed run saves a checkpoint after step 2 (every rank
+            # takes part), from which "resumed" continues to step 4.
+            saving = dict(save_strategy="steps", save_steps=2) if name == "distributed" else {}
+            args = _args(os.path.join(tmp, name if name != "resumed" else "distributed"),
+                         gradient_accumulation_steps=2, optim="adamw_torch", **saving)
             if name == "ddp":
                 trainer = Trainer(model=model, args=args, train_dataset=token_rows(32))
             else:
@@ -86,11 +90,16 @@ def _trainer_worker(rank: int, world: int, port: int, tmp: str, out) -> None:
                     model=model, args=args, train_dataset=token_rows(32),
                     optimizer_cls_and_kwargs=(shardadam.DistributedFusedAdam,
                                               dict(OPTIM_KW, bucket_cap_mb=1e-3, overlap_param_sync=True)))
-            trainer.train()
-            wrapped = trainer.model_wrapped
-            if name == "distributed":
+            if name == "resumed":
+                with torch.no_grad():  # everything must come from the checkpoint
+                    for p in model.parameters():
+                        p.add_(1.0)
+                trainer.train(resume_from_checkpoint=os.path.join(tmp, "distributed", "checkpoint-2"))
+            else:
+                trainer.train()
+            if name != "ddp":
                 trainer.optimizer.optimizer.param_sync()
-                results["wrapped"] = type(wrapped).__name__
+                results[f"{name}_wrapped"] = type(trainer.model_wrapped).__name__
             results[name] = {n: p.numpy().copy() for n, p in _params(model).items()}
             results[f"{name}_tied"] = model.lm_head.weight is model.transformer.wte.weight
         out.put((rank, results))
@@ -98,10 +107,13 @@ def _trainer_worker(rank: int, world: int, port: int, tmp: str, out) -> None:
 
 
 def test_distributed_fused_adam_trainer_equals_ddp_adamw(tmp_path):
+    """And its checkpoint (saved by every rank together) resumes to the
+    uninterrupted run."""
     ranks = _spawn_all(_trainer_worker, 2, str(tmp_path))
     result = ranks[0]
-    assert result["wrapped"] == "GPT2LMHeadModel", "DistributedFusedAdamTrainer must not wrap the model in DDP"
-    assert result["ddp_tied"] and result["distributed_tied"]
+    assert result["distributed_wrapped"] == result["resumed_wrapped"] == "GPT2LMHeadModel", \
+        "DistributedFusedAdamTrainer must not wrap the model in DDP"
+    assert result["ddp_tied"] and result["distributed_tied"] and result["resumed_tied"]
     before = _params(tiny_gpt2())
     for name, want in result["ddp"].items():
         assert not np.array_equal(want, before[name].numpy()), f"{name} did not train"
@@ -109,3 +121,6 @@ def test_distributed_fused_adam_trainer_equals_ddp_adamw(tmp_path):
                                       err_msg=f"ranks disagree on {name}")
         torch.testing.assert_close(torch.from_numpy(result["distributed"][name]), torch.from_numpy(want),
                                    rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        # Resumed from the checkpoint of step 2: the uninterrupted run, bit for bit.
+        np.testing.assert_array_equal(result["resumed"][name], result["distributed"][name],
+                                      err_msg=f"resumed run: {name}")
