@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import shardadam
+from conftest import DEVICES
 from hf_models import tiny_gpt2, token_rows
 from test_distributed import _exit, _rank_group, _spawn_all
 
@@ -40,24 +41,25 @@ def _params(model) -> dict:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _train_single(tmp_path, make_optimizer):
-    """One process: Trainer with optimizers=(make_optimizer(model), LambdaLR)."""
+def _train_single(tmp_path, device: str, make_optimizer):
+    """One process: Trainer with optimizers=(make_optimizer(model), linear schedule)."""
     from transformers import Trainer, get_linear_schedule_with_warmup
-    model = tiny_gpt2()
+    model = tiny_gpt2().to(device)
     opt = make_optimizer(model)
     sched = get_linear_schedule_with_warmup(opt, num_warmup_steps=1, num_training_steps=4)
-    trainer = Trainer(model=model, args=_args(str(tmp_path)), train_dataset=token_rows(8),
+    trainer = Trainer(model=model, args=_args(str(tmp_path), use_cpu=device == "cpu"), train_dataset=token_rows(8),
                       optimizers=(opt, sched))
     trainer.train()
-    return model
+    return model.cpu()
 
 
-def test_fused_adam_under_trainer_equals_torch_adamw(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_adam_under_trainer_equals_torch_adamw(tmp_path, device):
     """optimizers=(FusedAdam, scheduler): Trainer clips with
     clip_grad_norm_ and steps the optimizer; the tied embedding is one
     parameter (updated once per step, not twice)."""
-    got = _train_single(tmp_path / "fused", lambda m: shardadam.FusedAdam(m.parameters(), **OPTIM_KW))
-    want = _train_single(tmp_path / "torch", lambda m: torch.optim.AdamW(m.parameters(), **OPTIM_KW))
+    got = _train_single(tmp_path / "fused", device, lambda m: shardadam.FusedAdam(m.parameters(), **OPTIM_KW))
+    want = _train_single(tmp_path / "torch", device, lambda m: torch.optim.AdamW(m.parameters(), **OPTIM_KW))
     assert got.lm_head.weight is got.transformer.wte.weight
     before = _params(tiny_gpt2())
     for name, p in _params(want).items():
@@ -65,14 +67,17 @@ def test_fused_adam_under_trainer_equals_torch_adamw(tmp_path):
         torch.testing.assert_close(_params(got)[name], p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
-def _trainer_worker(rank: int, world: int, port: int, tmp: str, out) -> None:
+def _trainer_worker(rank: int, world: int, port: int, tmp: str, device: str, out) -> None:
     """Rank `rank` of 2 gloo ranks: DDP + torch AdamW (Trainer's own
     optim="adamw_torch") and DistributedFusedAdamTrainer + DistributedFusedAdam
     (built by Trainer from optimizer_cls_and_kwargs, with its decay / no-decay
-    groups), on the same data, with gradient accumulation and clipping."""
+    groups), on the same data, with gradient accumulation and clipping.
+    device "cuda": NCCL, one GPU per rank."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
-    with _rank_group(rank, world, port, out):
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    with _rank_group(rank, world, port, out, "nccl" if device == "cuda" else "gloo"):
         from transformers import Trainer
         from shardadam.integrations.huggingface import DistributedFusedAdamTrainer
         results = {}
@@ -81,7 +86,7 @@ def _trainer_worker(rank: int, world: int, port: int, tmp: str, out) -> None:
             # The distributed run saves a checkpoint after step 2 (every rank
             # takes part), from which "resumed" continues to step 4.
             saving = dict(save_strategy="steps", save_steps=2) if name == "distributed" else {}
-            args = _args(os.path.join(tmp, name if name != "resumed" else "distributed"),
+            args = _args(os.path.join(tmp, name if name != "resumed" else "distributed"), use_cpu=device == "cpu",
                          gradient_accumulation_steps=2, optim="adamw_torch", **saving)
             if name == "ddp":
                 trainer = Trainer(model=model, args=args, train_dataset=token_rows(32))
@@ -100,16 +105,17 @@ def _trainer_worker(rank: int, world: int, port: int, tmp: str, out) -> None:
             if name != "ddp":
                 trainer.optimizer.optimizer.param_sync()
                 results[f"{name}_wrapped"] = type(trainer.model_wrapped).__name__
-            results[name] = {n: p.numpy().copy() for n, p in _params(model).items()}
+            results[name] = {n: p.cpu().numpy().copy() for n, p in _params(model).items()}
             results[f"{name}_tied"] = model.lm_head.weight is model.transformer.wte.weight
         out.put((rank, results))
     _exit()
 
 
-def test_distributed_fused_adam_trainer_equals_ddp_adamw(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.multigpu)])
+def test_distributed_fused_adam_trainer_equals_ddp_adamw(tmp_path, device):
     """And its checkpoint (saved by every rank together) resumes to the
     uninterrupted run."""
-    ranks = _spawn_all(_trainer_worker, 2, str(tmp_path))
+    ranks = _spawn_all(_trainer_worker, 2, str(tmp_path), device)
     result = ranks[0]
     assert result["distributed_wrapped"] == result["resumed_wrapped"] == "GPT2LMHeadModel", \
         "DistributedFusedAdamTrainer must not wrap the model in DDP"

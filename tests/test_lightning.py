@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import shardadam
+from conftest import DEVICES
 from test_distributed import _exit, _rank_group, _spawn_all
 
 pl = pytest.importorskip("lightning.pytorch")
@@ -43,8 +44,8 @@ def _data(world: int):
     return torch.utils.data.DataLoader(dataset, batch_size=BATCH, shuffle=False)
 
 
-def _fit(module, strategy, world: int, clip=0.5):
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS,
+def _fit(module, strategy, world: int, clip=0.5, device: str = "cpu"):
+    trainer = pl.Trainer(accelerator=device, devices=world, strategy=strategy, max_steps=STEPS,
                          accumulate_grad_batches=ACCUMULATE, gradient_clip_val=clip, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, _data(world))
@@ -56,34 +57,38 @@ def _adamw(params):
 
 
 def _params(module) -> dict:
-    return {n: p.detach().numpy().copy() for n, p in module.named_parameters()}
+    return {n: p.detach().cpu().numpy().copy() for n, p in module.named_parameters()}
 
 
-def test_fused_adam_from_configure_optimizers_equals_torch_adamw():
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_adam_from_configure_optimizers_equals_torch_adamw(device):
     got = TinyRegression(lambda params: shardadam.FusedAdam(params, **OPTIM_KW))
     want = TinyRegression(_adamw)
     before = _params(want)
-    _fit(got, "auto", 1)
-    _fit(want, "auto", 1)
+    _fit(got, "auto", 1, device=device)
+    _fit(want, "auto", 1, device=device)
     for name, value in _params(want).items():
         assert not np.array_equal(value, before[name]), f"{name} did not train"
         np.testing.assert_allclose(_params(got)[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
-def _strategy_worker(rank: int, world: int, port: int, out) -> None:
+def _strategy_worker(rank: int, world: int, port: int, device: str, out) -> None:
     """DDPStrategy + AdamW, then DistributedFusedAdamStrategy +
-    DistributedFusedAdam, in the same 2 gloo ranks (launched here: Lightning
-    sees LOCAL_RANK and the initialised group and launches nothing)."""
+    DistributedFusedAdam, in the same 2 ranks (launched here: Lightning
+    sees LOCAL_RANK and the initialised group and launches nothing); gloo, or
+    NCCL with one GPU per rank."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    with _rank_group(rank, world, port, out):
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    with _rank_group(rank, world, port, out, "nccl" if device == "cuda" else "gloo"):
         from lightning.pytorch.strategies import DDPStrategy
         from shardadam.integrations.lightning import DistributedFusedAdamStrategy
         ddp = TinyRegression(_adamw)
-        _fit(ddp, DDPStrategy(), world)
+        _fit(ddp, DDPStrategy(), world, device=device)
         mine = TinyRegression(lambda params: shardadam.DistributedFusedAdam(params, bucket_cap_mb=1e-4,
                                                                             overlap_param_sync=True, **OPTIM_KW))
-        trainer = _fit(mine, DistributedFusedAdamStrategy(), world)
+        trainer = _fit(mine, DistributedFusedAdamStrategy(), world, device=device)
         opt = trainer.optimizers[0]
         opt.param_sync()
         out.put((rank, dict(ddp=_params(ddp), distributed=_params(mine), wrapped=type(trainer.strategy.model).__name__,
@@ -91,8 +96,9 @@ def _strategy_worker(rank: int, world: int, port: int, out) -> None:
     _exit()
 
 
-def test_distributed_fused_adam_strategy_equals_ddp_adamw():
-    ranks = _spawn_all(_strategy_worker, 2)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.multigpu)])
+def test_distributed_fused_adam_strategy_equals_ddp_adamw(device):
+    ranks = _spawn_all(_strategy_worker, 2, device)
     result = ranks[0]
     assert result["wrapped"] == "TinyRegression", "the strategy must not wrap the module in DDP"
     assert result["steps"] == [STEPS], "one optimizer step per accumulated batch"
