@@ -44,11 +44,11 @@ def _data(world: int):
     return torch.utils.data.DataLoader(dataset, batch_size=BATCH, shuffle=False)
 
 
-def _fit(module, strategy, world: int, clip=0.5, device: str = "cpu"):
+def _fit(module, strategy, world: int, clip=0.5, device: str = "cpu", ckpt_path=None):
     trainer = pl.Trainer(accelerator=device, devices=world, strategy=strategy, max_steps=STEPS,
                          accumulate_grad_batches=ACCUMULATE, gradient_clip_val=clip, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(module, _data(world))
+    trainer.fit(module, _data(world), ckpt_path=ckpt_path)
     return trainer
 
 
@@ -72,7 +72,15 @@ def test_fused_adam_from_configure_optimizers_equals_torch_adamw(device):
         np.testing.assert_allclose(_params(got)[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
-def _strategy_worker(rank: int, world: int, port: int, device: str, out) -> None:
+def make_distributed(params):
+    return shardadam.DistributedFusedAdam(params, bucket_cap_mb=1e-4, overlap_param_sync=True, **OPTIM_KW)
+
+
+def _numpy_state(sd: dict) -> dict:
+    return {(i, k): v.cpu().numpy().copy() for i, entry in sd["state"].items() for k, v in entry.items()}
+
+
+def _strategy_worker(rank: int, world: int, port: int, device: str, tmp: str, out) -> None:
     """DDPStrategy + AdamW, then DistributedFusedAdamStrategy +
     DistributedFusedAdam, in the same 2 ranks (launched here: Lightning
     sees LOCAL_RANK and the initialised group and launches nothing); gloo, or
@@ -86,19 +94,30 @@ def _strategy_worker(rank: int, world: int, port: int, device: str, out) -> None
         from shardadam.integrations.lightning import DistributedFusedAdamStrategy
         ddp = TinyRegression(_adamw)
         _fit(ddp, DDPStrategy(), world, device=device)
-        mine = TinyRegression(lambda params: shardadam.DistributedFusedAdam(params, bucket_cap_mb=1e-4,
-                                                                            overlap_param_sync=True, **OPTIM_KW))
+        mine = TinyRegression(make_distributed)
         trainer = _fit(mine, DistributedFusedAdamStrategy(), world, device=device)
         opt = trainer.optimizers[0]
         opt.param_sync()
+        # A checkpoint (every rank dumps it, rank 0 writes the gathered
+        # optimizer state) restores parameters and optimizer state into a
+        # fresh module on every rank.
+        path = os.path.join(tmp, "last.ckpt")
+        trainer.save_checkpoint(path)
+        saved = _numpy_state(opt.state_dict())
+        restored = TinyRegression(make_distributed)
+        with torch.no_grad():
+            for p in restored.parameters():
+                p.add_(1.0)
+        again = _fit(restored, DistributedFusedAdamStrategy(), world, device=device, ckpt_path=path)
         out.put((rank, dict(ddp=_params(ddp), distributed=_params(mine), wrapped=type(trainer.strategy.model).__name__,
-                            steps=[int(g["step"]) for g in opt.param_groups])))
+                            steps=[int(g["step"]) for g in opt.param_groups], restored=_params(restored),
+                            saved_state=saved, restored_state=_numpy_state(again.optimizers[0].state_dict()))))
     _exit()
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.multigpu)])
-def test_distributed_fused_adam_strategy_equals_ddp_adamw(device):
-    ranks = _spawn_all(_strategy_worker, 2, device)
+def test_distributed_fused_adam_strategy_equals_ddp_adamw(device, tmp_path):
+    ranks = _spawn_all(_strategy_worker, 2, device, str(tmp_path))
     result = ranks[0]
     assert result["wrapped"] == "TinyRegression", "the strategy must not wrap the module in DDP"
     assert result["steps"] == [STEPS], "one optimizer step per accumulated batch"
@@ -106,6 +125,12 @@ def test_distributed_fused_adam_strategy_equals_ddp_adamw(device):
         np.testing.assert_array_equal(ranks[1]["distributed"][name], result["distributed"][name],
                                       err_msg=f"ranks disagree on {name}")
         np.testing.assert_allclose(result["distributed"][name], want, rtol=1e-5, atol=1e-6, err_msg=name)
+    for r in ranks:  # the checkpoint restores every rank
+        for name, value in result["distributed"].items():
+            np.testing.assert_array_equal(r["restored"][name], value, err_msg=f"restored {name}")
+        assert r["restored_state"].keys() == result["saved_state"].keys()
+        for key, value in result["saved_state"].items():
+            np.testing.assert_array_equal(r["restored_state"][key], value, err_msg=f"restored state {key}")
 
 
 def test_a_freed_copy_of_the_optimizer_leaves_its_hooks(one_rank):
