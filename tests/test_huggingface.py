@@ -130,3 +130,21 @@ def test_distributed_fused_adam_trainer_equals_ddp_adamw(tmp_path, device):
         # Resumed from the checkpoint of step 2: the uninterrupted run, bit for bit.
         np.testing.assert_array_equal(result["resumed"][name], result["distributed"][name],
                                       err_msg=f"resumed run: {name}")
+
+
+def test_contiguous_grad_buffer_is_refused_before_training(one_rank, tmp_path):
+    """Trainer zeroes gradients with model.zero_grad() (set_to_none), which
+    would drop the views of a contiguous gradient buffer: refused, naming the
+    option, before any step."""
+    from transformers import get_constant_schedule
+    from shardadam.integrations.huggingface import DistributedFusedAdamTrainer
+    model = tiny_gpt2()
+    before = _params(model)
+    opt = shardadam.DistributedFusedAdam(model.parameters(), contiguous_grad_buffer=True, **OPTIM_KW)
+    trainer = DistributedFusedAdamTrainer(model=model, args=_args(str(tmp_path)), train_dataset=token_rows(8),
+                                          optimizers=(opt, get_constant_schedule(opt)))
+    with pytest.raises(ValueError, match=r"contiguous_grad_buffer=False"):
+        trainer.train()
+    assert all(int(g["step"]) == 0 for g in opt.param_groups)
+    for name, p in _params(model).items():
+        assert torch.equal(p, before[name]), f"{name} changed"

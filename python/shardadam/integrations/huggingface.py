@@ -56,6 +56,10 @@ class DistributedFusedAdamTrainerMixin:
         opt = self._sharded_optimizer()
         if opt is None or not training:
             return super()._wrap_model(model, training, dataloader)
+        if opt.contiguous_grad_buffer:
+            raise ValueError(f"{type(self).__name__} needs {type(opt).__name__}(contiguous_grad_buffer=False): "
+                             "Trainer clears gradients with model.zero_grad(), which would drop the parameters' "
+                             "views of the gradient buffer")
         # Prepared models and optimizers are not prepared again: Trainer's
         # accelerator.prepare then leaves the model unwrapped.
         self.optimizer = self.accelerator.prepare(self.optimizer, device_placement=[False])
