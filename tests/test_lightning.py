@@ -44,8 +44,8 @@ def _data(world: int):
     return torch.utils.data.DataLoader(dataset, batch_size=BATCH, shuffle=False)
 
 
-def _fit(module, strategy, world: int, clip=0.5, device: str = "cpu", ckpt_path=None):
-    trainer = pl.Trainer(accelerator=device, devices=world, strategy=strategy, max_steps=STEPS,
+def _fit(module, strategy, world: int, clip=0.5, device: str = "cpu", ckpt_path=None, precision="32-true"):
+    trainer = pl.Trainer(accelerator=device, devices=world, strategy=strategy, max_steps=STEPS, precision=precision,
                          accumulate_grad_batches=ACCUMULATE, gradient_clip_val=clip, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, _data(world), ckpt_path=ckpt_path)
@@ -109,7 +109,13 @@ def _strategy_worker(rank: int, world: int, port: int, device: str, tmp: str, ou
             for p in restored.parameters():
                 p.add_(1.0)
         again = _fit(restored, DistributedFusedAdamStrategy(), world, device=device, ckpt_path=path)
-        out.put((rank, dict(ddp=_params(ddp), distributed=_params(mine), wrapped=type(trainer.strategy.model).__name__,
+        # bf16-mixed: Lightning's mixed-precision plugin refuses to clip for
+        # optimizers that unscale by themselves; the strategy clips through the optimizer.
+        ddp_bf16, mine_bf16 = TinyRegression(_adamw), TinyRegression(make_distributed)
+        _fit(ddp_bf16, DDPStrategy(), world, device=device, precision="bf16-mixed")
+        _fit(mine_bf16, DistributedFusedAdamStrategy(), world, device=device, precision="bf16-mixed")
+        bf16 = dict(ddp=_params(ddp_bf16), distributed=_params(mine_bf16))
+        out.put((rank, dict(ddp=_params(ddp), distributed=_params(mine), wrapped=type(trainer.strategy.model).__name__, bf16=bf16,
                             steps=[int(g["step"]) for g in opt.param_groups], restored=_params(restored),
                             saved_state=saved, restored_state=_numpy_state(again.optimizers[0].state_dict()))))
     _exit()
@@ -125,6 +131,8 @@ def test_distributed_fused_adam_strategy_equals_ddp_adamw(device, tmp_path):
         np.testing.assert_array_equal(ranks[1]["distributed"][name], result["distributed"][name],
                                       err_msg=f"ranks disagree on {name}")
         np.testing.assert_allclose(result["distributed"][name], want, rtol=1e-5, atol=1e-6, err_msg=name)
+    for name, want in result["bf16"]["ddp"].items():  # the same bf16 autocast forward: fp32 rounding apart
+        np.testing.assert_allclose(result["bf16"]["distributed"][name], want, rtol=1e-5, atol=1e-6, err_msg=name)
     for r in ranks:  # the checkpoint restores every rank
         for name, value in result["distributed"].items():
             np.testing.assert_array_equal(r["restored"][name], value, err_msg=f"restored {name}")
@@ -154,3 +162,31 @@ def test_a_freed_copy_of_the_optimizer_leaves_its_hooks(one_rank):
     assert not (torch.nn.modules.module._global_forward_pre_hooks.keys() & forward_hooks.keys()), \
         "the optimizer's own hooks go with it"
     assert [len(p._post_accumulate_grad_hooks or {}) for p in model.parameters()] == [0] * 4
+
+
+def _value_clip_worker(rank: int, world: int, port: int, out) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    with _rank_group(rank, world, port, out):
+        from shardadam.integrations.lightning import DistributedFusedAdamStrategy
+        module = TinyRegression(make_distributed)
+        before = _params(module)
+        trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=DistributedFusedAdamStrategy(),
+                             max_steps=STEPS, gradient_clip_val=0.5, gradient_clip_algorithm="value", logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        try:
+            trainer.fit(module, _data(world))
+            message = None
+        except ValueError as e:
+            message = str(e)
+        after = _params(module)
+        out.put((rank, dict(message=message, untouched=all(np.array_equal(after[n], before[n]) for n in before))))
+    _exit()
+
+
+def test_clipping_by_value_is_refused():
+    """The reduced gradients live in the optimizer's shards: clipping them by
+    value is refused on every rank before the first step, naming the fix."""
+    for r in _spawn_all(_value_clip_worker, 2):
+        assert r["message"] is not None and "gradient_clip_algorithm='norm'" in r["message"], r["message"]
+        assert r["untouched"], "a step ran before the refusal"

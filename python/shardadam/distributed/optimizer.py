@@ -804,6 +804,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         overlap_param_sync left running (call this before reading parameters
         outside a module's forward, e.g. to save the model), or run them now."""
         if self.iteration.params is Params.CURRENT:  # nothing owed: all-gather now
+            if not all(self._initialized):
+                return  # before the first step the parameters are the values; the shards hold none yet
             self.iteration.move_params(Params.DEFERRED)
         self._finish_param_sync()
 

@@ -30,10 +30,14 @@ import contextlib
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import GradClipAlgorithmType
 
 from ..distributed.optimizer import ShardedOptimizer
 
 __all__ = ["DistributedFusedAdamStrategy"]
+
+_NO_VALUE_CLIPPING = ("gradient_clip_algorithm='value' cannot reach DistributedFusedAdam's reduced gradients (they "
+                      "live in its shards): use gradient_clip_algorithm='norm'")
 
 
 def _sharded(optimizer) -> ShardedOptimizer | None:
@@ -58,25 +62,29 @@ class DistributedFusedAdamStrategy(DDPStrategy):
             raise ValueError("DistributedFusedAdamStrategy needs a DistributedFusedAdam (or DistributedFusedLion) "
                              "from configure_optimizers: without it nothing reduces the gradients; use "
                              "DDPStrategy for other optimizers")
+        if trainer.gradient_clip_val and trainer.gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
+            raise ValueError(_NO_VALUE_CLIPPING)  # before the first step, on every rank
         # [Note: clipping through the optimizer] Lightning clips in its
         # precision plugin, with torch.nn.utils.clip_grad_norm_ over the
-        # parameters' .grad; the sharded optimizer has already taken those.
+        # parameters' .grad (which the sharded optimizer has already taken),
+        # and its mixed-precision plugin refuses to clip for any optimizer
+        # that unscales by itself. The sharded optimizer clips inside its
+        # step, on the unscaled norm.
         precision = self.precision_plugin
-        by_norm, by_value = precision.clip_grad_by_norm, precision.clip_grad_by_value
+        clip_gradients = precision.clip_gradients
 
-        def clip_grad_by_norm(optimizer, clip_val):
+        def clip_through_optimizer(optimizer, clip_val=0.0, gradient_clip_algorithm=GradClipAlgorithmType.NORM):
             opt = _sharded(optimizer)
             if opt is None:
-                return by_norm(optimizer, clip_val)
+                return clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
+            if clip_val <= 0:
+                return None
+            if gradient_clip_algorithm != GradClipAlgorithmType.NORM:
+                raise ValueError(_NO_VALUE_CLIPPING)
             opt.clip_grad_norm(float(clip_val), grad_scaler=getattr(precision, "scaler", None))
+            return None
 
-        def clip_grad_by_value(optimizer, clip_val):
-            if _sharded(optimizer) is not None:
-                raise ValueError("gradient_clip_algorithm='value' cannot reach DistributedFusedAdam's reduced "
-                                 "gradients (they live in its shards): use gradient_clip_algorithm='norm'")
-            return by_value(optimizer, clip_val)
-
-        precision.clip_grad_by_norm, precision.clip_grad_by_value = clip_grad_by_norm, clip_grad_by_value
+        precision.clip_gradients = clip_through_optimizer
 
     @contextlib.contextmanager
     def block_backward_sync(self):
