@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import lightning.pytorch as pl  # a test dependency (scripts/install.sh): no skip
 import pytest
 import torch
 import torch.nn as nn
@@ -15,8 +16,6 @@ import torch.nn.functional as F
 import shardadam
 from conftest import DEVICES
 from test_distributed import _exit, _rank_group, _spawn_all
-
-pl = pytest.importorskip("lightning.pytorch")
 
 OPTIM_KW = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
 STEPS, ACCUMULATE, BATCH = 3, 2, 4
