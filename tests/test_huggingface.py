@@ -10,13 +10,13 @@ import os
 import numpy as np
 import pytest
 import torch
+import transformers  # noqa: F401  (with accelerate, a test dependency: scripts/install.sh; no skip)
 
 import shardadam
 from conftest import DEVICES
 from hf_models import tiny_gpt2, token_rows
 from test_distributed import _exit, _rank_group, _spawn_all
 
-import transformers  # noqa: F401  (with accelerate, a test dependency: scripts/install.sh; no skip)
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 # eps=1e-3: attention's key bias has a zero gradient up to rounding (softmax
