@@ -7,17 +7,17 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
-import pytest
-import torch
-import transformers  # noqa: F401  (with accelerate, a test dependency: scripts/install.sh; no skip)
+os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers reads it: nothing is downloaded
 
-import shardadam
-from conftest import DEVICES
-from hf_models import tiny_gpt2, token_rows
-from test_distributed import _exit, _rank_group, _spawn_all
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402,F401  (with accelerate, a test dependency: scripts/install.sh; no skip)
 
-os.environ["HF_HUB_OFFLINE"] = "1"
+import shardadam  # noqa: E402
+from conftest import DEVICES  # noqa: E402
+from hf_models import tiny_gpt2, token_rows  # noqa: E402
+from test_distributed import _exit, _rank_group, _spawn_all  # noqa: E402
 
 # eps=1e-3: attention's key bias has a zero gradient up to rounding (softmax
 # ignores a shift), and with a small eps Adam turns that rounding noise into
