@@ -57,7 +57,6 @@ import shutil
 import sys
 import threading
 import time
-import warnings
 from functools import partial
 
 import torch
@@ -66,6 +65,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 
 import shardadam
+from shardadam.distributed.sharded_checkpoint import local_pieces
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_distributed import (FULL, WEIGHT_DECAY, add_size_args, build_model, describe, fill_defaults,  # noqa: E402
@@ -79,11 +79,6 @@ FORMATS = ("portable", "every-rank", "sharded")  # --formats names of the three
 PAGE = os.sysconf("SC_PAGE_SIZE")
 MIB = 2**20
 _LIBC = ctypes.CDLL(None)
-
-# DCP warns about every ShardedTensor it meets, and sharded_state_dict() is made
-# of them (distributed/sharded_checkpoint.py says why): once per tensor per rank.
-warnings.filterwarnings("ignore", message="Please use DTensor instead", category=FutureWarning)
-
 
 # ------------------------------------------------------------------ measurement
 
@@ -232,8 +227,8 @@ def snapshot(model, opt, portable: bool) -> dict:
     pieces are the whole state), the groups' steps and hyperparameters, and the
     model's parameters (load makes them the loaded masters); with portable, the
     whole portable state_dict() as well. Every rank must call it."""
-    pieces = [shard.tensor.clone() for state in opt.sharded_state_dict()["state"].values()
-              for shard in state.local_shards()]
+    pieces = [piece.clone() for state in opt.sharded_state_dict()["state"].values()
+              for _, piece in local_pieces(state)]
     return dict(pieces=pieces, groups=[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
                 params=[p.detach().clone() for p in model.parameters()],
                 portable=opt.state_dict() if portable else None)

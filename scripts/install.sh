@@ -11,6 +11,19 @@ for mod in nanobind:nanobind scikit_build_core:scikit-build-core ninja:ninja pyt
            hypothesis:hypothesis numpy:numpy; do
   python3 -c "import ${mod%%:*}" 2>/dev/null || missing+=("${mod##*:}")
 done
-if [ ${#missing[@]} -gt 0 ]; then python3 -m pip install -q "${missing[@]}"; fi
+# The framework integrations' tests: transformers (+ accelerate, which its
+# Trainer needs) and lightning. They only ask for torch>=2.x, so pip keeps the
+# installed torch; the constraint pins it to the exact installed build
+# (2.13.0+cpu here, a CUDA build on a GPU box) so that no resolver path can
+# swap in another torch (PyPI's default Linux torch is the CUDA one).
+for mod in transformers:transformers accelerate:accelerate lightning:lightning; do
+  python3 -c "import ${mod%%:*}" 2>/dev/null || missing+=("${mod##*:}")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  pin="$(mktemp)"
+  python3 -c "import torch; print('torch==' + torch.__version__)" > "$pin"
+  python3 -m pip install -q -c "$pin" "${missing[@]}"
+  rm -f "$pin"
+fi
 python3 -m pip install -q --no-build-isolation --no-deps .
 python3 -c "import shardadam; print('shardadam', shardadam.__version__, shardadam.build_info())"

@@ -4,8 +4,8 @@
   redundant replicas: only the distributed group holding rank 0 gathers) and
   builds the same dict as state_dict() on every rank; the tensors are laid out
   like their parameters (channels_last kept) and every element is written.
-- The sharded format is one ShardedTensor per state over the flat index space
-  of the trainable parameters (one collective per state to build): its pieces
+- The sharded format is one DTensor per state over the flat index space
+  of the trainable parameters (no collective to build): its pieces
   are exactly the portable state at their offsets, and a structure of another
   model is refused before anything is written.
 - checkpoint.save/load with many chunks: hashing beside the writes and reads,
@@ -35,7 +35,8 @@ from shardadam import checkpoint
 from shardadam.distributed import sharded_checkpoint
 from test_distributed import _exit, _frozen, _groups, _model, _rank_group, _spawn, _train
 
-pytestmark = pytest.mark.filterwarnings("ignore:Please use DTensor:FutureWarning")
+# DCP takes the DTensor pieces without the deprecation warnings of ShardedTensor.
+pytestmark = [pytest.mark.filterwarnings("error::FutureWarning"), pytest.mark.filterwarnings("error::DeprecationWarning")]
 
 
 def _flat_np(t: torch.Tensor) -> np.ndarray:
@@ -72,13 +73,13 @@ def _gather_worker(rank: int, world: int, port: int, redundant: bool, out) -> No
                 offsets[index] = (total, numel)
                 total += numel
             for name, tensor in sharded["state"].items():
-                for shard in tensor.local_shards():
-                    start, size = shard.metadata.shard_offsets[0], shard.metadata.shard_sizes[0]
+                for start, piece in sharded_checkpoint.local_pieces(tensor):
+                    size = piece.numel()
                     index = next(i for i, (o, n) in offsets.items() if o <= start < o + n)
                     o, _ = offsets[index]
                     whole = _flat_np(everyone["state"][index][name])
                     pieces_match &= bool(np.array_equal(whole[start - o:start - o + size],
-                                                        shard.tensor.cpu().numpy()))
+                                                        piece.cpu().numpy()))
         result = dict(root_is_none=on_root is None, layout_kept=layout_kept, pieces_match=pieces_match,
                       everyone={i: {k: _flat_np(v) for k, v in e.items()} for i, e in everyone["state"].items()},
                       on_root=None if on_root is None else
@@ -122,20 +123,18 @@ def _optimizer(bucket_cap_mb: float = 1e-4, width: int = 8, **kw):
     return model, opt
 
 
-def test_one_sharded_tensor_per_state(one_rank, monkeypatch):
-    """One ShardedTensor (one collective) per state, not per parameter and
-    state, covering every trainable element once."""
+def test_one_dtensor_per_state(one_rank):
+    """One 1-D DTensor per state (Shard(0) over the optimizer's group), not
+    per parameter and state, covering every trainable element once."""
+    from torch.distributed.tensor import DTensor, Shard
     _, opt = _optimizer(amsgrad=True)
-    calls = []
-    build = sharded_checkpoint.init_from_local_shards
-    monkeypatch.setattr(sharded_checkpoint, "init_from_local_shards",
-                        lambda shards, *size, **kw: (calls.append(size), build(shards, *size, **kw))[1])
     sharded = opt.sharded_state_dict()
     total = sum(p.numel() for p in opt.params)
     assert sorted(sharded["state"]) == ["exp_avg", "exp_avg_sq", "max_exp_avg_sq", "param"]
-    assert calls == [(total,)] * 4
     for tensor in sharded["state"].values():
-        ranges = sorted((s.metadata.shard_offsets[0], s.metadata.shard_sizes[0]) for s in tensor.local_shards())
+        assert isinstance(tensor, DTensor) and tensor.placements == (Shard(0),) and tensor.shape == (total,)
+        ranges = [(start, piece.numel()) for start, piece in sharded_checkpoint.local_pieces(tensor)]
+        assert len(ranges) > 1, "buckets of 1e-4 MB: several pieces on one rank"
         covered = 0
         for start, size in ranges:  # one rank: the pieces tile the space
             assert start == covered
@@ -174,8 +173,8 @@ def test_store_params_false_pieces_are_copies(one_rank):
     _, opt = _optimizer(store_params=False)
     before = opt.param_shards.clone()
     sharded = opt.sharded_state_dict()
-    for shard in sharded["state"]["param"].local_shards():
-        shard.tensor.fill_(123.0)
+    for _, piece in sharded_checkpoint.local_pieces(sharded["state"]["param"]):
+        piece.fill_(123.0)
     assert_bits_equal(opt.param_shards, before, "param_shards")
 
 

@@ -10,6 +10,7 @@ import faulthandler
 import os
 import queue
 import socket
+import warnings
 
 import numpy as np
 import pytest
@@ -759,7 +760,8 @@ def _dcp_worker(rank: int, world: int, port: int, path: str, cfg: dict, out) -> 
     """With nothing at `path`: train steps 0-2 and save model + optimizer, with
     DCP (cfg["format"] "dcp") or as one portable file written by rank 0
     ("portable"). Otherwise: load them from `path`, train steps 3-4, return the params.
-    cfg["device"] "cuda": NCCL with one GPU per rank (capturable optimizers need it)."""
+    cfg["device"] "cuda": NCCL with one GPU per rank (capturable optimizers need it).
+    "warned": the deprecation warnings of dcp.save/load (none: the pieces are DTensors)."""
     import torch.distributed.checkpoint as dcp
     cuda = cfg["device"] == "cuda"
     if cuda:
@@ -771,34 +773,47 @@ def _dcp_worker(rank: int, world: int, port: int, path: str, cfg: dict, out) -> 
         opt = _distributed(cfg, _groups(model, frozen), bucket_cap_mb=cfg["bucket_cap_mb"],
                            store_param_remainders=cfg["remainders"], with_scaled_states=cfg["scaled_states"],
                            capturable=cfg["capturable"])
+        warned = []
         if not os.path.exists(path):
             _train(model, opt, rank, world, range(3))
             if cfg["format"] == "dcp":
-                dcp.save({"model": model.state_dict(), "optim": opt.sharded_state_dict()}, checkpoint_id=path)
+                with _deprecations() as warned:
+                    dcp.save({"model": model.state_dict(), "optim": opt.sharded_state_dict()}, checkpoint_id=path)
             else:
                 sd = opt.state_dict(gather_on_root=True)
                 if rank == 0:
                     shardadam.checkpoint.save({"model": model.state_dict(), "optim": sd}, path)
-            result = dict(saved=True)
+            result = dict(saved=True, warned=warned)
         else:
             with torch.no_grad():  # start from different values: everything must come from the checkpoint
                 for p in model.parameters():
                     p.add_(1.0)
             if cfg["format"] == "dcp":
-                state = {"model": model.state_dict(), "optim": opt.sharded_state_dict()}
-                dcp.load(state, checkpoint_id=path)
-                model.load_state_dict(state["model"])
-                opt.load_sharded_state_dict(state["optim"])
+                with _deprecations() as warned:
+                    state = {"model": model.state_dict(), "optim": opt.sharded_state_dict()}
+                    dcp.load(state, checkpoint_id=path)
+                    model.load_state_dict(state["model"])
+                    opt.load_sharded_state_dict(state["optim"])
             else:
                 ckpt = shardadam.checkpoint.load(path)
                 model.load_state_dict(ckpt["model"])
                 opt.load_state_dict(ckpt["optim"])
             _train(model, opt, rank, world, range(3, STEPS))
             result = dict(params=[p.detach().float().cpu().numpy().copy() for p in model.parameters()],
-                          steps=[int(g["step"]) for g in opt.param_groups])
+                          steps=[int(g["step"]) for g in opt.param_groups], warned=warned)
         if rank == 0:
             out.put(result)
     _exit()
+
+
+@contextlib.contextmanager
+def _deprecations():
+    """The messages of the FutureWarnings and DeprecationWarnings raised inside."""
+    messages = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield messages
+    messages.extend(str(w.message) for w in caught if issubclass(w.category, (FutureWarning, DeprecationWarning)))
 
 
 @pytest.mark.parametrize("fmt", ["dcp", "portable"])
@@ -824,9 +839,11 @@ def test_checkpoint_formats_reshard_every_storage_mode(save_world, load_world, k
                optimizer="adam", device="cpu", capturable=False)
     cfg.update(kw)
     path = str(tmp_path / "ckpt")
-    assert _spawn(_dcp_worker, save_world, path, cfg)["saved"]
+    saved = _spawn(_dcp_worker, save_world, path, cfg)
+    assert saved["saved"]
     result = _spawn(_dcp_worker, load_world, path, dict(cfg, bucket_cap_mb=load_cap))
     assert result["steps"] == [STEPS] * 4
+    assert saved["warned"] == [] and result["warned"] == [], "dcp.save/load must not warn"
     if cfg["dtype"] == torch.float32:
         want = [p.contiguous() for p in _reference(save_world)[0]]
         tol = dict(rtol=1e-5, atol=1e-6)
@@ -841,3 +858,41 @@ def test_checkpoint_formats_reshard_every_storage_mode(save_world, load_world, k
         tol = dict(rtol=0, atol=0) if load_world == save_world else dict(rtol=0, atol=1e-2)
     for i, (got, w) in enumerate(zip(result["params"], want)):
         torch.testing.assert_close(torch.from_numpy(got), w, **tol, msg=lambda m: f"param {i}: {m}")
+
+
+def _tiny_dcp_worker(rank: int, world: int, port: int, path: str, out) -> None:
+    """Linear(1, 1) (two elements): on 3 ranks the last holds no piece. Without
+    a checkpoint at `path`: one step, then dcp.save; with one: dcp.load and
+    load_sharded_state_dict. Rank 0 returns the portable state, every rank
+    the deprecation warnings it saw."""
+    import torch.distributed.checkpoint as dcp
+    with _rank_group(rank, world, port, out):
+        torch.manual_seed(0)
+        model = nn.Linear(1, 1)
+        opt = shardadam.DistributedFusedAdam(model.parameters(), lr=0.1, overlap_grad_sync=False)
+        with _deprecations() as warned:
+            if not os.path.exists(path):
+                model(torch.full((1, 1), 2.0)).sum().backward()
+                opt.step()
+                dcp.save({"optim": opt.sharded_state_dict()}, checkpoint_id=path)
+            else:
+                state = {"optim": opt.sharded_state_dict()}
+                dcp.load(state, checkpoint_id=path)
+                opt.load_sharded_state_dict(state["optim"])
+        portable = _numpy(opt.state_dict()["state"])
+        out.put((rank, dict(state=portable if rank == 0 else None, warned=warned)))
+    _exit()
+
+
+def test_dcp_ranks_without_pieces(tmp_path):
+    """A rank whose shards hold only padding takes part in dcp.save and
+    dcp.load with an empty piece, and the state comes back unchanged (the
+    loading optimizer never stepped: all of it comes from the checkpoint)."""
+    path = str(tmp_path / "ckpt")
+    saved = _spawn_all(_tiny_dcp_worker, 3, path)
+    loaded = _spawn_all(_tiny_dcp_worker, 3, path)
+    assert all(r["warned"] == [] for r in saved + loaded), "dcp.save/load must not warn"
+    assert loaded[0]["state"].keys() == saved[0]["state"].keys() == {0, 1}
+    for i, entry in saved[0]["state"].items():
+        for name, value in entry.items():
+            np.testing.assert_array_equal(loaded[0]["state"][i][name], value, err_msg=f"{i} {name}")

@@ -98,3 +98,16 @@ def test_a_backward_between_clipping_and_step_is_refused(one_rank):
     backward()
     opt.step()
     assert opt.iteration.grads is Grads.ACCUMULATING
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap_param_sync", "no-overlap"])
+def test_param_sync_before_the_first_step_leaves_the_parameters(one_rank, overlap):
+    """Before the first step the shards hold no values yet (the state starts
+    from the parameters at that step): param_sync() (a framework's teardown,
+    a save before training) must not all-gather them over the parameters."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = shardadam.DistributedFusedAdam(model.parameters(), overlap_param_sync=overlap)
+    opt.param_sync()
+    for i, (p, b) in enumerate(zip(model.parameters(), before)):
+        assert torch.equal(p, b), f"param {i} changed"

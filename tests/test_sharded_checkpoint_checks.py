@@ -14,9 +14,8 @@ import torch.nn.functional as F
 import shardadam
 from conftest import assert_bits_equal
 
-# The sharded format is ShardedTensors on purpose (see sharded_checkpoint.py);
-# DCP warns about them on every save and load.
-pytestmark = pytest.mark.filterwarnings("ignore:Please use DTensor:FutureWarning")
+# DCP takes the DTensor pieces without the deprecation warnings of ShardedTensor.
+pytestmark = [pytest.mark.filterwarnings("error::FutureWarning"), pytest.mark.filterwarnings("error::DeprecationWarning")]
 
 
 

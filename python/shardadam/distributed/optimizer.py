@@ -100,6 +100,34 @@ def _wait_for_own_params(optimizer: weakref.ref, module: torch.nn.Module, args) 
             opt.iteration.move_params(Params.CURRENT)
 
 
+class _Hooks:
+    """The optimizer's hook handles: on the parameters (post-accumulate-grad)
+    and on every module's forward.
+
+    [Note: hooks die with their optimizer] They are removed by a
+    weakref.finalize of the optimizer, not by a __del__: a __del__ also runs
+    for objects that share the optimizer's __dict__ (Lightning's
+    LightningOptimizer subclasses the optimizer's class and copies its
+    __dict__), and such a wrapper, when freed, would remove the hooks of the
+    optimizer still training: backward would stop handing gradients over and
+    forward would stop waiting for the all-gathers."""
+
+    def __init__(self):
+        self.grad: list = []
+        self.forward = None
+
+    def remove_grad(self) -> None:
+        for handle in self.grad:
+            handle.remove()
+        self.grad = []
+
+    def remove(self) -> None:
+        self.remove_grad()
+        if self.forward is not None:
+            self.forward.remove()
+            self.forward = None
+
+
 def _unflatten(param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The inverse of flat_like, allocated before it is filled: an uninitialised
     fp32 CPU tensor shaped (and laid out) like param, and its 1-D view in
@@ -191,7 +219,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # [Note: iteration phases] (_iteration.py): where this iteration is.
         self.iteration = Iteration()
         self._grad_scaler = None  # the GradScaler step() last received: grad_norm() unscales with it
-        self._hooks = []
+        self._hooks = _Hooks()
+        weakref.finalize(self, self._hooks.remove)  # [Note: hooks die with their optimizer]
         # The layout's first guess at backward order is the parameters
         # reversed; the first backward (with overlap) shows the real one, and
         # the first step rebuilds the layout in it (_adopt_backward_order).
@@ -200,14 +229,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._build_layout(params[::-1], groups_of[::-1])
         # On every module's forward (as apex): the optimizer is not given the
         # model, and each module waits only for the buckets of its own parameters.
-        self._forward_hook = torch.nn.modules.module.register_module_forward_pre_hook(
+        self._hooks.forward = torch.nn.modules.module.register_module_forward_pre_hook(
             functools.partial(_wait_for_own_params, weakref.ref(self))) if overlap_param_sync else None
-
-    def __del__(self):
-        for handle in getattr(self, "_hooks", []):
-            handle.remove()
-        if getattr(self, "_forward_hook", None) is not None:
-            self._forward_hook.remove()
 
     # ------------------------------------------------------------ layout
 
@@ -390,12 +413,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # The hooks hold the optimizer weakly: no reference cycle through the
         # model's parameters, so an optimizer that goes out of scope is freed
         # at once, before the process group is destroyed (gloo can abort at
-        # exit otherwise), and takes its hooks with it (__del__).
-        for handle in self._hooks:
-            handle.remove()
+        # exit otherwise), and takes its hooks with it.
+        self._hooks.remove_grad()
         this = weakref.ref(self)
-        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(_grad_ready, this, k))
-                       for k, p in enumerate(self.params)] if self.overlap_grad_sync else []
+        self._hooks.grad = [p.register_post_accumulate_grad_hook(functools.partial(_grad_ready, this, k))
+                            for k, p in enumerate(self.params)] if self.overlap_grad_sync else []
         # [Note: tracked storage] (_tracked.py): what step() compares the parameters against.
         self._param_ptrs = list(map(DATA_PTR, self.params))
         self._param_shapes = [p.shape for p in self.params]
@@ -784,6 +806,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         overlap_param_sync left running (call this before reading parameters
         outside a module's forward, e.g. to save the model), or run them now."""
         if self.iteration.params is Params.CURRENT:  # nothing owed: all-gather now
+            if not all(self._initialized):
+                return  # before the first step the parameters are the values; the shards hold none yet
             self.iteration.move_params(Params.DEFERRED)
         self._finish_param_sync()
 

@@ -2,7 +2,7 @@
 torch.distributed.checkpoint (DCP).
 
 Each state (``param`` fp32 master, ``exp_avg``, ``exp_avg_sq``,
-``max_exp_avg_sq``) is one 1-D ShardedTensor over the flat index space of all
+``max_exp_avg_sq``) is one 1-D DTensor over the flat index space of all
 trainable parameters: the parameters in param_groups order (their index in the
 portable state dict), each flattened in memory order, one after the other
 (``params`` lists them as ``[index, numel]`` pairs, ``shapes`` as ``[index,
@@ -11,9 +11,19 @@ the pieces its shards hold, one per shard fragment, at their offsets in that
 space. The space does not depend on the number of ranks or the bucket size, so
 DCP writes every piece once and, on load, hands each rank the ranges its own
 (possibly different) layout needs: a checkpoint written on N ranks loads on M
-with no rank holding the full state. Building a ShardedTensor costs a
-collective (all_gather_object of the pieces' metadata): one per state, not one
-per parameter and state.
+with no rank holding the full state.
+
+[Note: ragged DTensor pieces] A rank's pieces are not one contiguous range of
+the space (each bucket gives it one shard, and the buckets follow each other),
+so a plain ``Shard(0)`` DTensor, one torch.chunk-sized block per rank, cannot
+describe them. The DTensor's local tensor is torch's LocalShardsWrapper (the
+form DCP supports for several pieces per rank at any offsets: it hands DCP
+one write item and one chunk per piece); the DTensor is ``Shard(0)`` on a 1-D
+DeviceMesh over the optimizer's process group, with the space's global size.
+Building it costs no collective (DCP's planning gathers the chunks). A rank
+with no piece holds one empty piece at the end of the space: DCP keeps one
+write item per (key, offset), so at offset 0 it could drop the real piece
+that starts there in favour of the empty one.
 
 A checkpoint of another layout is refused before anything is written:
 - by DCP itself, while it plans (before it reads any data): the structure holds
@@ -43,7 +53,6 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
-import warnings
 from collections.abc import Mapping
 
 import torch
@@ -54,11 +63,11 @@ from .._state_dict_check import check_group_values, check_state_tensor
 from .._torch import memory_order
 from ._agreement import validate_then_agree
 
-with warnings.catch_warnings():  # DCP's resharding of uneven flat pieces needs ShardedTensor
-    warnings.simplefilter("ignore")
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardMetadata, init_from_local_shards
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
-__all__ = ["layout_key", "load_sharded_state_dict", "sharded_state_dict"]
+__all__ = ["layout_key", "load_sharded_state_dict", "local_pieces", "sharded_state_dict"]
 
 LAYOUT_PREFIX = "layout_"
 
@@ -106,7 +115,7 @@ class _FlatSpace:
 
 
 def sharded_state_dict(opt) -> dict:
-    """This rank's pieces of every state as one ShardedTensor per state, plus
+    """This rank's pieces of every state as one DTensor per state, plus
     the parameter table and the groups. fp32 states are views of the
     optimizer's buffers (dcp.load fills them in place); remainders and scaled
     states go through fp32 copies of whole bucket rows, one per bucket."""
@@ -115,18 +124,21 @@ def sharded_state_dict(opt) -> dict:
                                   "write the same pieces; use state_dict() (portable)")
     if not all(opt._initialized):  # the state a first step would start from
         opt.init_params([p for p, done in zip(opt.params, opt._initialized) if not done])
-    rank = dist.get_rank(opt.dist_group)
-    device = f"cuda:{opt.device.index}" if opt.device.type == "cuda" else "cpu"
-    placement = f"rank:{rank}/{device}"
     space = _FlatSpace(opt)
     groups, _ = pack_groups(opt.param_groups, plain_value)
     state = {}
     if space.total > 0:
+        group = opt.dist_group if opt.dist_group is not None else dist.group.WORLD
+        mesh = DeviceMesh.from_group(group, opt.device.type)
         for name in opt._state_names:
             rows: dict[int, torch.Tensor] = {}
-            shards = [Shard(_piece(opt, name, f, rows), ShardMetadata([space.start(f)], [f.numel], placement))
-                      for f in space.frags]
-            state[_saved_name(name)] = init_from_local_shards(shards, space.total, process_group=opt.dist_group)
+            pieces = [_piece(opt, name, f, rows) for f in space.frags]
+            offsets = [(space.start(f),) for f in space.frags]
+            if not pieces:  # [Note: ragged DTensor pieces]
+                pieces, offsets = [torch.empty(0, device=opt.device)], [(space.total,)]
+            state[_saved_name(name)] = DTensor.from_local(LocalShardsWrapper(pieces, offsets), mesh, [Shard(0)],
+                                                          run_check=False, shape=torch.Size([space.total]),
+                                                          stride=(1,))
     # Strings: DCP would flatten lists and dicts into keys that must already
     # exist, key by key, when loading. The layout key comes before the other
     # new entries, so that DCP names it when a checkpoint lacks it.
@@ -217,7 +229,7 @@ def _check(opt, sharded) -> tuple[list, list]:
                   _json(sharded, "shapes", "shape table") if "shapes" in sharded else None)
     _check_layout_key(sharded, space)
     if not isinstance(sharded["state"], Mapping):
-        raise ValueError(f"sharded['state'] must be a dict of ShardedTensors, got {type(sharded['state']).__name__}")
+        raise ValueError(f"sharded['state'] must be a dict of DTensors, got {type(sharded['state']).__name__}")
     return group_values, _matched_pieces(opt, sharded["state"], space)
 
 
@@ -297,21 +309,30 @@ def _matched_pieces(opt, state: dict, space: _FlatSpace) -> list:
             raise ValueError(f"the sharded state dict has no state '{saved}': load into a sharded_state_dict() "
                              f"of this optimizer")
         tensor = state[saved]
-        if not isinstance(tensor, ShardedTensor):
-            raise ValueError(f"sharded['state'][{saved!r}] must be the ShardedTensor of a sharded_state_dict() of "
+        local = tensor.to_local() if isinstance(tensor, DTensor) else None
+        if not isinstance(local, LocalShardsWrapper):
+            raise ValueError(f"sharded['state'][{saved!r}] must be the DTensor of a sharded_state_dict() of "
                              f"this optimizer, got {type(tensor).__name__}")
         if tuple(tensor.size()) != (space.total,):
             raise ValueError(f"state '{saved}' covers {tuple(tensor.size())} elements, the optimizer's parameters "
                              f"{space.total}: load into a sharded_state_dict() of this optimizer")
-        local = sorted(tensor.local_shards(), key=lambda s: s.metadata.shard_offsets[0])
-        given = [(s.metadata.shard_offsets[0], s.metadata.shard_offsets[0] + s.metadata.shard_sizes[0]) for s in local]
+        held = local_pieces(tensor)
+        given = [(start, start + t.numel()) for start, t in held]
         if given != mine:
             raise ValueError(_mismatch(saved, space, given, mine))
-        for f, shard in zip(space.frags, local):
-            check_state_tensor(f"sharded['state'][{saved!r}]'s piece at offset {space.start(f)}", shard.tensor,
-                               (f.numel,))
-            pieces.append((name, f, shard.tensor))
+        for f, (_, t) in zip(space.frags, held):
+            check_state_tensor(f"sharded['state'][{saved!r}]'s piece at offset {space.start(f)}", t, (f.numel,))
+            pieces.append((name, f, t))
     return pieces
+
+
+def local_pieces(tensor: DTensor) -> list[tuple[int, torch.Tensor]]:
+    """This rank's pieces of a state of sharded_state_dict(), as (offset in
+    the flat space, values) in offset order; the empty placeholder piece of a
+    rank without any is left out ([Note: ragged DTensor pieces])."""
+    local = tensor.to_local()
+    return sorted(((offset[0], t) for offset, t in zip(local.local_offsets(), local.local_shards()) if t.numel() > 0),
+                  key=lambda piece: piece[0])
 
 
 def _mismatch(saved: str, space: _FlatSpace, given: list, mine: list) -> str:

@@ -1,0 +1,196 @@
+#!/usr/bin/env python
+"""Hugging Face LlamaForCausalLM (about 1B parameters, built from its config:
+no download) trained on 2 GPUs three ways, one after the other in one torchrun
+job, from the same seed on the same data:
+
+- shardadam.DistributedFusedAdam (ZeRO-2, no DDP wrapper, overlapped
+  reduce-scatter and all-gather, contiguous parameter buffer);
+- DDP + torch.optim.AdamW(fused=True);
+- FSDP2 (fully_shard per decoder layer, then the root) + torch.optim.AdamW(fused=True).
+
+bf16 autocast, fp32 parameters and optimizer state, gradient clipping at 1.0,
+AdamW lr 3e-4 (betas 0.9/0.95, weight decay 0.1). The data are bytes of the
+standard library's Python source (token ids 0-255 of the 32000-token
+vocabulary), the same global batch per step for every run, each rank taking
+its slice. Per run: tokens/s over the steps after --warmup, peak allocated
+memory, the loss of every step (mean over ranks). Rank 0 writes them to --out
+(JSON); benchmarks/plot_hf_llama.py draws the curves (SVG).
+
+    torchrun --standalone --nproc_per_node 2 benchmarks/bench_hf_llama.py \\
+        --out benchmarks/results/bench_hf_llama_2xh200.json
+    python benchmarks/plot_hf_llama.py benchmarks/results/bench_hf_llama_2xh200.json
+    # smoke test on the CPU (gloo, tiny model, a few steps):
+    torchrun --standalone --nproc_per_node 2 benchmarks/bench_hf_llama.py --tiny --device cpu \\
+        --out benchmarks/results/bench_hf_llama_cpu_tiny.json
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+from train import corpus  # noqa: E402
+
+import shardadam  # noqa: E402
+
+RUNS = ("shardadam", "ddp", "fsdp2")
+OPTIM = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def llama_config(tiny: bool):
+    from transformers import LlamaConfig
+    if tiny:
+        return LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=4, vocab_size=512, max_position_embeddings=256,
+                           tie_word_embeddings=False)
+    return LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=18, num_attention_heads=16,
+                       num_key_value_heads=16, vocab_size=32000, max_position_embeddings=2048,
+                       tie_word_embeddings=False)
+
+
+def build_model(config, device: torch.device):
+    from transformers import LlamaForCausalLM
+    torch.manual_seed(0)
+    with device:
+        model = LlamaForCausalLM(config)
+    return model.train()
+
+
+def setup(run: str, model, rank: int, device: torch.device, bucket_cap_mb: float):
+    """(the module to call, the optimizer, clip(max_norm) -> norm) for one run."""
+    if run == "shardadam":
+        opt = shardadam.DistributedFusedAdam(model.parameters(), **OPTIM, bucket_cap_mb=bucket_cap_mb,
+                                             overlap_grad_sync=True, overlap_param_sync=True,
+                                             contiguous_param_buffer=True)
+        return model, opt, opt.clip_grad_norm
+    fused = dict(fused=True)
+    if run == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+        ids = [device.index] if device.type == "cuda" else None
+        wrapped = DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=bucket_cap_mb,
+                                          gradient_as_bucket_view=True)
+        opt = torch.optim.AdamW(model.parameters(), **OPTIM, **fused)
+        return wrapped, opt, lambda n: torch.nn.utils.clip_grad_norm_(model.parameters(), n)
+    from torch.distributed.fsdp import fully_shard
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), **OPTIM, **fused)
+    return model, opt, lambda n: torch.nn.utils.clip_grad_norm_(model.parameters(), n)
+
+
+def batches(tokens: torch.Tensor, steps: int, global_batch: int, seq: int, rank: int, world: int):
+    """Step s's slice of this rank: the same windows for every run."""
+    local = global_batch // world
+    for s in range(steps):
+        g = torch.Generator().manual_seed(1000 + s)
+        starts = torch.randint(0, len(tokens) - seq - 1, (global_batch,), generator=g)[rank * local:(rank + 1) * local]
+        yield torch.stack([tokens[i:i + seq] for i in starts.tolist()])
+
+
+def train(run: str, args, config, tokens, rank: int, world: int, device: torch.device) -> dict:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    model = build_model(config, device)
+    module, opt, clip = setup(run, model, rank, device, args.bucket_cap_mb)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.bf16 else contextlib.nullcontext()
+    losses = torch.zeros(args.steps, device=device)
+    start = None
+    for step, ids in enumerate(batches(tokens, args.steps, args.global_batch, args.seq, rank, world)):
+        if step == args.warmup:
+            _sync(device)
+            start = time.perf_counter()
+        ids = ids.to(device, non_blocking=True)
+        with autocast:
+            loss = module(input_ids=ids, labels=ids).loss
+        loss.backward()
+        clip(1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses[step] = loss.detach().float()
+    _sync(device)
+    seconds = time.perf_counter() - start
+    if run == "shardadam":
+        opt.param_sync()
+    dist.all_reduce(losses)
+    timed_tokens = (args.steps - args.warmup) * args.global_batch * args.seq
+    result = dict(tokens_per_s=timed_tokens / seconds, step_ms=1e3 * seconds / (args.steps - args.warmup),
+                  peak_memory_gib=(torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda"
+                                   else None),
+                  losses=(losses / world).tolist())
+    del module, opt, model, clip
+    gc.collect()
+    return result
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="a tiny Llama and 12 steps (smoke test)")
+    parser.add_argument("--steps", type=int, default=None, help="default 200 (12 with --tiny)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed first steps; default 10 (2 with --tiny)")
+    parser.add_argument("--global-batch", type=int, default=8, help="sequences per step over all ranks")
+    parser.add_argument("--seq", type=int, default=None, help="tokens per sequence; default 2048 (64 with --tiny)")
+    parser.add_argument("--bucket-cap-mb", type=float, default=100.0)
+    parser.add_argument("--no-bf16", dest="bf16", action="store_false", help="fp32 forward (no autocast)")
+    parser.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {','.join(RUNS)}")
+    parser.add_argument("--out", default="benchmarks/results/bench_hf_llama.json")
+    args = parser.parse_args()
+    args.steps = args.steps or (12 if args.tiny else 200)
+    args.warmup = args.warmup if args.warmup is not None else (2 if args.tiny else 10)
+    args.seq = args.seq or (64 if args.tiny else 2048)
+    runs = args.runs.split(",")
+    unknown = set(runs) - set(RUNS)
+    if unknown:
+        parser.error(f"--runs: unknown {sorted(unknown)}; choose from {','.join(RUNS)}")
+    cuda = args.device == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if args.global_batch % world:
+        parser.error(f"--global-batch {args.global_batch} must be a multiple of the {world} ranks")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(1)
+    config = llama_config(args.tiny)
+    text = corpus(4_000_000 if not args.tiny else 200_000).encode("utf-8", errors="replace")
+    tokens = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+    results = {}
+    for run in runs:
+        results[run] = train(run, args, config, tokens, rank, world, device)
+        if rank == 0:
+            r = results[run]
+            memory = f", peak {r['peak_memory_gib']:.1f} GiB" if r["peak_memory_gib"] is not None else ""
+            print(f"{run:>9}: {r['tokens_per_s']:,.0f} tokens/s ({r['step_ms']:.1f} ms/step){memory}, "
+                  f"loss {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}", flush=True)
+    if rank == 0:
+        params = sum(p.numel() for p in build_model(config, torch.device("meta")).parameters())
+        meta = dict(world=world, device=torch.cuda.get_device_name(device) if cuda else "cpu",
+                    torch=torch.__version__, parameters=params, bf16=args.bf16, steps=args.steps,
+                    warmup=args.warmup, global_batch=args.global_batch, seq=args.seq,
+                    bucket_cap_mb=args.bucket_cap_mb, optimizer=OPTIM, tiny=args.tiny)
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(dict(meta=meta, runs=results), f, indent=1)
+        print(f"wrote {args.out}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
