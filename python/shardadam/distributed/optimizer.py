@@ -49,6 +49,7 @@ from .._tracked import DATA_PTR, ReplacedParams, moved_indices
 from .._state_dict_check import check_state_dict
 from . import _watchdog, sharded_checkpoint
 from ._agreement import check_same_setup, validate_then_agree
+from ._first_use import FirstUseGuard
 from ._iteration import BackwardOrderProbe, Grads, Iteration, Params
 from ._peer_gather import PeerParamGather
 from ._peer_reduce import PeerGradReduce
@@ -88,15 +89,8 @@ _READS_CHILD_PARAMS = (torch.nn.MultiheadAttention,)
 def _wait_for_own_params(optimizer: weakref.ref, module: torch.nn.Module, args) -> None:
     """Module forward-pre hook: wait for the all-gathers of this module's parameters."""
     opt = optimizer()
-    if opt is None:
-        return
-    if opt.iteration.params is Params.DEFERRED:
-        opt.iteration.move_params(Params.GATHERING)
-        opt._param_sync.start()
-    if opt.iteration.params is Params.GATHERING:
-        opt._param_sync.wait_for(module.parameters(recurse=isinstance(module, _READS_CHILD_PARAMS)))
-        if not opt._param_sync.pending:
-            opt.iteration.move_params(Params.CURRENT)
+    if opt is not None and opt.iteration.params is not Params.CURRENT:
+        opt._make_current(list(module.parameters(recurse=isinstance(module, _READS_CHILD_PARAMS))))
 
 
 def _unflatten(param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,6 +185,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.iteration = Iteration()
         self._grad_scaler = None  # the GradScaler step() last received: grad_norm() unscales with it
         self._hooks = []
+        # Reads of a parameter outside its module's forward wait on first use ([Note: first-use guard]).
+        self._first_use = FirstUseGuard(self._make_current) if overlap_param_sync else None
         # The layout's first guess at backward order is the parameters
         # reversed; the first backward (with overlap) shows the real one, and
         # the first step rebuilds the layout in it (_adopt_backward_order).
@@ -207,6 +203,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             handle.remove()
         if getattr(self, "_forward_hook", None) is not None:
             self._forward_hook.remove()
+        if getattr(self, "_first_use", None) is not None:
+            self._first_use.disarm_all()
 
     # ------------------------------------------------------------ layout
 
@@ -600,6 +598,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._param_sync.start()  # each module's forward waits for its own buckets
         else:
             self.param_sync()
+        if self.overlap_param_sync:  # any other read waits on first use
+            self._first_use.arm(self.params)
         self._end_iteration()
         return loss
 
@@ -672,12 +672,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         and parameters keep their views of it whatever set_to_none says."""
         _watchdog.check()
         self._grad_sync.reset()  # a reduce-scatter may still read the buffers
-        if self.contiguous_grad_buffer:
-            self._check_params_in_place()  # the gradient views fit the parameters they were made for
-            self.grad_buffer.zero_()
-            self._attach_grad_views()
-        else:
-            super().zero_grad(set_to_none=set_to_none)
+        with torch._C.DisableTorchFunctionSubclass():  # gradients only: armed parameters stay armed
+            if self.contiguous_grad_buffer:
+                self._check_params_in_place()  # the gradient views fit the parameters they were made for
+                self.grad_buffer.zero_()
+                self._attach_grad_views()
+            else:
+                super().zero_grad(set_to_none=set_to_none)
         self._end_iteration()
 
     @contextlib.contextmanager
@@ -795,9 +796,26 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _land_param_sync(self) -> None:
         """Wait for the all-gathers in flight (none: nothing to do)."""
-        self._param_sync.finish()
+        with torch._C.DisableTorchFunctionSubclass():  # the copies out write armed parameters
+            self._param_sync.finish()
         if self.iteration.params is Params.GATHERING:
             self.iteration.move_params(Params.CURRENT)
+        if self._first_use is not None:
+            self._first_use.disarm_all()
+
+    def _make_current(self, params: list) -> None:
+        """Wait for the all-gathers of these parameters (a module's forward,
+        or their first use: [Note: first-use guard]); started here when a
+        capturable step left them to the next forward."""
+        if self.iteration.params is Params.DEFERRED:
+            self.iteration.move_params(Params.GATHERING)
+            self._param_sync.start()
+        if self.iteration.params is Params.GATHERING:
+            with torch._C.DisableTorchFunctionSubclass():
+                self._param_sync.wait_for(params)
+            if not self._param_sync.pending:
+                self._land_param_sync()
+        self._first_use.disarm(params)
 
     # ------------------------------------------------------------ checkpoints
 
