@@ -218,7 +218,13 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out) -> None:
 
 
 def _distributed(cfg: dict, groups: list, **options):
-    """cfg["optimizer"]'s distributed optimizer (lr 1e-2, weight decay 0.1)."""
+    """cfg["optimizer"]'s distributed optimizer (lr 1e-2, weight decay 0.1).
+    Remainders come with store_params=False and scaled states with fp16
+    state, as apex asks."""
+    if options.get("store_param_remainders"):
+        options["store_params"] = False
+    if options.get("with_scaled_states"):
+        options["dtype"] = torch.float16
     if cfg["optimizer"] == "lion":
         return shardadam.DistributedFusedLion(groups, lr=1e-2, weight_decay=0.1, **options)
     return shardadam.DistributedFusedAdam(groups, lr=1e-2, weight_decay=0.1, adam_w_mode=cfg.get("adam_w_mode", True),

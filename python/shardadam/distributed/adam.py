@@ -36,7 +36,7 @@ class DistributedFusedAdam(ShardedOptimizer):
                  device=None, process_group=None, distributed_process_group=None, redundant_process_group=None,
                  average_grad_sync=True, overlap_grad_sync=True, overlap_param_sync=False, bucket_cap_mb=100,
                  pipeline_size=2, contiguous_param_buffer=False, contiguous_grad_buffer=False, store_params=True,
-                 store_param_remainders=False, with_scaled_states=False, capturable=False,
+                 store_param_remainders=False, with_scaled_states=False, nccl_ub=False, capturable=False,
                  grad_sync_copy_engine=None, param_sync_copy_engine=None, skip_nonfinite_grads=False,
                  copy_engine_timeout=_watchdog.DEFAULT_TIMEOUT_S):
         self.adam_w_mode = adam_w_mode
@@ -50,6 +50,6 @@ class DistributedFusedAdam(ShardedOptimizer):
             overlap_param_sync=overlap_param_sync, bucket_cap_mb=bucket_cap_mb, pipeline_size=pipeline_size,
             contiguous_param_buffer=contiguous_param_buffer, contiguous_grad_buffer=contiguous_grad_buffer,
             store_params=store_params, store_param_remainders=store_param_remainders,
-            with_scaled_states=with_scaled_states, capturable=capturable,
+            with_scaled_states=with_scaled_states, nccl_ub=nccl_ub, capturable=capturable,
             grad_sync_copy_engine=grad_sync_copy_engine, param_sync_copy_engine=param_sync_copy_engine,
             skip_nonfinite_grads=skip_nonfinite_grads, copy_engine_timeout=copy_engine_timeout)

@@ -27,8 +27,8 @@ Optimizer state and reduced gradients are sharded across the ranks of the
 With average_grad_sync=True the result equals DDP + the rule's torch
 optimizer (torch.optim.AdamW for Adam) on the same global batch. capturable=True keeps lr and
 step in device tensors and decides skipped steps on the device, so a whole
-iteration can be captured in a CUDA graph. State other than fp32
-(dtype != torch.float32) raises NotImplementedError.
+iteration can be captured in a CUDA graph. The state is stored in `dtype`
+(fp32, fp16 or bf16) as distributed/_options.py says.
 """
 from __future__ import annotations
 
@@ -50,6 +50,8 @@ from .._state_dict_check import check_state_dict
 from . import _watchdog, sharded_checkpoint
 from ._agreement import check_same_setup, validate_then_agree
 from ._first_use import FirstUseGuard
+from ._nccl_ub import RegisteredPool, check_nccl_ub
+from ._options import check_storage_options, storage_spec
 from ._iteration import BackwardOrderProbe, Grads, Iteration, Params
 from ._peer_gather import PeerParamGather
 from ._peer_reduce import PeerGradReduce
@@ -113,16 +115,22 @@ class ShardedOptimizer(torch.optim.Optimizer):
                  redundant_process_group=None, average_grad_sync=True, overlap_grad_sync=True,
                  overlap_param_sync=False, bucket_cap_mb=100, pipeline_size=2, contiguous_param_buffer=False,
                  contiguous_grad_buffer=False, store_params=True, store_param_remainders=False,
-                 with_scaled_states=False, capturable=False, grad_sync_copy_engine=None, param_sync_copy_engine=None,
-                 skip_nonfinite_grads=False, copy_engine_timeout=_watchdog.DEFAULT_TIMEOUT_S):
+                 with_scaled_states=False, nccl_ub=False, capturable=False, grad_sync_copy_engine=None,
+                 param_sync_copy_engine=None, skip_nonfinite_grads=False,
+                 copy_engine_timeout=_watchdog.DEFAULT_TIMEOUT_S):
         name = type(self).__name__
         self.rule = rule
 
         def arguments() -> None:
             if not (isinstance(pipeline_size, int) and pipeline_size >= 1):
                 raise ValueError(f"pipeline_size must be an int >= 1 (buckets in flight), got {pipeline_size!r}")
-            if dtype != torch.float32:
-                raise NotImplementedError(f"{name}: only dtype=torch.float32 state is supported yet")
+            check_storage_options(dtype, store_params, store_param_remainders, with_scaled_states)
+            if nccl_ub and not contiguous_grad_buffer:
+                raise ValueError("nccl_ub=True needs contiguous_grad_buffer=True (as apex): the NCCL-registered "
+                                 "memory is the persistent gradient buffer")
+            if nccl_ub and grad_sync_copy_engine:
+                raise ValueError("nccl_ub=True registers the buffers for NCCL's reduce-scatter: leave "
+                                 "grad_sync_copy_engine None (or False)")
             if not bucket_cap_mb > 0:
                 raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
             rule.check_group(name, defaults)
@@ -162,22 +170,23 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self.dist_size * redundant_size != self.world_size:
             raise ValueError(f"distributed_process_group ({self.dist_size} ranks) x redundant_process_group "
                              f"({redundant_size} ranks) must cover process_group ({self.world_size} ranks)")
+        # Checked above (_options.py): the state's dtype and how the master is stored.
+        self.dtype = dtype
         self.store_param_remainders = store_param_remainders
         self.with_scaled_states = with_scaled_states
-        if store_param_remainders + with_scaled_states + (not store_params) > 1:
-            raise ValueError("store_param_remainders, with_scaled_states and store_params=False are three ways "
-                             "to store the master: choose one")
         # store_params=False: no master of its own; the rule updates the
         # parameter shard in param_sync_dtype (lossy below fp32, unlike remainders).
         self.store_params = store_params
+        self.nccl_ub = nccl_ub
+        self._nccl_pool = None
         self.average_grad_sync = average_grad_sync
         self.overlap_grad_sync = overlap_grad_sync
         self.overlap_param_sync = overlap_param_sync
         self.contiguous_param_buffer = contiguous_param_buffer
         self.contiguous_grad_buffer = contiguous_grad_buffer
         # None: the reduce-scatter (all-gather) on the copy engines whenever
-        # the ranks can (one host, shareable memory), else NCCL.
-        self.grad_sync_copy_engine = grad_sync_copy_engine
+        # the ranks can (one host, shareable memory), else NCCL (always with nccl_ub).
+        self.grad_sync_copy_engine = False if nccl_ub and grad_sync_copy_engine is None else grad_sync_copy_engine
         self.param_sync_copy_engine = param_sync_copy_engine
         self.pipeline_size = pipeline_size
         self.bucket_cap_mb = bucket_cap_mb
@@ -223,6 +232,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self.capturable and self.device.type != "cuda":
             raise ValueError(f"capturable=True needs CUDA parameters and an NCCL process group (parameters on "
                              f"{self.device}): a CPU step cannot be captured in a CUDA graph")
+        if self.nccl_ub:
+            check_nccl_ub(self.dist_group, self.device)
         dtypes = {p.dtype for p in params}
         if any(p.device != self.device for p in params):
             raise ValueError(f"every parameter must be on {self.device}")
@@ -312,9 +323,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.shard_size = self.layout.shard_size(_GRAD_KEY)
         n_buckets = len(self.layout.buckets)
         dev = self.device
+        if self._nccl_pool is not None:
+            self._nccl_pool.close()
+        self._nccl_pool = RegisteredPool(self.dist_group, dev) if self.nccl_ub else None
         # Persistent: this rank's shards only. Full-size bucket buffers exist
         # only while their collective runs (at most pipeline_size at a time).
-        self.grad_shards = torch.zeros(n_buckets, self.shard_size, dtype=self.grad_sync_dtype, device=dev)
+        with self._nccl_pool.allocate() if self.nccl_ub else contextlib.nullcontext():
+            self.grad_shards = torch.zeros(n_buckets, self.shard_size, dtype=self.grad_sync_dtype, device=dev)
         own = slice(self.rank * self.shard_size, (self.rank + 1) * self.shard_size)
         self.param_buffer, self.grad_buffer, self._grad_views = None, None, None
         # The peers map this rank's memory before the parameters move in: a refusal leaves them as they were.
@@ -331,19 +346,24 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     view.copy_(p.data)
                     p.data = view
         if self.contiguous_grad_buffer:
-            self.grad_buffer, self._grad_views = self._bucket_views(self.grad_sync_dtype)
+            with self._nccl_pool.allocate() if self.nccl_ub else contextlib.nullcontext():
+                self.grad_buffer, self._grad_views = self._bucket_views(self.grad_sync_dtype)
+            if self.nccl_ub:
+                self._nccl_pool.register()
             for p, view in zip(self.params, self._grad_views):  # gradients so far move along
                 if p.grad is not None:
                     view.copy_(p.grad)
             self._attach_grad_views()
         # This rank's pieces, ordered by group so that one launch covers them all.
         shard = sorted(self.layout.shard_fragments(self.rank), key=lambda f: self.param_groups_of[f.param])
-        # with_scaled_states: the master and the rule's scalable states (Adam:
-        # exp_avg, exp_avg_sq) in fp16, each fragment with its own
-        # power-of-two scale, rescaled inside the kernel. With remainders the
+        # The master and the rule's states in dtype; with_scaled_states and
+        # fp16: each fragment with its own power-of-two scale, rescaled
+        # inside the kernel (_options.py). With remainders the
         # fp32 master is the bf16 parameter shard (its high half) plus int16
         # low halves: 2 bytes per parameter instead of 4.
-        stored = self._storage_spec().allocate(self.rule, (n_buckets, self.shard_size), len(shard), dev)
+        spec = storage_spec(self.rule, self.dtype, self.store_params, self.store_param_remainders,
+                            self.with_scaled_states)
+        stored = spec.allocate(self.rule, (n_buckets, self.shard_size), len(shard), dev)
         self.states, self.master, self.remainders = stored.states, stored.master, stored.remainders
         self.state_scales = stored.scales
         # What the all-gather sends: a slice of the contiguous parameter buffer,
@@ -351,7 +371,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # no separate copy), or a shard buffer the kernel writes (params_out).
         if self.param_buffer is not None:
             self.param_shards = self.param_buffer[:, own]
-        elif self.master is not None and self.master.dtype == self.param_sync_dtype:
+        elif self.master is not None and self.master.dtype == self.param_sync_dtype and "master" not in self.state_scales:
             self.param_shards = self.master
         else:
             self.param_shards = torch.zeros(n_buckets, self.shard_size, dtype=self.param_sync_dtype, device=dev)
@@ -396,17 +416,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._param_ptrs = list(map(DATA_PTR, self.params))
         self._param_shapes = [p.shape for p in self.params]
         self._replaced.track(p for g in self.param_groups for p in g["params"])
-
-    def _storage_spec(self) -> _storage.StorageSpec:
-        """apex's storage options in the shared vocabulary ([Note: storage codecs])."""
-        if self.store_param_remainders:
-            return _storage.StorageSpec(_storage.REMAINDER)
-        if not self.store_params:
-            return _storage.StorageSpec(_storage.PARAM)
-        if self.with_scaled_states:
-            return _storage.StorageSpec(_storage.SEPARATE, torch.float16,
-                                        tuple((name, torch.float16) for name in self.rule.scalable))
-        return _storage.StorageSpec(_storage.SEPARATE)
 
     def _adopt_backward_order(self) -> None:
         """Rebuild the layout in the order the first backward produced gradients
@@ -928,7 +937,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         def group_name(g, absent: str = "default") -> str:
             return absent if g is None else f"(size {dist.get_world_size(g)}, id {id(g)})"
 
-        options = dict(self.rule.options(), dtype=torch.float32,
+        options = dict(self.rule.options(), dtype=self.dtype,
                        grad_sync_dtype=self.grad_sync_dtype, param_sync_dtype=self.param_sync_dtype,
                        device=self.device, average_grad_sync=self.average_grad_sync,
                        overlap_grad_sync=self.overlap_grad_sync, overlap_param_sync=self.overlap_param_sync,
@@ -936,7 +945,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                        contiguous_param_buffer=self.contiguous_param_buffer,
                        contiguous_grad_buffer=self.contiguous_grad_buffer, store_params=self.store_params,
                        store_param_remainders=self.store_param_remainders,
-                       with_scaled_states=self.with_scaled_states, capturable=self.capturable,
+                       with_scaled_states=self.with_scaled_states, nccl_ub=self.nccl_ub, capturable=self.capturable,
                        grad_sync_copy_engine=self.grad_sync_copy_engine,
                        param_sync_copy_engine=self.param_sync_copy_engine)
         lines = [f"{type(self).__name__} (world_size={self.world_size}, shard_rank={self.rank}, "
