@@ -47,7 +47,7 @@ from .. import _storage
 from .._torch import check_tensor
 from .._tracked import DATA_PTR, ReplacedParams, moved_indices
 from .._state_dict_check import check_state_dict
-from . import _watchdog, sharded_checkpoint
+from . import _amp, _apex_format, _watchdog, sharded_checkpoint
 from ._agreement import check_same_setup, validate_then_agree
 from ._first_use import FirstUseGuard
 from ._nccl_ub import RegisteredPool, check_nccl_ub
@@ -245,13 +245,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise ValueError("store_param_remainders=True needs bf16 parameters synchronised in bf16 "
                              f"(parameters: {sorted(map(str, dtypes))}, param_sync_dtype={self.param_sync_dtype}): "
                              "the bf16 parameter is the high half of the fp32 master")
+        self.params = params
         for option, on, dtype in (("contiguous_param_buffer", self.contiguous_param_buffer, self.param_sync_dtype),
                                   ("contiguous_grad_buffer", self.contiguous_grad_buffer, self.grad_sync_dtype)):
-            wrong = sorted({str(p.dtype) for p in params if p.dtype != dtype})
-            if on and wrong:  # parameters (gradients) become views of a buffer of that dtype
-                raise ValueError(f"{option}=True needs every trainable parameter in {dtype} (the sync dtype), "
-                                 f"found {', '.join(wrong)}: convert the model or set the sync dtype to the "
-                                 f"parameters' dtype")
+            if on:
+                self._check_buffer_dtypes(option, dtype)
         self._check_copy_engine()
         # With capturable=True the count stays on the device (no host sync), as the step counters do.
         self.skipped_steps = torch.zeros((), dtype=torch.int64, device=self.device) if self.capturable else 0
@@ -434,22 +432,29 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.load_state_dict(saved)
 
     @torch.no_grad()
-    def init_params(self, params=None) -> None:
-        """(Re)start the optimizer state of `params` (default: all) from their
-        current values: fp32 master = the parameter, the rule's states = 0.
-        Runs by itself at the first step for parameters never initialised, so
-        weights loaded into the model after the optimizer was built are used.
-        Every rank must call it with the same parameters."""
-        self._finish_param_sync()  # the parameters' values are what the state starts from
+    def init_params(self, params=None, dtype=None, grad_sync_dtype=None, param_sync_dtype=None) -> None:
+        """Start the optimizer state of those of `params` (default: all) not
+        started yet, from their current values (master = the parameter, the
+        rule's states = 0); as apex, a parameter already started is left as
+        it is. Runs by itself at the first step for parameters never
+        started, so weights loaded into the model after the optimizer was
+        built are used. Every rank must call it with the same parameters.
+        dtype, grad_sync_dtype, param_sync_dtype: apex's per-call dtypes;
+        every parameter shares the optimizer's (None, or the same dtype)."""
+        self._check_same_dtypes("init_params", dtype, grad_sync_dtype, param_sync_dtype)
         index = {id(p): k for k, p in enumerate(self.params)}
         if params is None:
             chosen = set(range(len(self.params)))
         else:
-            params = list(params)
+            params = [params] if isinstance(params, torch.Tensor) else list(params)
             unknown = [i for i, p in enumerate(params) if id(p) not in index]
             if unknown:
                 raise ValueError(f"init_params: params[{unknown[0]}] is not a trainable parameter of this optimizer")
             chosen = {index[id(p)] for p in params}
+        chosen = {k for k in chosen if not self._initialized[k]}
+        if not chosen:
+            return
+        self._finish_param_sync()  # the parameters' values are what the state starts from
         for f in self._shard_fragments:
             if f.param in chosen:
                 flat = memory_flat(self.params[f.param].detach())
@@ -493,9 +498,63 @@ class ShardedOptimizer(torch.optim.Optimizer):
         separate master, None without one), as stored."""
         return self.master if name == "master" else self.states[name]
 
-    def init_params_bucket(self, params) -> None:
-        """apex's name for initialising a set of parameters: init_params(params)."""
-        self.init_params(params)
+    def init_params_bucket(self, params, dtype=None, grad_sync_dtype=None, param_sync_dtype=None) -> None:
+        """apex's call for initialising a set of parameters into buckets of
+        their own: here init_params(params) (the bucket layout follows the
+        backward order, or the parameter order without overlap_grad_sync)."""
+        self.init_params(params, dtype, grad_sync_dtype, param_sync_dtype)
+
+    def _check_same_dtypes(self, call: str, dtype, grad_sync_dtype, param_sync_dtype) -> None:
+        for name, value in (("dtype", dtype), ("grad_sync_dtype", grad_sync_dtype),
+                            ("param_sync_dtype", param_sync_dtype)):
+            if value is not None and value != getattr(self, name):
+                raise NotImplementedError(
+                    f"{call}({name}={value}): per-parameter dtypes (apex's mixed-dtype buckets) are not supported; "
+                    f"every parameter uses the optimizer's {name}={getattr(self, name)}: build a second optimizer "
+                    f"for the parameters that need another one")
+
+    def parameters(self):
+        """Every parameter of every group, in param_groups order (apex)."""
+        for group in self.param_groups:
+            yield from group["params"]
+
+    def parameter(self, *where) -> torch.Tensor:
+        """apex's lookup: parameter(group_id, param_id) is
+        param_groups[group_id]["params"][param_id]; parameter(fragment) the
+        parameter of a fragment (one with param_group_id / param_id, as
+        apex's, or a layout fragment of this optimizer)."""
+        if len(where) == 2:
+            group_id, param_id = where
+        elif len(where) == 1 and hasattr(where[0], "param_group_id"):
+            group_id, param_id = where[0].param_group_id, where[0].param_id
+        elif len(where) == 1 and isinstance(getattr(where[0], "param", None), int):
+            return self.params[where[0].param]
+        else:
+            raise TypeError("parameter() takes (group_id, param_id) or one fragment")
+        return self.param_groups[group_id]["params"][param_id]
+
+    def init_param_buffer(self) -> None:
+        """apex's late switch to contiguous_param_buffer=True: the parameters
+        become views of one buffer laid out as the buckets, so the all-gather
+        lands in them in place. The state so far is carried over. Every rank
+        must call it; best before the first step (the switch gathers the
+        state once)."""
+        if self.contiguous_param_buffer:
+            return
+        self._check_buffer_dtypes("contiguous_param_buffer", self.param_sync_dtype)
+        self._land_param_sync()
+        saved = self.state_dict() if any(self._initialized) else None
+        self.contiguous_param_buffer = True
+        self._build_layout(self.params, self.param_groups_of)
+        if saved is not None:
+            self.load_state_dict(saved)
+
+    def _check_buffer_dtypes(self, option: str, dtype: torch.dtype) -> None:
+        wrong = sorted({str(p.dtype) for p in self.params if p.dtype != dtype})
+        if wrong:  # parameters (gradients) become views of a buffer of that dtype
+            raise ValueError(f"{option}=True needs every trainable parameter in {dtype} (the sync dtype), "
+                             f"found {', '.join(wrong)}: convert the model or set the sync dtype to the "
+                             f"parameters' dtype")
 
     def _bucket_views(self, dtype: torch.dtype) -> tuple[torch.Tensor, list]:
         """A zeroed [buckets, bucket] buffer laid out like the buckets, and a
@@ -533,11 +592,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling = True
 
     @torch.no_grad()
-    def step(self, closure=None, *, grad_scaler=None):
+    def step(self, closure=None, **kwargs):
         """One step of the rule over this rank's shard, then the parameter all-gather.
 
-        With grad_scaler (``scaler.step(opt)`` passes it), the gradients are
-        still scaled: 1/scale joins the kernel's gradient scale, and a
+        With a GradScaler (``scaler.step(opt)``, or apex's
+        ``step(grad_scaler=scaler)``: [Note: GradScaler protocols] in
+        _amp.py), the gradients are still scaled unless unscale_grads() ran:
+        1/scale joins the kernel's gradient scale, and a
         non-finite gradient on any rank skips the step on every rank
         (parameters, states and step counters unchanged) and is reported to
         the scaler so that ``scaler.update()`` backs off. With capturable=True
@@ -548,16 +609,27 @@ class ShardedOptimizer(torch.optim.Optimizer):
         skip_nonfinite_grads=True: the same skip without a scaler, whenever
         the reduced gradients hold inf/NaN on some rank (counted in
         ``skipped_steps`` and logged to the "shardadam" logger)."""
+        grad_scaler = _amp.stepping_scaler(self, kwargs)
+        if grad_scaler is not None and not grad_scaler.is_enabled():
+            grad_scaler = None
         loss = run_closure(closure)
         # [Note: validate, then mutate] (_validate.py): every refusal comes first.
         _watchdog.check()  # a copy-engine collective whose peer died: this iteration is invalid
         check_step_groups(self.param_groups, self.rule)
         self._check_params_in_place()
+        inv_loss_scale = None
         if grad_scaler is not None:
-            if self.iteration.inv_scale is not None:
-                raise RuntimeError("step(grad_scaler=...) after unscale_grads(): the gradients would be unscaled "
-                                   "twice; use one of the two")
-            inv_loss_scale = self._scaler_inv_scale(grad_scaler)
+            unscaled = _amp.stage(grad_scaler, self) == "UNSCALED"
+            if unscaled and self.iteration.inv_scale is None:
+                raise RuntimeError(f"scaler.unscale_(optimizer) cannot reach {type(self).__name__}'s gradients "
+                                   "(they live in its buckets): call optimizer.unscale_grads(grad_scaler=scaler) "
+                                   "instead, or nothing (clip_grad_norm() and step() unscale by themselves)")
+            if not unscaled and self.iteration.inv_scale is not None:
+                raise RuntimeError("the GradScaler steps gradients that unscale_grads(inv_scale=...) already "
+                                   "unscaled: they would be unscaled twice; use "
+                                   "unscale_grads(grad_scaler=scaler), or one of the two")
+            if not unscaled:
+                inv_loss_scale = _amp.inv_scale(grad_scaler, self.device)
         self._land_param_sync()  # the last all-gather reads the shards this step writes
         if self.iteration.grads is not Grads.REDUCED:  # the first one rebuilds the layout: before any state exists
             self.grad_sync()
@@ -571,9 +643,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
             grad_scale *= self.iteration.inv_scale
         found_inf = None
         if grad_scaler is not None:
-            grad_scale *= inv_loss_scale
+            if inv_loss_scale is not None:
+                grad_scale *= inv_loss_scale
             self._grad_scaler = grad_scaler
-            found_inf = self._report_found_inf(grad_scaler)
+            found_inf = self._nonfinite_on_any_rank()
+            _amp.report(grad_scaler, self, found_inf, self.device)
         elif self.skip_nonfinite_grads:
             found_inf = self._nonfinite_on_any_rank()
         if self.skip_nonfinite_grads and self.capturable:
@@ -652,29 +726,40 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._grad_sync.reset()
         self.iteration.end()
 
-    def _scaler_inv_scale(self, grad_scaler) -> torch.Tensor:
-        state = grad_scaler._per_optimizer_states[id(self)]
-        if state["stage"].name == "UNSCALED":
-            raise RuntimeError(f"scaler.unscale_(optimizer) cannot reach {type(self).__name__}'s gradients (they "
-                               "live in its buckets): skip it; clip_grad_norm() and step() unscale by themselves")
-        return grad_scaler._scale.to(self.device, torch.float32).reciprocal()
-
-    def _report_found_inf(self, grad_scaler) -> torch.Tensor:
-        """_nonfinite_on_any_rank(), told to the scaler the way torch's fused
-        optimizers do."""
-        found_inf = self._nonfinite_on_any_rank()
-        grad_scaler._per_optimizer_states[id(self)]["found_inf_per_device"][self.device] = found_inf
-        return found_inf
-
-    def unscale_grads(self, *, inv_scale=None, grad_scaler=None) -> None:
-        """Divide this iteration's gradients by the loss scale, inside the next
-        step (gradients are not rewritten): inv_scale (a number or a 0-d/1-element
-        tensor), or 1 / grad_scaler's current scale."""
+    def unscale_grads(self, *args, inv_scale=None, grad_scaler=None) -> dict:
+        """apex's deferred unscale: divide this iteration's gradients by the
+        loss scale inside the next step (gradients are not rewritten):
+        inv_scale (a number or a 0-d/1-element tensor; also the first
+        positional argument, GradScaler._unscale_grads_'s order), or 1 /
+        grad_scaler's current scale. Synchronises the gradients and returns
+        {device: found_inf} (1.0 where any rank's reduced gradients hold
+        inf/NaN); with grad_scaler, as scaler.unscale_(optimizer) would, the
+        scaler records it and moves to its unscaled stage, so that
+        clip_grad_norm() and then scaler.step(optimizer) / scaler.update() follow."""
+        if args:
+            if inv_scale is not None:
+                raise TypeError("unscale_grads: inv_scale given both by position and by keyword")
+            inv_scale = args[0]
         if (inv_scale is None) == (grad_scaler is None):
             raise ValueError("unscale_grads needs exactly one of inv_scale or grad_scaler")
+        if self.iteration.inv_scale is not None:
+            raise RuntimeError("unscale_grads() was already called in this iteration (after the last step() or "
+                               "zero_grad()): the gradients would be unscaled twice")
         if grad_scaler is not None:
-            inv_scale = self._scaler_inv_scale(grad_scaler)
-        self.iteration.inv_scale = torch.as_tensor(inv_scale, dtype=torch.float32, device=self.device).reshape(())
+            stage = _amp.stage(grad_scaler, self)
+            if stage != "READY":
+                raise RuntimeError(f"unscale_grads(grad_scaler=...): the scaler is {stage} for this optimizer "
+                                   "(unscale_ or step already ran since the last update())")
+            inv_scale = _amp.inv_scale(grad_scaler, self.device)
+        inv_scale = torch.as_tensor(inv_scale, dtype=torch.float32, device=self.device).reshape(())
+        if self.iteration.grads is not Grads.REDUCED:
+            self.grad_sync()
+        found_inf = self._nonfinite_on_any_rank()
+        self.iteration.inv_scale = inv_scale
+        if grad_scaler is not None:
+            self._grad_scaler = grad_scaler
+            _amp.report(grad_scaler, self, found_inf, self.device, unscaled=True)
+        return {self.device: found_inf}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears gradients; with contiguous_grad_buffer the buffer is zeroed
@@ -717,6 +802,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._grad_scaler = grad_scaler
 
     def _unscaled(self, norm: torch.Tensor) -> torch.Tensor:
+        if self.iteration.inv_scale is not None:  # unscale_grads() ran
+            return norm * self.iteration.inv_scale
         # A scaler that has not scaled a loss yet has no scale: the gradients are not scaled.
         if self._grad_scaler is None or self._grad_scaler._scale is None:
             return norm
@@ -838,7 +925,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._land_param_sync()
         sharded_checkpoint.load_sharded_state_dict(self, sharded)
 
-    def state_dict(self, gather_on_root: bool = False) -> dict | None:
+    def state_dict(self, *, state_dict_format: int | None = None, gather_on_root: bool | None = None) -> dict | None:
         """Portable state: per parameter (index in param_groups order) the fp32
         ``param`` master and the rule's states (Adam: ``exp_avg`` and
         ``exp_avg_sq``) as full tensors, plus the
@@ -849,7 +936,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
         parameter's tensor); every rank gets the whole dict, or with
         gather_on_root=True only rank 0 of process_group receives the shards
         (a gather, not an all-gather) and builds it in host memory, and the
-        others get None. Every rank must call it."""
+        others get None. Every rank must call it.
+
+        state_dict_format=2: apex's format 2 (_apex_format.py: the same
+        tensors, plus ``"format": 2`` and apex's ``state["step"]``), which
+        apex's DistributedFusedAdam loads. Format 1 (apex's pickled buckets)
+        is not written."""
+        if state_dict_format not in (None, _apex_format.FORMAT):
+            raise ValueError(f"state_dict_format must be None (shardadam's portable dict) or 2 (apex's format 2, "
+                             f"the same tensors), got {state_dict_format!r}: apex's format 1 pickles its internal "
+                             f"buckets and is not written")
+        portable = self._portable_state_dict(bool(gather_on_root))
+        return _apex_format.to_apex(portable) if portable is not None and state_dict_format else portable
+
+    def _portable_state_dict(self, gather_on_root: bool) -> dict | None:
         if not all(self._initialized):  # the state a first step would start from
             self.init_params([p for p, done in zip(self.params, self._initialized) if not done])
         root = self._src  # rank 0 of process_group, as a global rank
@@ -893,8 +993,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
         """Loads a state_dict() saved on any world size and bucket size (each
-        rank takes its own pieces, no communication), or a fused optimizer's
-        or the rule's torch optimizer's state dict (fp32 master ``param`` /
+        rank takes its own pieces, no communication), apex's format 2, or a
+        fused optimizer's or the rule's torch optimizer's state dict (fp32 master ``param`` /
         ``master_param`` optional: without it the master is the parameter's
         current value). Checks everything before writing; the caller's dict is
         not modified. Every rank checks the whole dict (structure, counts,
@@ -904,7 +1004,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._land_param_sync()
         checked = validate_then_agree(
             f"{type(self).__name__}.load_state_dict",
-            lambda: check_state_dict(state_dict, self.param_groups, self.rule), self.group, self.device)
+            lambda: check_state_dict(_apex_format.from_any(state_dict), self.param_groups, self.rule), self.group,
+            self.device)
         for values, group in zip(checked.group_values, self.param_groups):
             set_group_values(group, values)
         # without a master in the checkpoint, the master is the parameter's current value
