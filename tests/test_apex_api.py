@@ -261,3 +261,38 @@ def test_unscale_grads_contract(one_rank):
     assert list(found) == [torch.device("cpu")] and float(found[torch.device("cpu")]) == 0.0
     with pytest.raises(RuntimeError, match="already called in this iteration"):
         opt.unscale_grads(inv_scale=0.5)
+
+
+# ------------------------------------------------------------ nccl_ub (2 GPUs)
+
+def _nccl_ub_worker(rank: int, world: int, port: int, out) -> None:
+    """nccl_ub=True on NCCL: the gradient buffer and the reduced shards lie in
+    the NCCL-registered pool, and training equals single-process AdamW."""
+    from test_distributed import STEPS, _exit, _frozen, _groups, _model as _net, _rank_group, _train as _run
+    torch.cuda.set_device(rank)
+    with _rank_group(rank, world, port, out, "nccl"):
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+        model = _net().to(f"cuda:{rank}")
+        frozen = _frozen(model)
+        frozen.requires_grad_(False)
+        opt = shardadam.DistributedFusedAdam(_groups(model, frozen), lr=1e-2, weight_decay=0.1, bucket_cap_mb=1e-4,
+                                             contiguous_grad_buffer=True, nccl_ub=True)
+        segments = [(s["address"], s["address"] + s["total_size"]) for s in opt._nccl_pool.pool.snapshot()]
+        inside = [any(a <= t.data_ptr() < b for a, b in segments) for t in (opt.grad_buffer, opt.grad_shards)]
+        _run(model, opt, rank, world, range(STEPS))
+        opt.param_sync()
+        if rank == 0:
+            out.put(dict(inside=inside, transport=opt.transports["grad_sync"],
+                         params=[p.detach().cpu().numpy().copy() for p in model.parameters()]))
+    _exit()
+
+
+@pytest.mark.multigpu
+def test_nccl_ub_buffers_are_registered_and_train_as_adamw():
+    from test_distributed import _reference, _spawn
+    result = _spawn(_nccl_ub_worker, 2)
+    assert result["inside"] == [True, True], "the gradient buffer and shards must come from the NCCL pool"
+    assert result["transport"].startswith("nccl"), result["transport"]
+    for i, (got, want) in enumerate(zip(result["params"], _reference(2)[0])):
+        torch.testing.assert_close(torch.from_numpy(got), want.contiguous(), rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"param {i}: {m}")
