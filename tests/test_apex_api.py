@@ -59,8 +59,9 @@ def _close(model, want, rtol=1e-5, atol=1e-6):
     (dict(dtype=torch.float64), r"dtype \(the optimizer state's dtype\) must be"),
     (dict(nccl_ub=True), r"nccl_ub=True needs contiguous_grad_buffer=True"),
     (dict(nccl_ub=True, contiguous_grad_buffer=True), r"nccl_ub=True .* needs CUDA parameters, an NCCL"),
+    (dict(param_sync_dtype=torch.int32), r"param_sync_dtype=torch.int32: the sync dtypes must be .*integer"),
 ], ids=["remainders-with-store_params", "remainders-fp16", "scaled-fp32", "scaled-no-store", "fp64-state",
-        "nccl_ub-no-grad-buffer", "nccl_ub-on-gloo"])
+        "nccl_ub-no-grad-buffer", "nccl_ub-on-gloo", "integer-param-sync"])
 def test_apex_option_rules_refuse_before_anything_changes(one_rank, kw, match):
     model = _model(torch.bfloat16 if "store_param_remainders" in kw else torch.float32)
     before = copy.deepcopy(model.state_dict())

@@ -50,6 +50,17 @@ def check_storage_options(dtype, store_params: bool, store_param_remainders: boo
                 f"dtype was honoured) or torch.bfloat16, got dtype={dtype}")
 
 
+def check_sync_dtypes(grad_sync_dtype, param_sync_dtype) -> None:
+    """Both sync dtypes, when given, are floating point: apex also carries
+    parameters as integer or byte dtypes (copying their most significant
+    bytes, e.g. FP8 as uint8); here they are not."""
+    for name, value in (("grad_sync_dtype", grad_sync_dtype), ("param_sync_dtype", param_sync_dtype)):
+        if value is not None and value not in STATE_DTYPES:
+            raise ValueError(f"{name}={value}: the sync dtypes must be torch.float32, torch.float16 or "
+                             f"torch.bfloat16 (apex's integer and byte parameter sync, which copies the most "
+                             f"significant bytes, is not supported)")
+
+
 def storage_spec(rule, dtype, store_params: bool, store_param_remainders: bool,
                  with_scaled_states: bool) -> _storage.StorageSpec:
     """The StorageSpec of checked options."""

@@ -51,7 +51,7 @@ from . import _amp, _apex_format, _watchdog, sharded_checkpoint
 from ._agreement import check_same_setup, validate_then_agree
 from ._first_use import FirstUseGuard
 from ._nccl_ub import RegisteredPool, check_nccl_ub
-from ._options import check_storage_options, storage_spec
+from ._options import check_storage_options, check_sync_dtypes, storage_spec
 from ._iteration import BackwardOrderProbe, Grads, Iteration, Params
 from ._peer_gather import PeerParamGather
 from ._peer_reduce import PeerGradReduce
@@ -125,6 +125,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if not (isinstance(pipeline_size, int) and pipeline_size >= 1):
                 raise ValueError(f"pipeline_size must be an int >= 1 (buckets in flight), got {pipeline_size!r}")
             check_storage_options(dtype, store_params, store_param_remainders, with_scaled_states)
+            check_sync_dtypes(grad_sync_dtype, param_sync_dtype)
             if nccl_ub and not contiguous_grad_buffer:
                 raise ValueError("nccl_ub=True needs contiguous_grad_buffer=True (as apex): the NCCL-registered "
                                  "memory is the persistent gradient buffer")
