@@ -13,9 +13,12 @@ __all__ = ["DistributedFusedAdam"]
 class DistributedFusedAdam(ShardedOptimizer):
     """ZeRO-2 Adam/AdamW with sharded state, on NCCL (GPU) or gloo (CPU).
 
-    apex's constructor: adam_w_mode=False is Adam with L2 weight decay,
-    amsgrad keeps max_exp_avg_sq; every other argument is the engine's
-    (distributed/optimizer.py). With average_grad_sync=True the result equals
+    apex's constructor, with apex's meanings (README, "apex's arguments and
+    methods"): adam_w_mode=False is Adam with L2 weight decay, amsgrad keeps
+    max_exp_avg_sq; dtype, store_params, store_param_remainders,
+    with_scaled_states and nccl_ub as distributed/_options.py and _nccl_ub.py
+    say; every other argument is the engine's (distributed/optimizer.py).
+    With average_grad_sync=True the result equals
     DDP + torch.optim.AdamW (torch.optim.Adam with adam_w_mode=False) on the
     same global batch.
 
