@@ -18,13 +18,13 @@ import torch.nn as nn
 import shardadam
 
 CONFIGS = {
-    "fp32 params, fp32 state": dict(dtype=torch.float32),
-    "fp32 params, amsgrad": dict(dtype=torch.float32, amsgrad=True),
-    "bf16 params, fp32 master": dict(dtype=torch.bfloat16),
-    "bf16 params, remainders": dict(dtype=torch.bfloat16, store_param_remainders=True),
-    "bf16 params, scaled fp16 states": dict(dtype=torch.bfloat16, with_scaled_states=True),
-    "bf16 params, store_params=False": dict(dtype=torch.bfloat16, store_params=False),
-    "fp32 params, contiguous param + grad buffers": dict(dtype=torch.float32, contiguous_param_buffer=True,
+    "fp32 params, fp32 state": dict(param_dtype=torch.float32),
+    "fp32 params, amsgrad": dict(param_dtype=torch.float32, amsgrad=True),
+    "bf16 params, fp32 master": dict(param_dtype=torch.bfloat16),
+    "bf16 params, remainders": dict(param_dtype=torch.bfloat16, store_param_remainders=True, store_params=False),
+    "bf16 params, scaled fp16 states": dict(param_dtype=torch.bfloat16, with_scaled_states=True, dtype=torch.float16),
+    "bf16 params, store_params=False": dict(param_dtype=torch.bfloat16, store_params=False),
+    "fp32 params, contiguous param + grad buffers": dict(param_dtype=torch.float32, contiguous_param_buffer=True,
                                                         contiguous_grad_buffer=True),
 }
 # Buffers that hold the model's own parameters and gradients.
@@ -57,7 +57,7 @@ def main() -> None:
     rows = []
     for name, cfg in CONFIGS.items():
         cfg = dict(cfg)
-        dtype = cfg.pop("dtype")
+        dtype = cfg.pop("param_dtype")
         torch.manual_seed(0)
         model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)]).to(dtype)
         n = sum(p.numel() for p in model.parameters())

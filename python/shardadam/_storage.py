@@ -38,11 +38,13 @@ class StorageSpec:
     store_param_remainders, exp_avg_dtype, ...) and apex's for the ZeRO engine
     (store_params=False: PARAM, store_param_remainders: REMAINDER,
     with_scaled_states: fp16 master and states). state_dtypes: (name, dtype)
-    pairs; states not named are fp32."""
+    pairs; states not named are fp32. scaled_fp16: fp16 storage carries
+    scales (False: plain fp16, apex's dtype=torch.float16 without scaled states)."""
 
     master: str = PARAM
     master_dtype: torch.dtype = torch.float32
     state_dtypes: tuple = ()
+    scaled_fp16: bool = True
 
     def state_dtype(self, name: str) -> torch.dtype:
         """The AMSGrad maximum has no scale of its own: fp32 when exp_avg_sq is
@@ -59,8 +61,8 @@ class StorageSpec:
         states = {name: torch.zeros(size, dtype=self.state_dtype(name), device=device) for name in rule.states}
         master = torch.zeros(size, dtype=self.master_dtype, device=device) if self.master == SEPARATE else None
         remainders = torch.zeros(size, dtype=torch.int16, device=device) if self.master == REMAINDER else None
-        scaled = [name for name in rule.scalable if states[name].dtype == torch.float16]
-        if master is not None and master.dtype == torch.float16:
+        scaled = [name for name in rule.scalable if states[name].dtype == torch.float16] if self.scaled_fp16 else []
+        if self.scaled_fp16 and master is not None and master.dtype == torch.float16:
             scaled.append("master")
         scales = {name: torch.ones(scale_count, dtype=torch.float32, device=device) for name in scaled}
         return Stored(states, scales, master, remainders)

@@ -13,9 +13,12 @@ __all__ = ["DistributedFusedAdam"]
 class DistributedFusedAdam(ShardedOptimizer):
     """ZeRO-2 Adam/AdamW with sharded state, on NCCL (GPU) or gloo (CPU).
 
-    apex's constructor: adam_w_mode=False is Adam with L2 weight decay,
-    amsgrad keeps max_exp_avg_sq; every other argument is the engine's
-    (distributed/optimizer.py). With average_grad_sync=True the result equals
+    apex's constructor, with apex's meanings (README, "apex's arguments and
+    methods"): adam_w_mode=False is Adam with L2 weight decay, amsgrad keeps
+    max_exp_avg_sq; dtype, store_params, store_param_remainders,
+    with_scaled_states and nccl_ub as distributed/_options.py and _nccl_ub.py
+    say; every other argument is the engine's (distributed/optimizer.py).
+    With average_grad_sync=True the result equals
     DDP + torch.optim.AdamW (torch.optim.Adam with adam_w_mode=False) on the
     same global batch.
 
@@ -36,7 +39,7 @@ class DistributedFusedAdam(ShardedOptimizer):
                  device=None, process_group=None, distributed_process_group=None, redundant_process_group=None,
                  average_grad_sync=True, overlap_grad_sync=True, overlap_param_sync=False, bucket_cap_mb=100,
                  pipeline_size=2, contiguous_param_buffer=False, contiguous_grad_buffer=False, store_params=True,
-                 store_param_remainders=False, with_scaled_states=False, capturable=False,
+                 store_param_remainders=False, with_scaled_states=False, nccl_ub=False, capturable=False,
                  grad_sync_copy_engine=None, param_sync_copy_engine=None, skip_nonfinite_grads=False,
                  copy_engine_timeout=_watchdog.DEFAULT_TIMEOUT_S):
         self.adam_w_mode = adam_w_mode
@@ -50,6 +53,6 @@ class DistributedFusedAdam(ShardedOptimizer):
             overlap_param_sync=overlap_param_sync, bucket_cap_mb=bucket_cap_mb, pipeline_size=pipeline_size,
             contiguous_param_buffer=contiguous_param_buffer, contiguous_grad_buffer=contiguous_grad_buffer,
             store_params=store_params, store_param_remainders=store_param_remainders,
-            with_scaled_states=with_scaled_states, capturable=capturable,
+            with_scaled_states=with_scaled_states, nccl_ub=nccl_ub, capturable=capturable,
             grad_sync_copy_engine=grad_sync_copy_engine, param_sync_copy_engine=param_sync_copy_engine,
             skip_nonfinite_grads=skip_nonfinite_grads, copy_engine_timeout=copy_engine_timeout)

@@ -13,8 +13,9 @@ class DistributedFusedLion(ShardedOptimizer):
     (GPU) or gloo (CPU). Every keyword option of DistributedFusedAdam's
     engine applies alike (grad_sync_dtype, param_sync_dtype, process groups,
     overlap_grad_sync / overlap_param_sync, bucket_cap_mb, pipeline_size,
-    contiguous buffers, store_params, store_param_remainders,
-    with_scaled_states (fp16 master and exp_avg), capturable, the copy
+    contiguous buffers, dtype, store_params, store_param_remainders,
+    with_scaled_states (with dtype=torch.float16: scaled fp16 master and
+    exp_avg), nccl_ub, capturable, the copy
     engines, skip_nonfinite_grads, copy_engine_timeout), as do its methods
     (grad_norm, clip_grad_norm, no_sync, both checkpoint formats). With
     average_grad_sync=True the result equals DDP + Lion on the global batch.

@@ -27,8 +27,8 @@ Optimizer state and reduced gradients are sharded across the ranks of the
 With average_grad_sync=True the result equals DDP + the rule's torch
 optimizer (torch.optim.AdamW for Adam) on the same global batch. capturable=True keeps lr and
 step in device tensors and decides skipped steps on the device, so a whole
-iteration can be captured in a CUDA graph. State other than fp32
-(dtype != torch.float32) raises NotImplementedError.
+iteration can be captured in a CUDA graph. The state is stored in `dtype`
+(fp32, fp16 or bf16) as distributed/_options.py says.
 """
 from __future__ import annotations
 
@@ -48,8 +48,11 @@ from .._dtensor import refuse_sharded_params
 from .._torch import check_tensor
 from .._tracked import DATA_PTR, ReplacedParams, moved_indices
 from .._state_dict_check import check_state_dict
-from . import _watchdog, sharded_checkpoint
+from . import _amp, _apex_format, _watchdog, sharded_checkpoint
 from ._agreement import check_same_setup, validate_then_agree
+from ._first_use import FirstUseGuard
+from ._nccl_ub import RegisteredPool, check_nccl_ub
+from ._options import check_storage_options, check_sync_dtypes, storage_spec
 from ._iteration import BackwardOrderProbe, Grads, Iteration, Params
 from ._peer_gather import PeerParamGather
 from ._peer_reduce import PeerGradReduce
@@ -89,20 +92,14 @@ _READS_CHILD_PARAMS = (torch.nn.MultiheadAttention,)
 def _wait_for_own_params(optimizer: weakref.ref, module: torch.nn.Module, args) -> None:
     """Module forward-pre hook: wait for the all-gathers of this module's parameters."""
     opt = optimizer()
-    if opt is None:
-        return
-    if opt.iteration.params is Params.DEFERRED:
-        opt.iteration.move_params(Params.GATHERING)
-        opt._param_sync.start()
-    if opt.iteration.params is Params.GATHERING:
-        opt._param_sync.wait_for(module.parameters(recurse=isinstance(module, _READS_CHILD_PARAMS)))
-        if not opt._param_sync.pending:
-            opt.iteration.move_params(Params.CURRENT)
+    if opt is not None and opt.iteration.params is not Params.CURRENT:
+        opt._make_current(list(module.parameters(recurse=isinstance(module, _READS_CHILD_PARAMS))))
 
 
 class _Hooks:
     """The optimizer's hook handles: on the parameters (post-accumulate-grad)
-    and on every module's forward.
+    and on every module's forward; and its first-use guard, whose armed
+    parameters get their classes back when the optimizer goes.
 
     [Note: hooks die with their optimizer] They are removed by a
     weakref.finalize of the optimizer, not by a __del__: a __del__ also runs
@@ -115,6 +112,7 @@ class _Hooks:
     def __init__(self):
         self.grad: list = []
         self.forward = None
+        self.first_use = None
 
     def remove_grad(self) -> None:
         for handle in self.grad:
@@ -126,6 +124,8 @@ class _Hooks:
         if self.forward is not None:
             self.forward.remove()
             self.forward = None
+        if self.first_use is not None:
+            self.first_use.disarm_all()
 
 
 def _unflatten(param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,16 +148,23 @@ class ShardedOptimizer(torch.optim.Optimizer):
                  redundant_process_group=None, average_grad_sync=True, overlap_grad_sync=True,
                  overlap_param_sync=False, bucket_cap_mb=100, pipeline_size=2, contiguous_param_buffer=False,
                  contiguous_grad_buffer=False, store_params=True, store_param_remainders=False,
-                 with_scaled_states=False, capturable=False, grad_sync_copy_engine=None, param_sync_copy_engine=None,
-                 skip_nonfinite_grads=False, copy_engine_timeout=_watchdog.DEFAULT_TIMEOUT_S):
+                 with_scaled_states=False, nccl_ub=False, capturable=False, grad_sync_copy_engine=None,
+                 param_sync_copy_engine=None, skip_nonfinite_grads=False,
+                 copy_engine_timeout=_watchdog.DEFAULT_TIMEOUT_S):
         name = type(self).__name__
         self.rule = rule
 
         def arguments() -> None:
             if not (isinstance(pipeline_size, int) and pipeline_size >= 1):
                 raise ValueError(f"pipeline_size must be an int >= 1 (buckets in flight), got {pipeline_size!r}")
-            if dtype != torch.float32:
-                raise NotImplementedError(f"{name}: only dtype=torch.float32 state is supported yet")
+            check_storage_options(dtype, store_params, store_param_remainders, with_scaled_states)
+            check_sync_dtypes(grad_sync_dtype, param_sync_dtype)
+            if nccl_ub and not contiguous_grad_buffer:
+                raise ValueError("nccl_ub=True needs contiguous_grad_buffer=True (as apex): the NCCL-registered "
+                                 "memory is the persistent gradient buffer")
+            if nccl_ub and grad_sync_copy_engine:
+                raise ValueError("nccl_ub=True registers the buffers for NCCL's reduce-scatter: leave "
+                                 "grad_sync_copy_engine None (or False)")
             if not bucket_cap_mb > 0:
                 raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
             rule.check_group(name, defaults)
@@ -197,22 +204,23 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self.dist_size * redundant_size != self.world_size:
             raise ValueError(f"distributed_process_group ({self.dist_size} ranks) x redundant_process_group "
                              f"({redundant_size} ranks) must cover process_group ({self.world_size} ranks)")
+        # Checked above (_options.py): the state's dtype and how the master is stored.
+        self.dtype = dtype
         self.store_param_remainders = store_param_remainders
         self.with_scaled_states = with_scaled_states
-        if store_param_remainders + with_scaled_states + (not store_params) > 1:
-            raise ValueError("store_param_remainders, with_scaled_states and store_params=False are three ways "
-                             "to store the master: choose one")
         # store_params=False: no master of its own; the rule updates the
         # parameter shard in param_sync_dtype (lossy below fp32, unlike remainders).
         self.store_params = store_params
+        self.nccl_ub = nccl_ub
+        self._nccl_pool = None
         self.average_grad_sync = average_grad_sync
         self.overlap_grad_sync = overlap_grad_sync
         self.overlap_param_sync = overlap_param_sync
         self.contiguous_param_buffer = contiguous_param_buffer
         self.contiguous_grad_buffer = contiguous_grad_buffer
         # None: the reduce-scatter (all-gather) on the copy engines whenever
-        # the ranks can (one host, shareable memory), else NCCL.
-        self.grad_sync_copy_engine = grad_sync_copy_engine
+        # the ranks can (one host, shareable memory), else NCCL (always with nccl_ub).
+        self.grad_sync_copy_engine = False if nccl_ub and grad_sync_copy_engine is None else grad_sync_copy_engine
         self.param_sync_copy_engine = param_sync_copy_engine
         self.pipeline_size = pipeline_size
         self.bucket_cap_mb = bucket_cap_mb
@@ -220,6 +228,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.iteration = Iteration()
         self._grad_scaler = None  # the GradScaler step() last received: grad_norm() unscales with it
         self._hooks = _Hooks()
+        # Reads of a parameter outside its module's forward wait on first use ([Note: first-use guard]).
+        self._first_use = self._hooks.first_use = FirstUseGuard(self._make_current) if overlap_param_sync else None
         weakref.finalize(self, self._hooks.remove)  # [Note: hooks die with their optimizer]
         # The layout's first guess at backward order is the parameters
         # reversed; the first backward (with overlap) shows the real one, and
@@ -250,6 +260,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self.capturable and self.device.type != "cuda":
             raise ValueError(f"capturable=True needs CUDA parameters and an NCCL process group (parameters on "
                              f"{self.device}): a CPU step cannot be captured in a CUDA graph")
+        if self.nccl_ub:
+            check_nccl_ub(self.dist_group, self.device)
         dtypes = {p.dtype for p in params}
         if any(p.device != self.device for p in params):
             raise ValueError(f"every parameter must be on {self.device}")
@@ -261,13 +273,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise ValueError("store_param_remainders=True needs bf16 parameters synchronised in bf16 "
                              f"(parameters: {sorted(map(str, dtypes))}, param_sync_dtype={self.param_sync_dtype}): "
                              "the bf16 parameter is the high half of the fp32 master")
+        self.params = params
         for option, on, dtype in (("contiguous_param_buffer", self.contiguous_param_buffer, self.param_sync_dtype),
                                   ("contiguous_grad_buffer", self.contiguous_grad_buffer, self.grad_sync_dtype)):
-            wrong = sorted({str(p.dtype) for p in params if p.dtype != dtype})
-            if on and wrong:  # parameters (gradients) become views of a buffer of that dtype
-                raise ValueError(f"{option}=True needs every trainable parameter in {dtype} (the sync dtype), "
-                                 f"found {', '.join(wrong)}: convert the model or set the sync dtype to the "
-                                 f"parameters' dtype")
+            if on:
+                self._check_buffer_dtypes(option, dtype)
         self._check_copy_engine()
         # With capturable=True the count stays on the device (no host sync), as the step counters do.
         self.skipped_steps = torch.zeros((), dtype=torch.int64, device=self.device) if self.capturable else 0
@@ -339,9 +349,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.shard_size = self.layout.shard_size(_GRAD_KEY)
         n_buckets = len(self.layout.buckets)
         dev = self.device
+        if self._nccl_pool is not None:
+            self._nccl_pool.close()
+        self._nccl_pool = RegisteredPool(self.dist_group, dev) if self.nccl_ub else None
         # Persistent: this rank's shards only. Full-size bucket buffers exist
         # only while their collective runs (at most pipeline_size at a time).
-        self.grad_shards = torch.zeros(n_buckets, self.shard_size, dtype=self.grad_sync_dtype, device=dev)
+        with self._nccl_pool.allocate() if self.nccl_ub else contextlib.nullcontext():
+            self.grad_shards = torch.zeros(n_buckets, self.shard_size, dtype=self.grad_sync_dtype, device=dev)
         own = slice(self.rank * self.shard_size, (self.rank + 1) * self.shard_size)
         self.param_buffer, self.grad_buffer, self._grad_views = None, None, None
         # The peers map this rank's memory before the parameters move in: a refusal leaves them as they were.
@@ -358,19 +372,24 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     view.copy_(p.data)
                     p.data = view
         if self.contiguous_grad_buffer:
-            self.grad_buffer, self._grad_views = self._bucket_views(self.grad_sync_dtype)
+            with self._nccl_pool.allocate() if self.nccl_ub else contextlib.nullcontext():
+                self.grad_buffer, self._grad_views = self._bucket_views(self.grad_sync_dtype)
+            if self.nccl_ub:
+                self._nccl_pool.register()
             for p, view in zip(self.params, self._grad_views):  # gradients so far move along
                 if p.grad is not None:
                     view.copy_(p.grad)
             self._attach_grad_views()
         # This rank's pieces, ordered by group so that one launch covers them all.
         shard = sorted(self.layout.shard_fragments(self.rank), key=lambda f: self.param_groups_of[f.param])
-        # with_scaled_states: the master and the rule's scalable states (Adam:
-        # exp_avg, exp_avg_sq) in fp16, each fragment with its own
-        # power-of-two scale, rescaled inside the kernel. With remainders the
+        # The master and the rule's states in dtype; with_scaled_states and
+        # fp16: each fragment with its own power-of-two scale, rescaled
+        # inside the kernel (_options.py). With remainders the
         # fp32 master is the bf16 parameter shard (its high half) plus int16
         # low halves: 2 bytes per parameter instead of 4.
-        stored = self._storage_spec().allocate(self.rule, (n_buckets, self.shard_size), len(shard), dev)
+        spec = storage_spec(self.rule, self.dtype, self.store_params, self.store_param_remainders,
+                            self.with_scaled_states)
+        stored = spec.allocate(self.rule, (n_buckets, self.shard_size), len(shard), dev)
         self.states, self.master, self.remainders = stored.states, stored.master, stored.remainders
         self.state_scales = stored.scales
         # What the all-gather sends: a slice of the contiguous parameter buffer,
@@ -378,7 +397,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # no separate copy), or a shard buffer the kernel writes (params_out).
         if self.param_buffer is not None:
             self.param_shards = self.param_buffer[:, own]
-        elif self.master is not None and self.master.dtype == self.param_sync_dtype:
+        elif self.master is not None and self.master.dtype == self.param_sync_dtype and "master" not in self.state_scales:
             self.param_shards = self.master
         else:
             self.param_shards = torch.zeros(n_buckets, self.shard_size, dtype=self.param_sync_dtype, device=dev)
@@ -423,17 +442,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._param_shapes = [p.shape for p in self.params]
         self._replaced.track(p for g in self.param_groups for p in g["params"])
 
-    def _storage_spec(self) -> _storage.StorageSpec:
-        """apex's storage options in the shared vocabulary ([Note: storage codecs])."""
-        if self.store_param_remainders:
-            return _storage.StorageSpec(_storage.REMAINDER)
-        if not self.store_params:
-            return _storage.StorageSpec(_storage.PARAM)
-        if self.with_scaled_states:
-            return _storage.StorageSpec(_storage.SEPARATE, torch.float16,
-                                        tuple((name, torch.float16) for name in self.rule.scalable))
-        return _storage.StorageSpec(_storage.SEPARATE)
-
     def _adopt_backward_order(self) -> None:
         """Rebuild the layout in the order the first backward produced gradients
         (rank 0's, so that every rank has the same layout): buckets then
@@ -451,22 +459,29 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.load_state_dict(saved)
 
     @torch.no_grad()
-    def init_params(self, params=None) -> None:
-        """(Re)start the optimizer state of `params` (default: all) from their
-        current values: fp32 master = the parameter, the rule's states = 0.
-        Runs by itself at the first step for parameters never initialised, so
-        weights loaded into the model after the optimizer was built are used.
-        Every rank must call it with the same parameters."""
-        self._finish_param_sync()  # the parameters' values are what the state starts from
+    def init_params(self, params=None, dtype=None, grad_sync_dtype=None, param_sync_dtype=None) -> None:
+        """Start the optimizer state of those of `params` (default: all) not
+        started yet, from their current values (master = the parameter, the
+        rule's states = 0); as apex, a parameter already started is left as
+        it is. Runs by itself at the first step for parameters never
+        started, so weights loaded into the model after the optimizer was
+        built are used. Every rank must call it with the same parameters.
+        dtype, grad_sync_dtype, param_sync_dtype: apex's per-call dtypes;
+        every parameter shares the optimizer's (None, or the same dtype)."""
+        self._check_same_dtypes("init_params", dtype, grad_sync_dtype, param_sync_dtype)
         index = {id(p): k for k, p in enumerate(self.params)}
         if params is None:
             chosen = set(range(len(self.params)))
         else:
-            params = list(params)
+            params = [params] if isinstance(params, torch.Tensor) else list(params)
             unknown = [i for i, p in enumerate(params) if id(p) not in index]
             if unknown:
                 raise ValueError(f"init_params: params[{unknown[0]}] is not a trainable parameter of this optimizer")
             chosen = {index[id(p)] for p in params}
+        chosen = {k for k in chosen if not self._initialized[k]}
+        if not chosen:
+            return
+        self._finish_param_sync()  # the parameters' values are what the state starts from
         for f in self._shard_fragments:
             if f.param in chosen:
                 flat = memory_flat(self.params[f.param].detach())
@@ -510,9 +525,63 @@ class ShardedOptimizer(torch.optim.Optimizer):
         separate master, None without one), as stored."""
         return self.master if name == "master" else self.states[name]
 
-    def init_params_bucket(self, params) -> None:
-        """apex's name for initialising a set of parameters: init_params(params)."""
-        self.init_params(params)
+    def init_params_bucket(self, params, dtype=None, grad_sync_dtype=None, param_sync_dtype=None) -> None:
+        """apex's call for initialising a set of parameters into buckets of
+        their own: here init_params(params) (the bucket layout follows the
+        backward order, or the parameter order without overlap_grad_sync)."""
+        self.init_params(params, dtype, grad_sync_dtype, param_sync_dtype)
+
+    def _check_same_dtypes(self, call: str, dtype, grad_sync_dtype, param_sync_dtype) -> None:
+        for name, value in (("dtype", dtype), ("grad_sync_dtype", grad_sync_dtype),
+                            ("param_sync_dtype", param_sync_dtype)):
+            if value is not None and value != getattr(self, name):
+                raise NotImplementedError(
+                    f"{call}({name}={value}): per-parameter dtypes (apex's mixed-dtype buckets) are not supported; "
+                    f"every parameter uses the optimizer's {name}={getattr(self, name)}: build a second optimizer "
+                    f"for the parameters that need another one")
+
+    def parameters(self):
+        """Every parameter of every group, in param_groups order (apex)."""
+        for group in self.param_groups:
+            yield from group["params"]
+
+    def parameter(self, *where) -> torch.Tensor:
+        """apex's lookup: parameter(group_id, param_id) is
+        param_groups[group_id]["params"][param_id]; parameter(fragment) the
+        parameter of a fragment (one with param_group_id / param_id, as
+        apex's, or a layout fragment of this optimizer)."""
+        if len(where) == 2:
+            group_id, param_id = where
+        elif len(where) == 1 and hasattr(where[0], "param_group_id"):
+            group_id, param_id = where[0].param_group_id, where[0].param_id
+        elif len(where) == 1 and isinstance(getattr(where[0], "param", None), int):
+            return self.params[where[0].param]
+        else:
+            raise TypeError("parameter() takes (group_id, param_id) or one fragment")
+        return self.param_groups[group_id]["params"][param_id]
+
+    def init_param_buffer(self) -> None:
+        """apex's late switch to contiguous_param_buffer=True: the parameters
+        become views of one buffer laid out as the buckets, so the all-gather
+        lands in them in place. The state so far is carried over. Every rank
+        must call it; best before the first step (the switch gathers the
+        state once)."""
+        if self.contiguous_param_buffer:
+            return
+        self._check_buffer_dtypes("contiguous_param_buffer", self.param_sync_dtype)
+        self._land_param_sync()
+        saved = self.state_dict() if any(self._initialized) else None
+        self.contiguous_param_buffer = True
+        self._build_layout(self.params, self.param_groups_of)
+        if saved is not None:
+            self.load_state_dict(saved)
+
+    def _check_buffer_dtypes(self, option: str, dtype: torch.dtype) -> None:
+        wrong = sorted({str(p.dtype) for p in self.params if p.dtype != dtype})
+        if wrong:  # parameters (gradients) become views of a buffer of that dtype
+            raise ValueError(f"{option}=True needs every trainable parameter in {dtype} (the sync dtype), "
+                             f"found {', '.join(wrong)}: convert the model or set the sync dtype to the "
+                             f"parameters' dtype")
 
     def _bucket_views(self, dtype: torch.dtype) -> tuple[torch.Tensor, list]:
         """A zeroed [buckets, bucket] buffer laid out like the buckets, and a
@@ -550,11 +619,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling = True
 
     @torch.no_grad()
-    def step(self, closure=None, *, grad_scaler=None):
+    def step(self, closure=None, **kwargs):
         """One step of the rule over this rank's shard, then the parameter all-gather.
 
-        With grad_scaler (``scaler.step(opt)`` passes it), the gradients are
-        still scaled: 1/scale joins the kernel's gradient scale, and a
+        With a GradScaler (``scaler.step(opt)``, or apex's
+        ``step(grad_scaler=scaler)``: [Note: GradScaler protocols] in
+        _amp.py), the gradients are still scaled unless unscale_grads() ran:
+        1/scale joins the kernel's gradient scale, and a
         non-finite gradient on any rank skips the step on every rank
         (parameters, states and step counters unchanged) and is reported to
         the scaler so that ``scaler.update()`` backs off. With capturable=True
@@ -565,16 +636,27 @@ class ShardedOptimizer(torch.optim.Optimizer):
         skip_nonfinite_grads=True: the same skip without a scaler, whenever
         the reduced gradients hold inf/NaN on some rank (counted in
         ``skipped_steps`` and logged to the "shardadam" logger)."""
+        grad_scaler = _amp.stepping_scaler(self, kwargs)
+        if grad_scaler is not None and not grad_scaler.is_enabled():
+            grad_scaler = None
         loss = run_closure(closure)
         # [Note: validate, then mutate] (_validate.py): every refusal comes first.
         _watchdog.check()  # a copy-engine collective whose peer died: this iteration is invalid
         check_step_groups(self.param_groups, self.rule)
         self._check_params_in_place()
+        inv_loss_scale = None
         if grad_scaler is not None:
-            if self.iteration.inv_scale is not None:
-                raise RuntimeError("step(grad_scaler=...) after unscale_grads(): the gradients would be unscaled "
-                                   "twice; use one of the two")
-            inv_loss_scale = self._scaler_inv_scale(grad_scaler)
+            unscaled = _amp.stage(grad_scaler, self) == "UNSCALED"
+            if unscaled and self.iteration.inv_scale is None:
+                raise RuntimeError(f"scaler.unscale_(optimizer) cannot reach {type(self).__name__}'s gradients "
+                                   "(they live in its buckets): call optimizer.unscale_grads(grad_scaler=scaler) "
+                                   "instead, or nothing (clip_grad_norm() and step() unscale by themselves)")
+            if not unscaled and self.iteration.inv_scale is not None:
+                raise RuntimeError("the GradScaler steps gradients that unscale_grads(inv_scale=...) already "
+                                   "unscaled: they would be unscaled twice; use "
+                                   "unscale_grads(grad_scaler=scaler), or one of the two")
+            if not unscaled:
+                inv_loss_scale = _amp.inv_scale(grad_scaler, self.device)
         self._land_param_sync()  # the last all-gather reads the shards this step writes
         if self.iteration.grads is not Grads.REDUCED:  # the first one rebuilds the layout: before any state exists
             self.grad_sync()
@@ -588,9 +670,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
             grad_scale *= self.iteration.inv_scale
         found_inf = None
         if grad_scaler is not None:
-            grad_scale *= inv_loss_scale
+            if inv_loss_scale is not None:
+                grad_scale *= inv_loss_scale
             self._grad_scaler = grad_scaler
-            found_inf = self._report_found_inf(grad_scaler)
+            found_inf = self._nonfinite_on_any_rank()
+            _amp.report(grad_scaler, self, found_inf, self.device)
         elif self.skip_nonfinite_grads:
             found_inf = self._nonfinite_on_any_rank()
         if self.skip_nonfinite_grads and self.capturable:
@@ -624,6 +708,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._param_sync.start()  # each module's forward waits for its own buckets
         else:
             self.param_sync()
+        if self.overlap_param_sync:  # any other read waits on first use
+            self._first_use.arm(self.params)
         self._end_iteration()
         return loss
 
@@ -667,41 +753,53 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._grad_sync.reset()
         self.iteration.end()
 
-    def _scaler_inv_scale(self, grad_scaler) -> torch.Tensor:
-        state = grad_scaler._per_optimizer_states[id(self)]
-        if state["stage"].name == "UNSCALED":
-            raise RuntimeError(f"scaler.unscale_(optimizer) cannot reach {type(self).__name__}'s gradients (they "
-                               "live in its buckets): skip it; clip_grad_norm() and step() unscale by themselves")
-        return grad_scaler._scale.to(self.device, torch.float32).reciprocal()
-
-    def _report_found_inf(self, grad_scaler) -> torch.Tensor:
-        """_nonfinite_on_any_rank(), told to the scaler the way torch's fused
-        optimizers do."""
-        found_inf = self._nonfinite_on_any_rank()
-        grad_scaler._per_optimizer_states[id(self)]["found_inf_per_device"][self.device] = found_inf
-        return found_inf
-
-    def unscale_grads(self, *, inv_scale=None, grad_scaler=None) -> None:
-        """Divide this iteration's gradients by the loss scale, inside the next
-        step (gradients are not rewritten): inv_scale (a number or a 0-d/1-element
-        tensor), or 1 / grad_scaler's current scale."""
+    def unscale_grads(self, *args, inv_scale=None, grad_scaler=None) -> dict:
+        """apex's deferred unscale: divide this iteration's gradients by the
+        loss scale inside the next step (gradients are not rewritten):
+        inv_scale (a number or a 0-d/1-element tensor; also the first
+        positional argument, GradScaler._unscale_grads_'s order), or 1 /
+        grad_scaler's current scale. Synchronises the gradients and returns
+        {device: found_inf} (1.0 where any rank's reduced gradients hold
+        inf/NaN); with grad_scaler, as scaler.unscale_(optimizer) would, the
+        scaler records it and moves to its unscaled stage, so that
+        clip_grad_norm() and then scaler.step(optimizer) / scaler.update() follow."""
+        if args:
+            if inv_scale is not None:
+                raise TypeError("unscale_grads: inv_scale given both by position and by keyword")
+            inv_scale = args[0]
         if (inv_scale is None) == (grad_scaler is None):
             raise ValueError("unscale_grads needs exactly one of inv_scale or grad_scaler")
+        if self.iteration.inv_scale is not None:
+            raise RuntimeError("unscale_grads() was already called in this iteration (after the last step() or "
+                               "zero_grad()): the gradients would be unscaled twice")
         if grad_scaler is not None:
-            inv_scale = self._scaler_inv_scale(grad_scaler)
-        self.iteration.inv_scale = torch.as_tensor(inv_scale, dtype=torch.float32, device=self.device).reshape(())
+            stage = _amp.stage(grad_scaler, self)
+            if stage != "READY":
+                raise RuntimeError(f"unscale_grads(grad_scaler=...): the scaler is {stage} for this optimizer "
+                                   "(unscale_ or step already ran since the last update())")
+            inv_scale = _amp.inv_scale(grad_scaler, self.device)
+        inv_scale = torch.as_tensor(inv_scale, dtype=torch.float32, device=self.device).reshape(())
+        if self.iteration.grads is not Grads.REDUCED:
+            self.grad_sync()
+        found_inf = self._nonfinite_on_any_rank()
+        self.iteration.inv_scale = inv_scale
+        if grad_scaler is not None:
+            self._grad_scaler = grad_scaler
+            _amp.report(grad_scaler, self, found_inf, self.device, unscaled=True)
+        return {self.device: found_inf}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears gradients; with contiguous_grad_buffer the buffer is zeroed
         and parameters keep their views of it whatever set_to_none says."""
         _watchdog.check()
         self._grad_sync.reset()  # a reduce-scatter may still read the buffers
-        if self.contiguous_grad_buffer:
-            self._check_params_in_place()  # the gradient views fit the parameters they were made for
-            self.grad_buffer.zero_()
-            self._attach_grad_views()
-        else:
-            super().zero_grad(set_to_none=set_to_none)
+        with torch._C.DisableTorchFunctionSubclass():  # gradients only: armed parameters stay armed
+            if self.contiguous_grad_buffer:
+                self._check_params_in_place()  # the gradient views fit the parameters they were made for
+                self.grad_buffer.zero_()
+                self._attach_grad_views()
+            else:
+                super().zero_grad(set_to_none=set_to_none)
         self._end_iteration()
 
     @contextlib.contextmanager
@@ -731,6 +829,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._grad_scaler = grad_scaler
 
     def _unscaled(self, norm: torch.Tensor) -> torch.Tensor:
+        if self.iteration.inv_scale is not None:  # unscale_grads() ran
+            return norm * self.iteration.inv_scale
         # A scaler that has not scaled a loss yet has no scale: the gradients are not scaled.
         if self._grad_scaler is None or self._grad_scaler._scale is None:
             return norm
@@ -821,9 +921,26 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _land_param_sync(self) -> None:
         """Wait for the all-gathers in flight (none: nothing to do)."""
-        self._param_sync.finish()
+        with torch._C.DisableTorchFunctionSubclass():  # the copies out write armed parameters
+            self._param_sync.finish()
         if self.iteration.params is Params.GATHERING:
             self.iteration.move_params(Params.CURRENT)
+        if self._first_use is not None:
+            self._first_use.disarm_all()
+
+    def _make_current(self, params: list) -> None:
+        """Wait for the all-gathers of these parameters (a module's forward,
+        or their first use: [Note: first-use guard]); started here when a
+        capturable step left them to the next forward."""
+        if self.iteration.params is Params.DEFERRED:
+            self.iteration.move_params(Params.GATHERING)
+            self._param_sync.start()
+        if self.iteration.params is Params.GATHERING:
+            with torch._C.DisableTorchFunctionSubclass():
+                self._param_sync.wait_for(params)
+            if not self._param_sync.pending:
+                self._land_param_sync()
+        self._first_use.disarm(params)
 
     # ------------------------------------------------------------ checkpoints
 
@@ -837,7 +954,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._land_param_sync()
         sharded_checkpoint.load_sharded_state_dict(self, sharded)
 
-    def state_dict(self, gather_on_root: bool = False) -> dict | None:
+    def state_dict(self, *, state_dict_format: int | None = None, gather_on_root: bool | None = None) -> dict | None:
         """Portable state: per parameter (index in param_groups order) the fp32
         ``param`` master and the rule's states (Adam: ``exp_avg`` and
         ``exp_avg_sq``) as full tensors, plus the
@@ -848,7 +965,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
         parameter's tensor); every rank gets the whole dict, or with
         gather_on_root=True only rank 0 of process_group receives the shards
         (a gather, not an all-gather) and builds it in host memory, and the
-        others get None. Every rank must call it."""
+        others get None. Every rank must call it.
+
+        state_dict_format=2: apex's format 2 (_apex_format.py: the same
+        tensors, plus ``"format": 2`` and apex's ``state["step"]``), which
+        apex's DistributedFusedAdam loads. Format 1 (apex's pickled buckets)
+        is not written."""
+        if state_dict_format not in (None, _apex_format.FORMAT):
+            raise ValueError(f"state_dict_format must be None (shardadam's portable dict) or 2 (apex's format 2, "
+                             f"the same tensors), got {state_dict_format!r}: apex's format 1 pickles its internal "
+                             f"buckets and is not written")
+        portable = self._portable_state_dict(bool(gather_on_root))
+        return _apex_format.to_apex(portable) if portable is not None and state_dict_format else portable
+
+    def _portable_state_dict(self, gather_on_root: bool) -> dict | None:
         if not all(self._initialized):  # the state a first step would start from
             self.init_params([p for p, done in zip(self.params, self._initialized) if not done])
         root = self._src  # rank 0 of process_group, as a global rank
@@ -892,8 +1022,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
         """Loads a state_dict() saved on any world size and bucket size (each
-        rank takes its own pieces, no communication), or a fused optimizer's
-        or the rule's torch optimizer's state dict (fp32 master ``param`` /
+        rank takes its own pieces, no communication), apex's format 2, or a
+        fused optimizer's or the rule's torch optimizer's state dict (fp32 master ``param`` /
         ``master_param`` optional: without it the master is the parameter's
         current value). Checks everything before writing; the caller's dict is
         not modified. Every rank checks the whole dict (structure, counts,
@@ -903,7 +1033,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._land_param_sync()
         checked = validate_then_agree(
             f"{type(self).__name__}.load_state_dict",
-            lambda: check_state_dict(state_dict, self.param_groups, self.rule), self.group, self.device)
+            lambda: check_state_dict(_apex_format.from_any(state_dict), self.param_groups, self.rule), self.group,
+            self.device)
         for values, group in zip(checked.group_values, self.param_groups):
             set_group_values(group, values)
         # without a master in the checkpoint, the master is the parameter's current value
@@ -936,7 +1067,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         def group_name(g, absent: str = "default") -> str:
             return absent if g is None else f"(size {dist.get_world_size(g)}, id {id(g)})"
 
-        options = dict(self.rule.options(), dtype=torch.float32,
+        options = dict(self.rule.options(), dtype=self.dtype,
                        grad_sync_dtype=self.grad_sync_dtype, param_sync_dtype=self.param_sync_dtype,
                        device=self.device, average_grad_sync=self.average_grad_sync,
                        overlap_grad_sync=self.overlap_grad_sync, overlap_param_sync=self.overlap_param_sync,
@@ -944,7 +1075,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                        contiguous_param_buffer=self.contiguous_param_buffer,
                        contiguous_grad_buffer=self.contiguous_grad_buffer, store_params=self.store_params,
                        store_param_remainders=self.store_param_remainders,
-                       with_scaled_states=self.with_scaled_states, capturable=self.capturable,
+                       with_scaled_states=self.with_scaled_states, nccl_ub=self.nccl_ub, capturable=self.capturable,
                        grad_sync_copy_engine=self.grad_sync_copy_engine,
                        param_sync_copy_engine=self.param_sync_copy_engine)
         lines = [f"{type(self).__name__} (world_size={self.world_size}, shard_rank={self.rank}, "

@@ -1,0 +1,143 @@
+#!/usr/bin/env python
+"""Host cost of overlap_param_sync's guarantee ([Note: first-use guard]) on bench_distributed's GPT.
+
+One run, the same model and optimizer options, four variants:
+
+- no_overlap:      overlap_param_sync=False (step() all-gathers before returning)
+- hooks_only:      overlap_param_sync=True with the first-use guard switched off
+                   in this benchmark (each module's forward waits for its own
+                   parameters; other reads could see stale values)
+- hooks_and_guard: overlap_param_sync=True as shipped
+- guard_only:      overlap_param_sync=True with the forward-pre hook removed in
+                   this benchmark: every parameter waits through the guard on
+                   its first use (the worst case: a model whose parameters are
+                   all used outside their module's forward)
+
+For each: the median host milliseconds of step(), zero_grad() and the
+forward (the Python call returning, from an idle device: synchronised before
+zero_grad), and rank 0's last loss (the variants train alike). First, the
+guard's own costs per parameter (microseconds, the best of 30 rounds over
+300 CPU parameters): arming and disarming, a metadata read (.grad) of an
+armed parameter, a first use (an op that waits, here for nothing, and
+disarms) against the same op on a plain parameter.
+
+    torchrun --nproc_per_node 2 benchmarks/bench_first_use.py               # GPT-1.4B, 2 GPUs
+    python -m torch.distributed.run --nproc_per_node 1 benchmarks/bench_first_use.py --tiny   # CPU smoke
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import shardadam
+from shardadam.distributed._first_use import FirstUseGuard
+from bench_distributed import FULL, add_size_args, build_model, describe, fill_defaults, init_distributed, make_batch, \
+    run_meta
+
+VARIANTS = ("no_overlap", "hooks_only", "hooks_and_guard", "guard_only")
+WARMUP = 3
+
+
+def build(variant: str, args, dev: torch.device):
+    model = build_model(args, dev)
+    opt = shardadam.DistributedFusedAdam(model.parameters(), lr=1e-4, weight_decay=0.1,
+                                         bucket_cap_mb=args.bucket_cap_mb,
+                                         overlap_param_sync=variant != "no_overlap")
+    if variant == "hooks_only":
+        opt._first_use.arm = lambda params: None
+    if variant == "guard_only":
+        opt._forward_hook.remove()
+    return model, opt
+
+
+def run(variant: str, args, dev: torch.device, cuda: bool) -> dict:
+    model, opt = build(variant, args, dev)
+    inputs, targets = make_batch(args, args.batch, dev)
+    autocast = torch.autocast("cuda", torch.bfloat16) if cuda else contextlib.nullcontext()
+    times = {"step": [], "zero_grad": [], "forward": []}
+    loss = None
+    for i in range(WARMUP + args.iters):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        t1 = time.perf_counter()
+        with autocast:
+            logits = model(inputs)
+        t2 = time.perf_counter()
+        with autocast:
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        loss.backward()
+        t3 = time.perf_counter()
+        opt.step()
+        t4 = time.perf_counter()
+        if i >= WARMUP:
+            times["zero_grad"].append(t1 - t0)
+            times["forward"].append(t2 - t1)
+            times["step"].append(t4 - t3)
+    opt.param_sync()
+    result = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    result["loss_last"] = loss.item()
+    del model, opt
+    return result
+
+
+def per_parameter_costs(count: int = 300, rounds: int = 30) -> dict:
+    """The guard's costs in microseconds per parameter, best of `rounds`."""
+    params = [torch.nn.Parameter(torch.zeros(4)) for _ in range(count)]
+    guard = FirstUseGuard(_NoWait().land)
+    best = dict.fromkeys(("arm", "disarm", ".grad armed", "first use", "same op, plain"), float("inf"))
+
+    def timed(name, fn):
+        t0 = time.perf_counter()
+        fn()
+        best[name] = min(best[name], (time.perf_counter() - t0) / count * 1e6)
+
+    for _ in range(rounds):
+        timed("arm", lambda: guard.arm(params))
+        timed(".grad armed", lambda: [p.grad for p in params])
+        timed("first use", lambda: [p.mul(1.0) for p in params])
+        timed("same op, plain", lambda: [p.mul(1.0) for p in params])
+        guard.arm(params)
+        timed("disarm", guard.disarm_all)
+    return best
+
+
+class _NoWait:
+    def land(self, params) -> None:
+        pass
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_size_args(ap)
+    ap.add_argument("--batch", type=int, default=4, help="batch size per rank")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--iters", type=int, default=10, help=f"timed iterations after {WARMUP} warm-up ones")
+    ap.add_argument("--bucket-cap-mb", type=float, help="bucket size in MiB (default 100; --tiny 0.1)")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
+    args = ap.parse_args()
+    fill_defaults(args, FULL, ("d_model", "layers", "heads", "vocab", "seq", "bucket_cap_mb"))
+    dev, cuda = init_distributed()
+    n_params = sum(p.numel() for p in build_model(args, torch.device("meta")).parameters())
+    if dist.get_rank() == 0:
+        print(describe(run_meta(args, dev, cuda, n_params), args), flush=True)
+        costs = per_parameter_costs()
+        print("guard, us per parameter: " + ", ".join(f"{k} {v:.2f}" for k, v in costs.items()), flush=True)
+        print(f"{'variant':<16} {'step ms':>9} {'zero_grad ms':>13} {'forward ms':>11} {'last loss':>10}")
+    for variant in args.variants.split(","):
+        r = run(variant, args, dev, cuda)
+        if dist.get_rank() == 0:
+            print(f"{variant:<16} {r['step']:9.3f} {r['zero_grad']:13.3f} {r['forward']:11.3f} {r['loss_last']:10.4f}",
+                  flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""apex's storage options of the ZeRO engine: their checks, and the
+StorageSpec ([Note: storage codecs] in _storage.py) they stand for.
+
+- dtype: the optimizer state's dtype (the master, when stored, and the
+  rule's states): fp32, fp16 or bf16, stored plain, as apex stores them;
+- store_params: keep a master of the parameter shard in `dtype`; False:
+  the step reads and updates the parameter shard itself (param_sync_dtype);
+- store_param_remainders (with store_params=False, dtype fp32, bf16
+  parameters): the fp32 master is the bf16 parameter plus an int16 low half;
+- with_scaled_states (with store_params=True, dtype fp16 or bf16): fp16
+  master and states carry a power-of-two scale per shard fragment. bf16 has
+  fp32's exponent range, so a power-of-two scale changes none of its
+  roundings: bf16 states are stored plain, to the same values.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import _storage
+
+STATE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_storage_options(dtype, store_params: bool, store_param_remainders: bool,
+                          with_scaled_states: bool) -> None:
+    """apex's rules for combining the storage options (ValueError naming the fix)."""
+    if dtype not in STATE_DTYPES:
+        raise ValueError(f"dtype (the optimizer state's dtype) must be torch.float32, torch.float16 or "
+                         f"torch.bfloat16, got {dtype!r}")
+    if store_param_remainders:
+        if store_params:
+            raise ValueError(
+                "store_param_remainders=True needs store_params=False, as in apex: the bf16 parameters and "
+                "their int16 remainders are the master, so no master is stored. (shardadam used to ask for the "
+                "reverse, store_params=True with store_param_remainders=True; it now follows apex: pass "
+                "store_params=False)")
+        if with_scaled_states:
+            raise ValueError("store_param_remainders=True and with_scaled_states=True are two ways to store the "
+                             "master: choose one")
+        if dtype != torch.float32:
+            raise ValueError(f"store_param_remainders=True needs dtype=torch.float32 (the remainders complete bf16 "
+                             f"parameters to fp32 masters), got dtype={dtype}")
+    if with_scaled_states:
+        if not store_params:
+            raise ValueError("with_scaled_states=True needs store_params=True: it scales the stored master")
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(
+                f"with_scaled_states=True stores the master and the states in `dtype`, which must be "
+                f"torch.float16 (with per-fragment scales: what shardadam stored whatever dtype said, before "
+                f"dtype was honoured) or torch.bfloat16, got dtype={dtype}")
+
+
+def check_sync_dtypes(grad_sync_dtype, param_sync_dtype) -> None:
+    """Both sync dtypes, when given, are floating point: apex also carries
+    parameters as integer or byte dtypes (copying their most significant
+    bytes, e.g. FP8 as uint8); here they are not."""
+    for name, value in (("grad_sync_dtype", grad_sync_dtype), ("param_sync_dtype", param_sync_dtype)):
+        if value is not None and value not in STATE_DTYPES:
+            raise ValueError(f"{name}={value}: the sync dtypes must be torch.float32, torch.float16 or "
+                             f"torch.bfloat16 (apex's integer and byte parameter sync, which copies the most "
+                             f"significant bytes, is not supported)")
+
+
+def storage_spec(rule, dtype, store_params: bool, store_param_remainders: bool,
+                 with_scaled_states: bool) -> _storage.StorageSpec:
+    """The StorageSpec of checked options."""
+    if store_param_remainders:
+        return _storage.StorageSpec(_storage.REMAINDER)
+    states = tuple((name, dtype) for name in rule.states if dtype != torch.float32)
+    master = _storage.SEPARATE if store_params else _storage.PARAM
+    return _storage.StorageSpec(master, dtype, states, scaled_fp16=with_scaled_states)
