@@ -21,13 +21,19 @@ optimizer it is Trainer:
 - checkpoints: every rank takes part in gathering the optimizer state (a
   collective) and in bringing the parameters up to date before the model is
   saved; ``optimizer.pt`` holds the portable state dict, which
-  DistributedFusedAdam loads on any number of ranks.
+  DistributedFusedAdam loads on any number of ranks. On resume every rank
+  reads it into host memory and keeps its own shard (Trainer would load the
+  whole state onto every GPU; some transformers versions also cannot load it
+  for processes on an indexed CPU device).
 """
 from __future__ import annotations
 
 import contextlib
+import os
 
+import torch
 import transformers
+from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 
 from ..distributed.optimizer import ShardedOptimizer
 
@@ -99,6 +105,16 @@ class DistributedFusedAdamTrainerMixin:
             super()._save_optimizer_and_scheduler(output_dir)  # writes on rank 0 (args.should_save)
         finally:
             self.optimizer = optimizer
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        opt = self._sharded_optimizer()
+        saved = None if checkpoint is None else os.path.join(checkpoint, OPTIMIZER_NAME)
+        if opt is None or saved is None or not os.path.isfile(saved):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        opt.load_state_dict(torch.load(saved, map_location="cpu", weights_only=True))
+        schedule = os.path.join(checkpoint, SCHEDULER_NAME)
+        if os.path.isfile(schedule):
+            self.lr_scheduler.load_state_dict(torch.load(schedule, map_location="cpu", weights_only=True))
 
 
 class DistributedFusedAdamTrainer(DistributedFusedAdamTrainerMixin, transformers.Trainer):
