@@ -52,7 +52,7 @@ def build(variant: str, args, dev: torch.device):
     if variant == "hooks_only":
         opt._first_use.arm = lambda params: None
     if variant == "guard_only":
-        opt._forward_hook.remove()
+        opt._hooks.forward.remove()
     return model, opt
 
 

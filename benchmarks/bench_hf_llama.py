@@ -70,7 +70,8 @@ def setup(run: str, model, rank: int, device: torch.device, bucket_cap_mb: float
     if run == "shardadam":
         opt = shardadam.DistributedFusedAdam(model.parameters(), **OPTIM, bucket_cap_mb=bucket_cap_mb,
                                              overlap_grad_sync=True, overlap_param_sync=True,
-                                             contiguous_param_buffer=True)
+                                             contiguous_param_buffer=True,
+                                             store_params=False)  # fp32 parameters are their own masters
         return model, opt, opt.clip_grad_norm
     fused = dict(fused=True)
     if run == "ddp":
