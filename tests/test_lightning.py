@@ -4,6 +4,7 @@ DistributedFusedAdam with DistributedFusedAdamStrategy (no DDP wrapper)
 against DDPStrategy, with gradient accumulation and clipping."""
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -79,16 +80,22 @@ def _numpy_state(sd: dict) -> dict:
     return {(i, k): v.cpu().numpy().copy() for i, entry in sd["state"].items() for k, v in entry.items()}
 
 
-def _strategy_worker(rank: int, world: int, port: int, device: str, tmp: str, out) -> None:
-    """DDPStrategy + AdamW, then DistributedFusedAdamStrategy +
-    DistributedFusedAdam, in the same 2 ranks (launched here: Lightning
-    sees LOCAL_RANK and the initialised group and launches nothing); gloo, or
-    NCCL with one GPU per rank."""
+@contextlib.contextmanager
+def _launched(rank: int, world: int, port: int, device: str, out):
+    """A rank launched here: Lightning sees LOCAL_RANK and the initialised
+    group and launches nothing; gloo, or NCCL with one GPU per rank."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if device == "cuda":
         torch.cuda.set_device(rank)
     with _rank_group(rank, world, port, out, "nccl" if device == "cuda" else "gloo"):
+        yield
+
+
+def _strategy_worker(rank: int, world: int, port: int, device: str, tmp: str, out) -> None:
+    """DDPStrategy + AdamW, then DistributedFusedAdamStrategy +
+    DistributedFusedAdam, in the same ranks."""
+    with _launched(rank, world, port, device, out):
         from lightning.pytorch.strategies import DDPStrategy
         from shardadam.integrations.lightning import DistributedFusedAdamStrategy
         ddp = TinyRegression(_adamw)
@@ -189,3 +196,28 @@ def test_clipping_by_value_is_refused():
     for r in _spawn_all(_value_clip_worker, 2):
         assert r["message"] is not None and "gradient_clip_algorithm='norm'" in r["message"], r["message"]
         assert r["untouched"], "a step ran before the refusal"
+
+
+def _fp16_worker(rank: int, world: int, port: int, device: str, tmp: str, out) -> None:
+    """16-mixed (a GradScaler): DDPStrategy + AdamW, then the strategy with DistributedFusedAdam."""
+    with _launched(rank, world, port, device, out):
+        from lightning.pytorch.strategies import DDPStrategy
+        from shardadam.integrations.lightning import DistributedFusedAdamStrategy
+        ddp, mine = TinyRegression(_adamw), TinyRegression(make_distributed)
+        ddp_trainer = _fit(ddp, DDPStrategy(), world, device=device, precision="16-mixed")
+        trainer = _fit(mine, DistributedFusedAdamStrategy(), world, device=device, precision="16-mixed")
+        trainer.optimizers[0].param_sync()
+        scales = [float(t.precision_plugin.scaler.get_scale()) for t in (ddp_trainer, trainer)]
+        out.put((rank, dict(ddp=_params(ddp), distributed=_params(mine), scales=scales)))
+    _exit()
+
+
+@pytest.mark.cuda
+def test_distributed_fused_adam_strategy_under_grad_scaler_equals_ddp_adamw(tmp_path):
+    """Lightning's 16-mixed plugin steps through torch.amp.GradScaler: the
+    optimizer unscales, clips and reports inf/NaN itself; the result equals
+    DDP + AdamW under the same scaler, and both scalers end at one scale."""
+    result = _spawn_all(_fp16_worker, 1, "cuda", str(tmp_path))[0]
+    assert result["scales"][0] == result["scales"][1], f"loss scales differ: {result['scales']}"
+    for name, want in result["ddp"].items():
+        np.testing.assert_allclose(result["distributed"][name], want, rtol=1e-5, atol=1e-6, err_msg=name)
