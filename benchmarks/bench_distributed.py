@@ -59,6 +59,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 import shardadam
+from shardadam.distributed import BucketRows
 
 IMPLS = ("ddp_fused", "fsdp2", "zero1", "shardadam", "shardadam_contiguous_grads", "shardadam_nccl_grads",
          "shardadam_nccl")
@@ -263,6 +264,7 @@ def optimizer_bytes(opt) -> int:
     # a slice of it), grad_buffer the model's gradients: not optimizer memory.
     model_owned = ("param_buffer", "param_shards", "grad_buffer")
     tensors += [v for k, v in vars(opt).items() if torch.is_tensor(v) and k not in model_owned]
+    tensors += [t for k, v in vars(opt).items() if isinstance(v, BucketRows) and k not in model_owned for t in v.tensors]
     # The ZeRO engine keeps the rule's states and fp16 scales by name.
     for held in (getattr(opt, "states", None), getattr(opt, "state_scales", None)):
         tensors += list((held or {}).values())

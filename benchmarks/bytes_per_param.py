@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import shardadam
+from shardadam.distributed import BucketRows
 
 CONFIGS = {
     "fp32 params, fp32 state": dict(param_dtype=torch.float32),
@@ -35,13 +36,15 @@ def owned_bytes(opt) -> tuple[int, int]:
     """(optimizer-only bytes, bytes of buffers holding the model's params/grads)."""
     seen, own, model = set(), 0, 0
     tensors = [(k, v) for k, v in vars(opt).items() if torch.is_tensor(v)]
+    tensors += [(k, t) for k, v in vars(opt).items() if isinstance(v, BucketRows) for t in v.tensors]
     tensors += [(f"state:{k}", v) for k, v in getattr(opt, "states", {}).items()]
     tensors += [(f"scale:{k}", v) for k, v in getattr(opt, "state_scales", {}).items()]
-    for name, t in tensors:
-        if t.data_ptr() in seen or not t.numel():
+    for name, t in tensors:  # each storage once: the parameter shards are views of the buffer or the master
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen or not t.numel():
             continue
-        seen.add(t.data_ptr())
-        size = t.numel() * t.element_size()
+        seen.add(storage.data_ptr())
+        size = storage.nbytes()
         if name == "param_shards" and opt.param_buffer is None:
             own += size  # a shard buffer of its own (unless it is the master, counted once already)
         elif name in MODEL_OWNED:

@@ -118,8 +118,9 @@ def test_parameters_and_parameter_lookup(one_rank):
 
 
 def test_init_params_starts_only_parameters_not_started(one_rank):
-    """apex: init_params leaves started parameters as they are; its per-call
-    dtypes other than the optimizer's are refused before anything changes."""
+    """apex: init_params leaves started parameters as they are, their sync
+    dtypes included; a per-call state dtype other than the optimizer's is
+    refused before anything changes."""
     model = _model()
     opt = _dfa(model, overlap_grad_sync=False)
     _train(model, opt, 2)
@@ -133,8 +134,12 @@ def test_init_params_starts_only_parameters_not_started(one_rank):
     for k, entry in before["state"].items():
         for name, value in entry.items():
             assert torch.equal(after["state"][k][name], value), (k, name)
-    with pytest.raises(NotImplementedError, match=r"init_params\(grad_sync_dtype=torch.bfloat16\).*mixed-dtype"):
-        opt.init_params([model[0].weight], grad_sync_dtype=torch.bfloat16)
+    layout = opt.layout
+    opt.init_params([model[0].weight], grad_sync_dtype=torch.bfloat16)
+    assert opt.layout is layout and {row.dtype for row in opt.grad_shards.rows} == {torch.float32}
+    with pytest.raises(NotImplementedError, match=r"init_params\(dtype=torch.float16\): the optimizer state has one"):
+        opt.init_params([model[0].weight], dtype=torch.float16, grad_sync_dtype=torch.bfloat16)
+    assert torch.equal(opt.state_dict()["state"][0]["param"], after["state"][0]["param"])
 
 
 def test_init_param_buffer_makes_parameters_views_and_keeps_training(one_rank):
@@ -147,9 +152,10 @@ def test_init_param_buffer_makes_parameters_views_and_keeps_training(one_rank):
     _train(model, opt, 2)
     _train(want, reference, 2)
     opt.init_param_buffer()
-    assert opt.contiguous_param_buffer and opt.param_buffer is not None
-    start = opt.param_buffer.data_ptr()
-    end = start + opt.param_buffer.numel() * opt.param_buffer.element_size()
+    buffer = opt.param_buffer.single
+    assert opt.contiguous_param_buffer and buffer is not None
+    start = buffer.data_ptr()
+    end = start + buffer.numel() * buffer.element_size()
     assert all(start <= p.data_ptr() < end for p in model.parameters())
     _close(model, want)
     _train(model, opt, 2, start=2)
@@ -279,7 +285,8 @@ def _nccl_ub_worker(rank: int, world: int, port: int, out) -> None:
         opt = shardadam.DistributedFusedAdam(_groups(model, frozen), lr=1e-2, weight_decay=0.1, bucket_cap_mb=1e-4,
                                              contiguous_grad_buffer=True, nccl_ub=True)
         segments = [(s["address"], s["address"] + s["total_size"]) for s in opt._nccl_pool.pool.snapshot()]
-        inside = [any(a <= t.data_ptr() < b for a, b in segments) for t in (opt.grad_buffer, opt.grad_shards)]
+        held = (opt.grad_buffer.single, opt.grad_shards.single)
+        inside = [any(a <= t.data_ptr() < b for a, b in segments) for t in held]
         _run(model, opt, rank, world, range(STEPS))
         opt.param_sync()
         if rank == 0:

@@ -171,11 +171,11 @@ def test_store_params_false_pieces_are_copies(one_rank):
     bucket), so dcp.load filling them changes nothing until
     load_sharded_state_dict checks and writes them."""
     _, opt = _optimizer(store_params=False)
-    before = opt.param_shards.clone()
+    before = opt.param_shards.single.clone()
     sharded = opt.sharded_state_dict()
     for _, piece in sharded_checkpoint.local_pieces(sharded["state"]["param"]):
         piece.fill_(123.0)
-    assert_bits_equal(opt.param_shards, before, "param_shards")
+    assert_bits_equal(opt.param_shards.single, before, "param_shards")
 
 
 # ---------------------------------------------------------------- checkpoint files

@@ -263,8 +263,9 @@ def _dist_setup(fmt: str):
 
 def dist_snapshot(opt, model) -> dict:
     """Bit-exact copies of everything a load could write in a DistributedFusedAdam."""
-    names = ("master", "remainders", "param_shards", "grad_shards")
-    buffers = {n: getattr(opt, n).clone() for n in names if getattr(opt, n) is not None}
+    buffers = {n: getattr(opt, n).clone() for n in ("master", "remainders") if getattr(opt, n) is not None}
+    buffers.update({f"{n} {i}": t.clone() for n in ("param_shards", "grad_shards")
+                    for i, t in enumerate(getattr(opt, n).tensors)})
     buffers.update({n: t.clone() for n, t in opt.states.items()})
     return dict(buffers=buffers,
                 scales={n: t.clone() for n, t in opt.state_scales.items()},

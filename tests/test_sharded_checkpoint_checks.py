@@ -40,8 +40,8 @@ def _train(model, opt, steps: int = 3) -> None:
 
 
 def _buffers(opt) -> dict:
-    names = ("master", "remainders", "param_shards")
-    out = {n: getattr(opt, n).clone() for n in names if getattr(opt, n) is not None}
+    out = {n: getattr(opt, n).clone() for n in ("master", "remainders") if getattr(opt, n) is not None}
+    out.update({f"param_shards {i}": t.clone() for i, t in enumerate(opt.param_shards.tensors)})
     out.update({n: t.clone() for n, t in opt.states.items()})
     return out
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from shardadam.distributed._grad_buckets import GradBufferRows, PackedGradBuckets
+from shardadam.distributed._rows import BucketRows
 from shardadam.distributed._sync import GradSync, ParamSync
 from shardadam.distributed._transport import (
     AllGather, BucketReduceScatter, CollectiveAllGather, CollectiveReduceScatter, CopyEngineAllGather,
@@ -75,7 +76,7 @@ class RecordingReduceScatter(BucketReduceScatter):
 
 
 def _grad_sync(params: list, layout: BucketLayout, pipeline_size: int = 2, rank: int = 0, buffer=None, views=None):
-    shards = torch.zeros(len(layout.buckets), layout.shard_size(0))
+    shards = BucketRows.of(torch.zeros(len(layout.buckets), layout.shard_size(0)))
     buckets = (GradBufferRows(params, layout, shards, buffer, views) if buffer is not None
                else PackedGradBuckets(params, layout, shards))
     transport = RecordingReduceScatter(buckets, layout.world_size, rank)
@@ -135,7 +136,7 @@ def test_gradients_that_never_arrive_are_reduced_as_zeros_at_finish():
     assert transport.calls == [(b, 0) for b in range(4)]
     assert transport.absent == [(0, [1]), (1, [1]), (2, [4]), (3, [4])]
     arrived = [g if k in (0, 2, 3, 5) else None for k, g in enumerate(grads)]
-    assert torch.equal(sync.shards, _reduced(layout, arrived))
+    assert torch.equal(sync.shards.single, _reduced(layout, arrived))
     assert transport.in_flight == 0
 
 
@@ -154,7 +155,7 @@ def test_a_second_gradient_starts_round_1_after_flushing_round_0_and_adds_to_it(
     sync.finish()
     assert transport.calls == [(b, 0) for b in range(4)] + [(b, 1) for b in range(4)]
     round_0 = _reduced(layout, [first[0], first[1], None, None, None, None])
-    assert torch.equal(sync.shards, round_0 + _reduced(layout, second))
+    assert torch.equal(sync.shards.single, round_0 + _reduced(layout, second))
     sync.reset()
     assert sync.round == 0 and transport.in_flight == 0
 
@@ -204,7 +205,7 @@ def test_the_contiguous_buffer_reduces_its_rows_and_copies_in_gradients_that_are
             sync.pack(k, grads[k])
     sync.finish()
     assert transport.calls == [(b, 0) for b in range(4)]
-    assert torch.equal(sync.shards, _reduced(layout, grads))
+    assert torch.equal(sync.shards.single, _reduced(layout, grads))
 
 
 class RecordingAllGather(AllGather):
@@ -226,7 +227,7 @@ class RecordingAllGather(AllGather):
 
 
 def _param_sync(params: list, layout: BucketLayout, temporary_buckets: bool = False):
-    shards = torch.zeros(len(layout.buckets), layout.shard_size(0))
+    shards = BucketRows.of(torch.zeros(len(layout.buckets), layout.shard_size(0)))
     transport = RecordingAllGather(temporary_buckets)
     return ParamSync(params, layout, shards, None, None, transport=transport), transport
 
@@ -273,8 +274,8 @@ class _ParamPeer:
 
 def test_the_reduce_scatter_is_chosen_from_the_peer_and_the_buffer():
     layout, params = _layout(world=2), _params()
-    shards = torch.zeros(len(layout.buckets), layout.shard_size(0))
-    buffer = torch.zeros(len(layout.buckets), layout.bucket_size(0))
+    shards = BucketRows.of(torch.zeros(len(layout.buckets), layout.shard_size(0)))
+    buffer = BucketRows.of(torch.zeros(len(layout.buckets), layout.bucket_size(0)))
     views = [torch.zeros_like(p) for p in params]
     group = object()  # never used to choose
 
@@ -299,8 +300,8 @@ def test_the_reduce_scatter_is_chosen_from_the_peer_and_the_buffer():
 
 def test_the_all_gather_is_chosen_from_the_peer_and_the_buffer():
     layout, params = _layout(world=2), _params()
-    buffer = torch.zeros(len(layout.buckets), layout.bucket_size(0))
-    shards = buffer[:, :layout.shard_size(0)]
+    buffer = BucketRows.of(torch.zeros(len(layout.buckets), layout.bucket_size(0)))
+    shards = buffer.columns(slice(0, layout.shard_size(0)))
     group = object()
 
     temporary = choose_all_gather(params, layout, shards, None, group)

@@ -5,5 +5,7 @@ from .adam import DistributedFusedAdam
 from .layout import Bucket, BucketLayout, Fragment, ShardFragment
 from .lion import DistributedFusedLion
 from .optimizer import ShardedOptimizer
+from ._rows import BucketRows
 
-__all__ = ["Bucket", "BucketLayout", "DistributedFusedAdam", "DistributedFusedLion", "Fragment", "ShardFragment", "ShardedOptimizer"]
+__all__ = ["Bucket", "BucketLayout", "BucketRows", "DistributedFusedAdam", "DistributedFusedLion", "Fragment",
+           "ShardFragment", "ShardedOptimizer"]

@@ -8,7 +8,8 @@ the first difference and the ranks, raised on every rank alike).
   hyperparameters, and the same layout-shaping options. One all-reduce of a
   hash; only when the hashes differ, an all_gather_object of the descriptions
   finds the first difference. Without it a mismatch aborts gloo inside the
-  broadcast, or trains on silently (shards of other shapes).
+  broadcast, or trains on silently (shards of other shapes). check_same is
+  that check for any description: a call every rank must make alike.
 - agree: a load validates locally, then every rank learns every rank's verdict
   (one all_gather_object of None or an error message); if any rank refused,
   every rank raises the same ValueError, and none writes anything.
@@ -23,7 +24,7 @@ import torch.distributed as dist
 
 from .._torch import memory_order
 
-__all__ = ["agree", "check_same_setup", "describe_setup", "first_difference"]
+__all__ = ["agree", "check_same", "check_same_setup", "describe_setup", "first_difference"]
 
 # The options that shape the layout or the collectives each rank issues (in
 # __init__'s order); the sync dtypes are _build's arguments, resolved below.
@@ -100,9 +101,6 @@ def _plain(v):
 def describe_setup(opt, grad_sync_dtype, param_sync_dtype) -> list[tuple[str, object]]:
     """(what, value) pairs that every rank must have equal, in the order a
     difference is reported: options, groups, each parameter, sync dtypes."""
-    trainable = {p.dtype for g in opt.param_groups for p in g["params"] if p.requires_grad}
-    # _build's resolution: an explicit dtype, else the parameters' one (None: several, refused there)
-    param_sync = param_sync_dtype or (next(iter(trainable)) if len(trainable) == 1 else None)
     items = [("the update rule", opt.rule.name)]
     items += [(f"option {name}", repr(value)) for name, value in opt.rule.options().items()]
     items += [(f"option {name}", repr(getattr(opt, name, None))) for name in _OPTIONS]
@@ -117,10 +115,8 @@ def describe_setup(opt, grad_sync_dtype, param_sync_dtype) -> list[tuple[str, ob
                       (f"{where}: requires_grad", bool(p.requires_grad)),
                       (f"{where}: memory order (dims outermost first)", memory_order(p)),
                       (f"{where}: device type", p.device.type)]
-    # Last: they follow from the parameters' dtypes where not given, so a
-    # parameter's dtype is the difference reported, not its consequence.
-    items += [("option param_sync_dtype", repr(param_sync)),
-              ("option grad_sync_dtype", repr(grad_sync_dtype or param_sync))]
+    # Last: with each parameter's dtype they give its sync class ([Note: sync classes] in _rows.py).
+    items += [("option param_sync_dtype", repr(param_sync_dtype)), ("option grad_sync_dtype", repr(grad_sync_dtype))]
     return items
 
 
@@ -153,25 +149,30 @@ def first_difference(descriptions: list[list]) -> tuple[str, int] | None:
 
 
 def check_same_setup(opt, grad_sync_dtype=None, param_sync_dtype=None, device=None) -> None:
-    """Every rank of opt.group has the same parameters, groups and options:
-    one all-reduce of a fingerprint; if they differ, an all_gather_object of
-    the descriptions and the same ValueError on every rank, naming the first
-    difference and the ranks. Call before the first collective of the
-    constructor (rank 0's parameter broadcast)."""
-    items = describe_setup(opt, grad_sync_dtype, param_sync_dtype)
+    """Every rank of opt.group has the same parameters, groups and options
+    (check_same): call before the first collective of the constructor (rank
+    0's parameter broadcast)."""
     params = [p for g in opt.param_groups for p in g["params"]]
     dev = torch.device(device) if device is not None else (params[0].device if params else torch.device("cpu"))
+    check_same(f"{type(opt).__name__}: the {{ranks}} ranks of process_group were not given the same parameters "
+               "and options: {difference}. Every rank must build the same model and optimizer (same parameters in "
+               "the same groups, same options); rank 0's parameter values are then broadcast to the others",
+               describe_setup(opt, grad_sync_dtype, param_sync_dtype), opt.group, dev)
+
+
+def check_same(message: str, items: list, group, device) -> None:
+    """Every rank of group holds the same description `items`: one
+    all-reduce of a fingerprint; if they differ, an all_gather_object of the
+    descriptions and the same ValueError on every rank: `message` with
+    {ranks} and {difference} (the first one, naming the ranks) filled in."""
     h = fingerprint(items)
-    both = torch.tensor([h, -h], dtype=torch.int64, device=dev)  # max(h) == -max(-h) == min(h): all equal
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=opt.group)
+    both = torch.tensor([h, -h], dtype=torch.int64, device=device)  # max(h) == -max(-h) == min(h): all equal
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
     high, low = both.tolist()
     if high == -low:
         return
-    descriptions = _gather_objects(items, opt.group, dev)
+    descriptions = _gather_objects(items, group, device)
     diff = first_difference(descriptions)
     what, count = diff if diff is not None else ("the ranks' descriptions differ in a way not itemised", 1)
     more = f" (and {count - 1} more difference{'s' if count > 2 else ''})" if count > 1 else ""
-    raise ValueError(f"DistributedFusedAdam: the {len(descriptions)} ranks of process_group were not given the same "
-                     f"parameters and options: {what}{more}. Every rank must build the same model and optimizer "
-                     f"(same parameters in the same groups, same options); rank 0's parameter values are then "
-                     f"broadcast to the others")
+    raise ValueError(message.format(ranks=len(descriptions), difference=what + more))

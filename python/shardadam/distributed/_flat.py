@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import kernels
 from .._torch import check_tensor
+from ._options import PARAM_DTYPES
 
 
 def memory_flat(t: torch.Tensor) -> torch.Tensor:
@@ -40,7 +40,7 @@ class FlatGrads:
         # size, and the copies read as many bytes as the layout says.
         if grad.dtype is dtype and grad.stride() == stride and grad.numel() == numel and grad.device == self.device:
             return grad.view(-1) if contiguous else memory_flat(grad)
-        check_tensor("a parameter's gradient", grad, self.device, kernels.FLOATS)
+        check_tensor("a parameter's gradient", grad, self.device, PARAM_DTYPES)
         if grad.numel() != self.params[k].numel():
             raise ValueError(f"the gradient of a parameter of shape {tuple(self.params[k].shape)} has "
                              f"{grad.numel()} elements (shape {tuple(grad.shape)}): was it set with "

@@ -15,7 +15,8 @@ class _GradBuckets:
 
     rounds = True
 
-    def __init__(self, params: list, layout, shards: torch.Tensor):
+    def __init__(self, params: list, layout, shards):
+        """shards: BucketRows (_rows.py), in the buckets' gradient dtypes."""
         self.flat = FlatGrads(params, shards.device)
         frags_of_param = [[] for _ in params]
         for f in layout.fragments:
@@ -45,13 +46,13 @@ class _GradBuckets:
 
 
 class PackedGradBuckets(_GradBuckets):
-    """Temporary buckets of the shards' dtype, each allocated when its first
+    """Temporary buckets, each in its shard's dtype, allocated when its first
     gradient arrives and let go once taken."""
 
-    def __init__(self, params: list, layout, shards: torch.Tensor):
+    def __init__(self, params: list, layout, shards):
         super().__init__(params, layout, shards)
-        self.bucket_size = layout.bucket_size(0)
-        self.dtype, self.device = shards.dtype, shards.device
+        self.bucket_size = layout.bucket_size(0)  # every key's ([Note: sync classes] in _rows.py)
+        self.dtypes, self.device = [row.dtype for row in shards.rows], shards.device
         # What no fragment covers, zeroed per bucket.
         self.gaps = [gaps([(f.bucket_start, f.bucket_end) for f in frags], self.bucket_size, shards.device)
                      for frags in layout.fragments_by_bucket]
@@ -73,7 +74,7 @@ class PackedGradBuckets(_GradBuckets):
             # Fragments are overwritten by their gradients: only the alignment
             # padding between them and the tail need zeros (writing the whole
             # bucket would add a bucket's worth of memory traffic to backward).
-            buffer = torch.empty(self.bucket_size, dtype=self.dtype, device=self.device)
+            buffer = torch.empty(self.bucket_size, dtype=self.dtypes[b], device=self.device)
             between, tail = self.gaps[b]
             if between is not None:
                 buffer.index_fill_(0, between, 0)
@@ -95,7 +96,7 @@ class GradBufferRows(_GradBuckets):
 
     rounds = False
 
-    def __init__(self, params: list, layout, shards: torch.Tensor, buffer: torch.Tensor, views: list):
+    def __init__(self, params: list, layout, shards, buffer, views: list):
         super().__init__(params, layout, shards)
         self.buffer = buffer
         self.views = views

@@ -50,6 +50,19 @@ def check_storage_options(dtype, store_params: bool, store_param_remainders: boo
                 f"dtype was honoured) or torch.bfloat16, got dtype={dtype}")
 
 
+# What a DistributedFusedAdam's parameters may be: the dtypes its kernels
+# compute with, and float64, carried in float32 as apex carries it.
+PARAM_DTYPES = STATE_DTYPES + (torch.float64,)
+
+
+def sync_class(param_dtype: torch.dtype, grad_sync_dtype=None, param_sync_dtype=None) -> tuple:
+    """A parameter's (grad_sync_dtype, param_sync_dtype) ([Note: sync
+    classes] in _rows.py): those given, else its own dtype (float32 for a
+    float64 parameter), the gradient's following the parameter's."""
+    param_sync = param_sync_dtype or (param_dtype if param_dtype in STATE_DTYPES else torch.float32)
+    return grad_sync_dtype or param_sync, param_sync
+
+
 def check_sync_dtypes(grad_sync_dtype, param_sync_dtype) -> None:
     """Both sync dtypes, when given, are floating point: apex also carries
     parameters as integer or byte dtypes (copying their most significant

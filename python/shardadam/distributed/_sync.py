@@ -48,11 +48,11 @@ class _Pipeline:
 
 
 class GradSync:
-    """One iteration's gradient synchronisation into ``shards`` ([buckets,
-    shard]): reduce-scatter over ``group``, then, with a redundant group,
+    """One iteration's gradient synchronisation into ``shards`` (BucketRows:
+    _rows.py): reduce-scatter over ``group``, then, with a redundant group,
     all-reduce of the shards over it."""
 
-    def __init__(self, params: list, layout, shards: torch.Tensor, group, pipeline_size: int, redundant_group=None,
+    def __init__(self, params: list, layout, shards, group, pipeline_size: int, redundant_group=None,
                  buffer: torch.Tensor | None = None, views: list | None = None, peer=None, *,
                  transport: ReduceScatter | None = None):
         """buffer, views and peer choose the transport (choose_reduce_scatter
@@ -109,7 +109,8 @@ class GradSync:
         self._flush_round()
         self.pipeline.drain()
         if self.redundant_group is not None:  # replicas of a shard add their sums
-            dist.all_reduce(self.shards, group=self.redundant_group)
+            for t in self.shards.tensors:
+                dist.all_reduce(t, group=self.redundant_group)
 
     def close(self) -> None:
         """Before the buffers go (a layout rebuild): wait for what is in flight, let go of the peers."""
@@ -142,9 +143,9 @@ class ParamSync:
     parameters (a module's forward-pre hook), finish() for all of them.
     """
 
-    def __init__(self, params: list, layout, shards: torch.Tensor, buffer: torch.Tensor | None, group, peer=None, *,
+    def __init__(self, params: list, layout, shards, buffer, group, peer=None, *,
                  transport: AllGather | None = None):
-        """shards [buckets, shard]: this rank's new values. buffer and peer
+        """shards, buffer: BucketRows (_rows.py); shards: this rank's new values. buffer and peer
         choose the transport (choose_all_gather in _transport.py); transport:
         one to use instead."""
         self.transport = transport or choose_all_gather(params, layout, shards, buffer, group, peer)

@@ -155,7 +155,8 @@ class CopyEngineReduceScatterFromGradients(ReduceScatter):
 
     name = "copy-engine reduce-scatter from gradients"
 
-    def __init__(self, params: list, layout, shards: torch.Tensor, peer):
+    def __init__(self, params: list, layout, rows, peer):
+        shards = rows.single  # the copy engines take one sync class: one tensor
         self.params = params
         self.peer = peer
         self.flat = FlatGrads(params, shards.device)
@@ -221,7 +222,7 @@ class CollectiveAllGather(AllGather):
     bucket b's parameters, and the shards are a slice of it), else through a
     temporary full bucket copied into the parameters once it has landed."""
 
-    def __init__(self, params: list, layout, shards: torch.Tensor, buffer: torch.Tensor | None, group):
+    def __init__(self, params: list, layout, shards, buffer, group):
         self.params = params
         self.shards = shards
         self.buffer = buffer
@@ -235,9 +236,10 @@ class CollectiveAllGather(AllGather):
         return f"{_backend(self.group)} all-gather"
 
     def gather(self, b: int) -> InFlight:
+        shard = self.shards[b]
         full = self.buffer[b] if self.buffer is not None else torch.empty(
-            self.bucket_size, dtype=self.shards.dtype, device=self.shards.device)
-        work = _all_gather(full, self.shards[b], group=self.group, async_op=True)
+            self.bucket_size, dtype=shard.dtype, device=shard.device)
+        work = _all_gather(full, shard, group=self.group, async_op=True)
         return InFlight(work, full, functools.partial(self._copy_out, b, full) if self.temporary_buckets else None)
 
     def _copy_out(self, b: int, full: torch.Tensor) -> None:
@@ -265,9 +267,9 @@ class CopyEngineAllGather(AllGather):
         self.peer.close()
 
 
-def choose_reduce_scatter(params: list, layout, shards: torch.Tensor, group, peer=None,
-                          buffer: torch.Tensor | None = None, views: list | None = None) -> ReduceScatter:
-    """The gradient reduce-scatter into shards [buckets, shard].
+def choose_reduce_scatter(params: list, layout, shards, group, peer=None, buffer=None,
+                          views: list | None = None) -> ReduceScatter:
+    """The gradient reduce-scatter into shards (BucketRows: _rows.py, as buffer).
 
     peer: a connected PeerGradReduce (the copy engines), or None for group's
     collective. buffer [buckets, bucket] and views (each parameter's gradient
@@ -282,9 +284,8 @@ def choose_reduce_scatter(params: list, layout, shards: torch.Tensor, group, pee
     return CollectiveReduceScatter(buckets, group) if peer is None else CopyEngineReduceScatter(buckets, peer)
 
 
-def choose_all_gather(params: list, layout, shards: torch.Tensor, buffer: torch.Tensor | None, group,
-                      peer=None) -> AllGather:
-    """The parameter all-gather from shards [buckets, shard]. peer: a
+def choose_all_gather(params: list, layout, shards, buffer, group, peer=None) -> AllGather:
+    """The parameter all-gather from shards (BucketRows: _rows.py). peer: a
     PeerParamGather over the contiguous parameter buffer (the copy engines),
     or None for group's collective (into buffer, or through temporary
     buckets when buffer is None)."""

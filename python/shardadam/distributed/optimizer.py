@@ -49,22 +49,22 @@ from .._torch import check_tensor
 from .._tracked import DATA_PTR, ReplacedParams, moved_indices
 from .._state_dict_check import check_state_dict
 from . import _amp, _apex_format, _watchdog, sharded_checkpoint
+from ._apex_methods import ApexMethods
 from ._agreement import check_same_setup, validate_then_agree
 from ._first_use import FirstUseGuard
 from ._nccl_ub import RegisteredPool, check_nccl_ub
-from ._options import check_storage_options, check_sync_dtypes, storage_spec
+from ._options import PARAM_DTYPES, check_storage_options, check_sync_dtypes, storage_spec, sync_class
 from ._iteration import BackwardOrderProbe, Grads, Iteration, Params
 from ._peer_gather import PeerParamGather
 from ._peer_reduce import PeerGradReduce
 from ._flat import flat_like, memory_flat
+from ._rows import BucketRows
 from ._sync import GradSync, ParamSync
 from .layout import BucketLayout
 
 __all__ = ["ShardedOptimizer"]
 
 _log = logging.getLogger("shardadam")
-
-_GRAD_KEY = 0  # every gradient is synchronised in grad_sync_dtype: one bucket key
 
 # torch 2.13 renamed the flat-tensor collectives; older releases have only the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -136,7 +136,7 @@ def _unflatten(param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return t, memory_flat(t)
 
 
-class ShardedOptimizer(torch.optim.Optimizer):
+class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
     """ZeRO-2 with sharded state, on NCCL (GPU) or gloo (CPU), for the update
     rule its subclass (a constructor) passes; DistributedFusedAdam's
     docstring (adam.py) says what every rank passes and how gradients are
@@ -250,7 +250,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         params, groups = [], []
         for gi, g in enumerate(self.param_groups):
             for i, p in enumerate(g["params"]):
-                check_tensor(f"param_groups[{gi}]['params'][{i}]", p, p.device, kernels.FLOATS)
+                check_tensor(f"param_groups[{gi}]['params'][{i}]", p, p.device, PARAM_DTYPES)
                 if p.requires_grad:
                     params.append(p)
                     groups.append(gi)
@@ -262,22 +262,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
                              f"{self.device}): a CPU step cannot be captured in a CUDA graph")
         if self.nccl_ub:
             check_nccl_ub(self.dist_group, self.device)
-        dtypes = {p.dtype for p in params}
         if any(p.device != self.device for p in params):
             raise ValueError(f"every parameter must be on {self.device}")
-        if param_sync_dtype is None and len(dtypes) > 1:
-            raise ValueError("parameters of several dtypes need an explicit param_sync_dtype")
-        self.param_sync_dtype = param_sync_dtype or next(iter(dtypes))
-        self.grad_sync_dtype = grad_sync_dtype or self.param_sync_dtype
-        if self.store_param_remainders and (dtypes != {torch.bfloat16} or self.param_sync_dtype != torch.bfloat16):
-            raise ValueError("store_param_remainders=True needs bf16 parameters synchronised in bf16 "
-                             f"(parameters: {sorted(map(str, dtypes))}, param_sync_dtype={self.param_sync_dtype}): "
-                             "the bf16 parameter is the high half of the fp32 master")
         self.params = params
-        for option, on, dtype in (("contiguous_param_buffer", self.contiguous_param_buffer, self.param_sync_dtype),
-                                  ("contiguous_grad_buffer", self.contiguous_grad_buffer, self.grad_sync_dtype)):
-            if on:
-                self._check_buffer_dtypes(option, dtype)
+        # Each parameter's (grad_sync_dtype, param_sync_dtype): [Note: sync classes] (_rows.py).
+        self._sync_class = {id(p): sync_class(p.dtype, grad_sync_dtype, param_sync_dtype) for p in params}
+        self._check_sync_classes(self._sync_class)
+        # The constructor's sync dtypes, as apex keeps them: None where the parameters' own dtypes differ.
+        classes = set(self._sync_class.values())
+        only = next(iter(classes)) if len(classes) == 1 else (None, None)
+        self.grad_sync_dtype, self.param_sync_dtype = grad_sync_dtype or only[0], param_sync_dtype or only[1]
         self._check_copy_engine()
         # With capturable=True the count stays on the device (no host sync), as the step counters do.
         self.skipped_steps = torch.zeros((), dtype=torch.int64, device=self.device) if self.capturable else 0
@@ -293,17 +287,33 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 dist.broadcast(p.data, src=self._src, group=self.group)
         return params, groups
 
-    def _copy_engine_missing(self, option: str) -> list[str]:
+    def _check_sync_classes(self, classes: dict) -> None:
+        """What the storage options ask of the parameters' sync classes
+        (classes: id(parameter) -> (grad_sync_dtype, param_sync_dtype))."""
+        if self.store_param_remainders:
+            wrong = sorted({f"{p.dtype} parameters synchronised in {classes[id(p)][1]}" for p in self.params
+                            if (p.dtype, classes[id(p)][1]) != (torch.bfloat16, torch.bfloat16)})
+            if wrong:
+                raise ValueError(f"store_param_remainders=True needs bf16 parameters synchronised in bf16 (found "
+                                 f"{', '.join(wrong)}): the bf16 parameter is the high half of the fp32 master")
+        for option, side in (("contiguous_param_buffer", 1), ("contiguous_grad_buffer", 0)):
+            if getattr(self, option):
+                self._check_buffer_dtypes(option, classes, side)
+
+    def _copy_engine_missing(self, option: str, classes: dict | None = None) -> list[str]:
         """What the options lack for the copy engines in one direction
-        (grad_sync_copy_engine or param_sync_copy_engine; empty: nothing)."""
+        (grad_sync_copy_engine or param_sync_copy_engine; empty: nothing),
+        with these sync classes (default: the parameters')."""
         return [why for why, bad in (
+            ("one grad_sync_dtype and one param_sync_dtype for every parameter (a single bucket key)",
+             len(set((classes or self._sync_class).values())) > 1),
             ("CUDA parameters", self.device.type != "cuda"),
             ("an NCCL distributed_process_group", "nccl" not in str(dist.get_backend(self.dist_group))),
             ("contiguous_param_buffer=True (peers write into that buffer)",
              option == "param_sync_copy_engine" and not self.contiguous_param_buffer),
             ("capturable=False (captured collectives stay on NCCL)", self.capturable)) if bad]
 
-    def _check_copy_engine(self) -> None:
+    def _check_copy_engine(self, classes: dict | None = None) -> None:
         """grad_sync_copy_engine / param_sync_copy_engine=True ask for what
         only some setups allow: say which part is missing."""
         for option in ("grad_sync_copy_engine", "param_sync_copy_engine"):
@@ -311,7 +321,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if value not in (None, True, False):
                 raise ValueError(f"{option} must be None (where possible), True (required) or False (NCCL), "
                                  f"got {value!r}")
-            missing = self._copy_engine_missing(option) if value else []
+            missing = self._copy_engine_missing(option, classes) if value else []
             if missing:
                 raise ValueError(f"{option}=True needs " + ", ".join(missing) +
                                  "; leave it None to use the copy engines only where they apply")
@@ -343,10 +353,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.param_shards = self.param_buffer = self.grad_buffer = None
         self.params = params
         self.param_groups_of = groups_of
-        elem = torch.empty((), dtype=self.grad_sync_dtype).element_size()
-        self.layout = BucketLayout([p.numel() for p in self.params], [_GRAD_KEY] * len(self.params),
-                                   self.dist_size, self.bucket_cap_mb, {_GRAD_KEY: elem})
-        self.shard_size = self.layout.shard_size(_GRAD_KEY)
+        # One bucket key per sync class, all of one bucket size ([Note: sync classes] in _rows.py).
+        classes = [self._sync_class[id(p)] for p in params]
+        key_of = {c: key for key, c in enumerate(dict.fromkeys(classes))}
+        grad_dtypes = {key: c[0] for c, key in key_of.items()}
+        param_dtypes = {key: c[1] for c, key in key_of.items()}
+        elem = max(torch.empty((), dtype=d).element_size() for d in grad_dtypes.values())
+        self.layout = BucketLayout([p.numel() for p in self.params], [key_of[c] for c in classes],
+                                   self.dist_size, self.bucket_cap_mb, dict.fromkeys(grad_dtypes, elem))
+        self.shard_size, self.bucket_size = self.layout.shard_size(0), self.layout.bucket_size(0)
         n_buckets = len(self.layout.buckets)
         dev = self.device
         if self._nccl_pool is not None:
@@ -355,17 +370,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # Persistent: this rank's shards only. Full-size bucket buffers exist
         # only while their collective runs (at most pipeline_size at a time).
         with self._nccl_pool.allocate() if self.nccl_ub else contextlib.nullcontext():
-            self.grad_shards = torch.zeros(n_buckets, self.shard_size, dtype=self.grad_sync_dtype, device=dev)
+            self.grad_shards = BucketRows.allocate(self.layout.buckets, self.shard_size, grad_dtypes, dev)
         own = slice(self.rank * self.shard_size, (self.rank + 1) * self.shard_size)
         self.param_buffer, self.grad_buffer, self._grad_views = None, None, None
         # The peers map this rank's memory before the parameters move in: a refusal leaves them as they were.
         reduce = self._copy_engine_connect("grad_sync_copy_engine", lambda: PeerGradReduce.connect(
-            self.shard_size, self.grad_sync_dtype, dev, self.dist_group, timeout=self.copy_engine_timeout))
+            self.shard_size, grad_dtypes[0], dev, self.dist_group, timeout=self.copy_engine_timeout))
         gather = None
         if self.contiguous_param_buffer:
-            self.param_buffer, views = self._bucket_views(self.param_sync_dtype)
-            gather = self._copy_engine_connect(
-                "param_sync_copy_engine", lambda: PeerParamGather.connect(self.param_buffer, self.dist_group,
+            self.param_buffer, views = self._bucket_views(param_dtypes)
+            gather = self._copy_engine_connect(  # one sync class: the buffer is one tensor
+                "param_sync_copy_engine", lambda: PeerParamGather.connect(self.param_buffer.single, self.dist_group,
                                                                      timeout=self.copy_engine_timeout))
             with torch.no_grad():
                 for p, view in zip(self.params, views):
@@ -373,7 +388,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     p.data = view
         if self.contiguous_grad_buffer:
             with self._nccl_pool.allocate() if self.nccl_ub else contextlib.nullcontext():
-                self.grad_buffer, self._grad_views = self._bucket_views(self.grad_sync_dtype)
+                self.grad_buffer, self._grad_views = self._bucket_views(grad_dtypes)
             if self.nccl_ub:
                 self._nccl_pool.register()
             for p, view in zip(self.params, self._grad_views):  # gradients so far move along
@@ -393,14 +408,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.states, self.master, self.remainders = stored.states, stored.master, stored.remainders
         self.state_scales = stored.scales
         # What the all-gather sends: a slice of the contiguous parameter buffer,
-        # the master itself when it already is in param_sync_dtype (fp32 model:
-        # no separate copy), or a shard buffer the kernel writes (params_out).
+        # the master itself when every bucket's param_sync_dtype is the
+        # master's (fp32 model: no separate copy), or shards the kernel writes
+        # (params_out) besides the master.
         if self.param_buffer is not None:
-            self.param_shards = self.param_buffer[:, own]
-        elif self.master is not None and self.master.dtype == self.param_sync_dtype and "master" not in self.state_scales:
-            self.param_shards = self.master
+            self.param_shards = self.param_buffer.columns(own)
+        elif (self.master is not None and set(param_dtypes.values()) == {self.master.dtype}
+              and "master" not in self.state_scales):
+            self.param_shards = BucketRows.of(self.master)
         else:
-            self.param_shards = torch.zeros(n_buckets, self.shard_size, dtype=self.param_sync_dtype, device=dev)
+            self.param_shards = BucketRows.allocate(self.layout.buckets, self.shard_size, param_dtypes, dev)
+        self.separate_param_shards = self.master is not None and self.param_shards.single is not self.master
         self._state_names = ("master",) + self.rule.states
         self._shard_fragments = shard
         self._shard_fragments_by_bucket = [[] for _ in self.layout.buckets]
@@ -421,7 +439,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.plan = self.rule.plan(
             [updated[b, s:e] for b, s, e in pieces], [self.grad_shards[b, s:e] for b, s, e in pieces],
             {name: [t[b, s:e] for b, s, e in pieces] for name, t in self.states.items()},
-            params_out=None if updated is self.param_shards else [self.param_shards[b, s:e] for b, s, e in pieces],
+            params_out=[self.param_shards[b, s:e] for b, s, e in pieces] if self.separate_param_shards else None,
             param_remainders=[self.remainders[b, s:e] for b, s, e in pieces] if rem else None,
             scales=self.state_scales, group_sizes=sizes, device=dev)
         self._norm_plan, self._subset_norm_plans = None, {}
@@ -453,43 +471,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
         order = agreed.tolist()
         if order == list(range(len(self.params))):
             return
-        saved = self.state_dict() if any(self._initialized) else None
-        self._build_layout([self.params[k] for k in order], [self.param_groups_of[k] for k in order])
-        if saved is not None:
-            self.load_state_dict(saved)
+        self._rebuild_layout([self.params[k] for k in order], [self.param_groups_of[k] for k in order])
 
-    @torch.no_grad()
-    def init_params(self, params=None, dtype=None, grad_sync_dtype=None, param_sync_dtype=None) -> None:
-        """Start the optimizer state of those of `params` (default: all) not
-        started yet, from their current values (master = the parameter, the
-        rule's states = 0); as apex, a parameter already started is left as
-        it is. Runs by itself at the first step for parameters never
-        started, so weights loaded into the model after the optimizer was
-        built are used. Every rank must call it with the same parameters.
-        dtype, grad_sync_dtype, param_sync_dtype: apex's per-call dtypes;
-        every parameter shares the optimizer's (None, or the same dtype)."""
-        self._check_same_dtypes("init_params", dtype, grad_sync_dtype, param_sync_dtype)
-        index = {id(p): k for k, p in enumerate(self.params)}
-        if params is None:
-            chosen = set(range(len(self.params)))
-        else:
-            params = [params] if isinstance(params, torch.Tensor) else list(params)
-            unknown = [i for i, p in enumerate(params) if id(p) not in index]
-            if unknown:
-                raise ValueError(f"init_params: params[{unknown[0]}] is not a trainable parameter of this optimizer")
-            chosen = {index[id(p)] for p in params}
-        chosen = {k for k in chosen if not self._initialized[k]}
-        if not chosen:
+    def _rebuild_layout(self, params: list, groups_of: list) -> None:
+        """_build_layout anew, carrying the state of the parameters already
+        started through a portable state dict (the pieces move); the others
+        still start from their values at their first step."""
+        started = {id(p) for p, done in zip(self.params, self._initialized) if done}
+        saved = self.state_dict() if started else None
+        self._build_layout(params, groups_of)
+        if saved is None:
             return
-        self._finish_param_sync()  # the parameters' values are what the state starts from
-        for f in self._shard_fragments:
-            if f.param in chosen:
-                flat = memory_flat(self.params[f.param].detach())
-                self._write_state("master", f, flat[f.param_start:f.param_end].float())
-                for state in self.states.values():
-                    state[f.bucket, f.shard_start:f.shard_end].zero_()
-        for k in chosen:
-            self._initialized[k] = True
+        order = [id(p) for g in self.param_groups for p in g["params"]]  # the state dict's keys
+        saved["state"] = {k: entry for k, entry in saved["state"].items() if order[k] in started}
+        self.load_state_dict(saved)
 
     def _state_row(self, name: str, b: int) -> torch.Tensor:
         """Bucket b of this rank's shard of a state, as true fp32 values (a new
@@ -525,75 +520,34 @@ class ShardedOptimizer(torch.optim.Optimizer):
         separate master, None without one), as stored."""
         return self.master if name == "master" else self.states[name]
 
-    def init_params_bucket(self, params, dtype=None, grad_sync_dtype=None, param_sync_dtype=None) -> None:
-        """apex's call for initialising a set of parameters into buckets of
-        their own: here init_params(params) (the bucket layout follows the
-        backward order, or the parameter order without overlap_grad_sync)."""
-        self.init_params(params, dtype, grad_sync_dtype, param_sync_dtype)
+    def _check_buffer_dtypes(self, option: str, classes: dict, side: int) -> None:
+        """Parameters (side 1) or gradients (side 0) become views of a buffer
+        in their sync dtype: it must be the parameter's own."""
+        names = ("grad_sync_dtype", "param_sync_dtype")
+        wrong = sorted({f"{p.dtype} with {names[side]}={classes[id(p)][side]}" for p in self.params
+                        if p.dtype != classes[id(p)][side]})
+        if wrong:
+            raise ValueError(f"{option}=True needs every trainable parameter in its {names[side]} (the buffer "
+                             f"holds it in that dtype), found {', '.join(wrong)}: convert the model or set the sync "
+                             f"dtype to the parameters' dtype")
 
-    def _check_same_dtypes(self, call: str, dtype, grad_sync_dtype, param_sync_dtype) -> None:
-        for name, value in (("dtype", dtype), ("grad_sync_dtype", grad_sync_dtype),
-                            ("param_sync_dtype", param_sync_dtype)):
-            if value is not None and value != getattr(self, name):
-                raise NotImplementedError(
-                    f"{call}({name}={value}): per-parameter dtypes (apex's mixed-dtype buckets) are not supported; "
-                    f"every parameter uses the optimizer's {name}={getattr(self, name)}: build a second optimizer "
-                    f"for the parameters that need another one")
-
-    def parameters(self):
-        """Every parameter of every group, in param_groups order (apex)."""
-        for group in self.param_groups:
-            yield from group["params"]
-
-    def parameter(self, *where) -> torch.Tensor:
-        """apex's lookup: parameter(group_id, param_id) is
-        param_groups[group_id]["params"][param_id]; parameter(fragment) the
-        parameter of a fragment (one with param_group_id / param_id, as
-        apex's, or a layout fragment of this optimizer)."""
-        if len(where) == 2:
-            group_id, param_id = where
-        elif len(where) == 1 and hasattr(where[0], "param_group_id"):
-            group_id, param_id = where[0].param_group_id, where[0].param_id
-        elif len(where) == 1 and isinstance(getattr(where[0], "param", None), int):
-            return self.params[where[0].param]
-        else:
-            raise TypeError("parameter() takes (group_id, param_id) or one fragment")
-        return self.param_groups[group_id]["params"][param_id]
-
-    def init_param_buffer(self) -> None:
-        """apex's late switch to contiguous_param_buffer=True: the parameters
-        become views of one buffer laid out as the buckets, so the all-gather
-        lands in them in place. The state so far is carried over. Every rank
-        must call it; best before the first step (the switch gathers the
-        state once)."""
-        if self.contiguous_param_buffer:
-            return
-        self._check_buffer_dtypes("contiguous_param_buffer", self.param_sync_dtype)
-        self._land_param_sync()
-        saved = self.state_dict() if any(self._initialized) else None
-        self.contiguous_param_buffer = True
-        self._build_layout(self.params, self.param_groups_of)
-        if saved is not None:
-            self.load_state_dict(saved)
-
-    def _check_buffer_dtypes(self, option: str, dtype: torch.dtype) -> None:
-        wrong = sorted({str(p.dtype) for p in self.params if p.dtype != dtype})
-        if wrong:  # parameters (gradients) become views of a buffer of that dtype
-            raise ValueError(f"{option}=True needs every trainable parameter in {dtype} (the sync dtype), "
-                             f"found {', '.join(wrong)}: convert the model or set the sync dtype to the "
-                             f"parameters' dtype")
-
-    def _bucket_views(self, dtype: torch.dtype) -> tuple[torch.Tensor, list]:
-        """A zeroed [buckets, bucket] buffer laid out like the buckets, and a
-        view of it shaped (and strided: channels_last kept) like each
-        parameter: a parameter's fragments follow each other in the flat buffer."""
-        size = self.layout.bucket_size(_GRAD_KEY)
-        buffer = torch.zeros(len(self.layout.buckets), size, dtype=dtype, device=self.device)
-        flat = buffer.view(-1)
+    def _bucket_views(self, dtype_of_key: dict) -> tuple[BucketRows, list]:
+        """A zeroed buffer laid out like the buckets (each in its key's dtype),
+        and a view of it shaped (and strided: channels_last kept) like each
+        parameter: a parameter's fragments follow each other in its key's
+        tensor ([Note: sync classes] in _rows.py)."""
+        buffer = BucketRows.allocate(self.layout.buckets, self.bucket_size, dtype_of_key, self.device)
         first = {}
         for f in self.layout.fragments:
-            first.setdefault(f.param, f.bucket * size + f.bucket_start)
-        views = [flat.as_strided(p.shape, p.stride(), first.get(k, 0)) for k, p in enumerate(self.params)]
+            first.setdefault(f.param, f)
+        views = []
+        for k, p in enumerate(self.params):
+            f = first.get(k)
+            if f is None:  # no elements, so no bucket: a view of nothing
+                views.append(torch.empty(p.shape, dtype=p.dtype, device=self.device))
+                continue
+            row = buffer[f.bucket]
+            views.append(row.as_strided(p.shape, p.stride(), row.storage_offset() + f.bucket_start))
         return buffer, views
 
     def _attach_grad_views(self) -> None:
@@ -869,7 +823,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """The whole reduced gradient shard: its padding holds zeros, so its
         norm and non-finite flag are the shard's."""
         if self._norm_plan is None:
-            self._norm_plan = kernels.NormPlan(self.grad_shards.reshape(-1), check_addresses=False)  # own buffer
+            self._norm_plan = kernels.NormPlan([t.reshape(-1) for t in self.grad_shards.tensors],
+                                               check_addresses=False)  # own buffers
         return self._norm_plan
 
     def clip_grad_norm(self, max_norm: float, parameters=None, norm_type: float = 2.0, *,
@@ -986,7 +941,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         members = dist.get_process_group_ranks(self.dist_group if self.dist_group is not None else dist.group.WORLD)
         if gather_on_root and root not in members:
             return None  # redundant replicas: another distributed group holds rank 0, and gathers for it
-        size = self.layout.bucket_size(_GRAD_KEY)
+        size = self.bucket_size
         # Only a rank that keeps the state receives it: a full bucket in device
         # memory for the collective and, on a GPU, a pinned host bucket that
         # one copy per bucket and state fills.

@@ -354,7 +354,7 @@ def _masters_into_params(opt) -> None:
     """Each rank writes its loaded master pieces into its parameter shards
     (where those are a separate copy) and the parameter all-gather brings
     every parameter up to date."""
-    if opt.master is not None and opt.param_shards is not opt.master:
+    if opt.separate_param_shards:
         for b, frags in enumerate(opt._shard_fragments_by_bucket):
             if not frags:
                 continue
