@@ -13,6 +13,10 @@ turn, the model rebuilt from the same seed each time:
              parameters and synchronises the gradients itself); between GPUs
              of one host its reduce-scatter and all-gather run on the copy engines
 - shardadam_contiguous_grads: the same, autograd accumulating into the buckets
+  (fp32: the parameter shard is the master and, reduced by NCCL, the reduced
+  gradient shard is the rank's part of the gradient buffer: 8 + 8/N bytes)
+- shardadam_contiguous_masters: the same with store_params=True (an fp32
+  master of its own, 4/N bytes more)
 - shardadam_nccl_grads: the same, the reduce-scatter on NCCL (grad_sync_copy_engine=False)
 - shardadam_nccl: the same, both on NCCL (grad_ and param_sync_copy_engine=False)
 
@@ -61,8 +65,8 @@ from torch.nn.parallel import DistributedDataParallel
 import shardadam
 from shardadam.distributed import BucketRows
 
-IMPLS = ("ddp_fused", "fsdp2", "zero1", "shardadam", "shardadam_contiguous_grads", "shardadam_nccl_grads",
-         "shardadam_nccl")
+IMPLS = ("ddp_fused", "fsdp2", "zero1", "shardadam", "shardadam_contiguous_grads", "shardadam_contiguous_masters",
+         "shardadam_nccl_grads", "shardadam_nccl")
 BASELINE = "compute_only"
 SHARDED_STEP = {"fsdp2", "zero1", *(i for i in IMPLS if i.startswith("shardadam"))}  # each rank updates 1/N of the parameters
 WEIGHT_DECAY = 0.1
@@ -176,6 +180,8 @@ BUILDERS = {BASELINE: build_compute_only, "ddp_fused": build_ddp_fused, "fsdp2":
             "zero1": build_zero1, "shardadam": build_shardadam,
             # the same, with gradients accumulated by autograd straight into the buckets
             "shardadam_contiguous_grads": functools.partial(build_shardadam, contiguous_grad_buffer=True),
+            "shardadam_contiguous_masters": functools.partial(build_shardadam, contiguous_grad_buffer=True,
+                                                              store_params=True),
             # the same, with the reduce-scatter (and the all-gather) on NCCL instead of the copy engines
             "shardadam_nccl_grads": functools.partial(build_shardadam, grad_sync_copy_engine=False),
             "shardadam_nccl": functools.partial(build_shardadam, grad_sync_copy_engine=False,
@@ -256,21 +262,23 @@ def optimizer_bytes(opt) -> int:
     DTensors, of which this rank holds its shard). DistributedFusedAdam has no
     public per-rank view: its `state` is empty and state_dict() gathers the full
     states on every rank, so this counts the tensors it holds as attributes, i.e.
-    its sharded fp32 master, exp_avg and exp_avg_sq plus its gradient and
-    parameter communication buffers (its rule's states by name in `states`)."""
+    its sharded states (and fp32 master, where it keeps one) plus its gradient
+    and parameter shards where they are not parts of the model's buffers (its
+    rule's states by name in `states`). Each storage counts once."""
     inner = getattr(opt, "optim", opt)
     tensors = [v for s in inner.state.values() for v in s.values() if torch.is_tensor(v)]
-    # param_buffer holds the model's parameters themselves (and param_shards is
-    # a slice of it), grad_buffer the model's gradients: not optimizer memory.
-    model_owned = ("param_buffer", "param_shards", "grad_buffer")
-    tensors += [v for k, v in vars(opt).items() if torch.is_tensor(v) and k not in model_owned]
-    tensors += [t for k, v in vars(opt).items() if isinstance(v, BucketRows) and k not in model_owned for t in v.tensors]
+    tensors += [v for v in vars(opt).values() if torch.is_tensor(v)]
+    tensors += [t for v in vars(opt).values() if isinstance(v, BucketRows) for t in v.tensors]
     # The ZeRO engine keeps the rule's states and fp16 scales by name.
     for held in (getattr(opt, "states", None), getattr(opt, "state_scales", None)):
         tensors += list((held or {}).values())
+    # param_buffer holds the model's parameters themselves, grad_buffer its
+    # gradients: not optimizer memory, nor the shards that are parts of them.
+    model = {t.untyped_storage().data_ptr() for name in ("param_buffer", "grad_buffer")
+             if isinstance(getattr(opt, name, None), BucketRows) for t in getattr(opt, name).tensors}
     local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
-    unique = {t.data_ptr(): t for t in local if t.numel()}  # a tensor held twice counts once
-    return sum(t.numel() * t.element_size() for t in unique.values())
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in local if t.numel()}
+    return sum(size for ptr, size in storages.items() if ptr not in model)  # each storage once
 
 
 def agree_on_error(error: str | None, dev: torch.device) -> str | None:

@@ -27,30 +27,39 @@ CONFIGS = {
     "bf16 params, store_params=False": dict(param_dtype=torch.bfloat16, store_params=False),
     "fp32 params, contiguous param + grad buffers": dict(param_dtype=torch.float32, contiguous_param_buffer=True,
                                                         contiguous_grad_buffer=True),
+    "fp32 params, contiguous buffers, store_params=True": dict(param_dtype=torch.float32, store_params=True,
+                                                              contiguous_param_buffer=True,
+                                                              contiguous_grad_buffer=True),
 }
-# Buffers that hold the model's own parameters and gradients.
-MODEL_OWNED = ("param_buffer", "param_shards", "grad_buffer")
+# Buffers that hold the model's own parameters and gradients (the parameter
+# and gradient shards may be views of them: [Note: reduced shards in the
+# gradient buffer]).
+MODEL_OWNED = ("param_buffer", "grad_buffer")
+
+
+def _tensors(opt) -> list:
+    """(attribute, tensor) for every tensor the optimizer holds."""
+    held = [(k, v) for k, v in vars(opt).items() if torch.is_tensor(v)]
+    held += [(k, t) for k, v in vars(opt).items() if isinstance(v, BucketRows) for t in v.tensors]
+    held += [(f"state:{k}", v) for k, v in getattr(opt, "states", {}).items()]
+    return held + [(f"scale:{k}", v) for k, v in getattr(opt, "state_scales", {}).items()]
 
 
 def owned_bytes(opt) -> tuple[int, int]:
-    """(optimizer-only bytes, bytes of buffers holding the model's params/grads)."""
-    seen, own, model = set(), 0, 0
-    tensors = [(k, v) for k, v in vars(opt).items() if torch.is_tensor(v)]
-    tensors += [(k, t) for k, v in vars(opt).items() if isinstance(v, BucketRows) for t in v.tensors]
-    tensors += [(f"state:{k}", v) for k, v in getattr(opt, "states", {}).items()]
-    tensors += [(f"scale:{k}", v) for k, v in getattr(opt, "state_scales", {}).items()]
-    for name, t in tensors:  # each storage once: the parameter shards are views of the buffer or the master
+    """(optimizer-only bytes, bytes of buffers holding the model's params/grads),
+    each storage counted once: shards that are views of the master or of a
+    contiguous buffer add nothing."""
+    model_storages, own, model = set(), 0, 0
+    for name, t in _tensors(opt):
+        if name in MODEL_OWNED and t.untyped_storage().data_ptr() not in model_storages:
+            model_storages.add(t.untyped_storage().data_ptr())
+            model += t.untyped_storage().nbytes()
+    seen = set(model_storages)
+    for _, t in _tensors(opt):
         storage = t.untyped_storage()
-        if storage.data_ptr() in seen or not t.numel():
-            continue
-        seen.add(storage.data_ptr())
-        size = storage.nbytes()
-        if name == "param_shards" and opt.param_buffer is None:
-            own += size  # a shard buffer of its own (unless it is the master, counted once already)
-        elif name in MODEL_OWNED:
-            model += size
-        else:
-            own += size
+        if storage.data_ptr() not in seen and t.numel():
+            seen.add(storage.data_ptr())
+            own += storage.nbytes()
     return own, model
 
 

@@ -118,7 +118,10 @@ NB_MODULE(_core, m) {
           },
           "Addresses of the per-tensor scales of (master, exp_avg, exp_avg_sq); 0 = unscaled.")
       .def_rw("amax_scratch", &AdamExtras::amax_scratch)
-      .def_rw("unscale_grads", &AdamExtras::unscale_grads);
+      .def_rw("unscale_grads", &AdamExtras::unscale_grads)
+      .def_rw("stochastic_rounding", &AdamExtras::stochastic_rounding,
+              "bf16 parameters without a master round stochastically, keyed by rounding_seed.")
+      .def_rw("rounding_seed", &AdamExtras::rounding_seed);
 
   nb::class_<TensorTable>(m, "TensorTable",
                           "Validated lists of equally sized tensors, cut into chunks.")

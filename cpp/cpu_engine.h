@@ -40,6 +40,7 @@ class CpuIO {
   DType dtype(int l) const { return F32Only ? (t_.ptr[l] ? DType::F32 : DType::None) : t_.dtype[l]; }
   int count() const { return Full ? K : count_; }
   int lanes() const { return Full ? K : count_; }
+  int64_t index() const { return index_; }  // of lane 0 in its tensor
 
   void load(int l, float (&out)[K]) const {
     const int n = lanes();

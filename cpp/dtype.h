@@ -120,6 +120,44 @@ SHARDADAM_HD uint16_t float_to_f16(float f) {
 #endif
 }
 
+// [Note: stochastic rounding] A bf16 parameter that is its own master
+// (no fp32 copy) loses every update smaller than half its ulp when rounded to
+// nearest. Rounded stochastically it moves up with probability equal to the
+// distance covered, so the expected value is the fp32 result: adding 16
+// uniform random bits below the bf16 cut and truncating does exactly that.
+// The bits come from a counter-based hash of (seed, step, tensor, element),
+// the same on the CPU and the GPU, so a seeded run repeats bit for bit and
+// needs no generator state.
+SHARDADAM_HD uint16_t float_to_bf16_stochastic(float f, uint32_t random) {
+  const uint32_t u = float_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return float_to_bf16(f);  // NaN: as rounded to nearest
+  if ((u & 0x7fffffffu) == 0x7f800000u) return uint16_t(u >> 16);  // infinity stays
+  return uint16_t((u + (random & 0xffffu)) >> 16);
+}
+
+// MurmurHash3's 32-bit finaliser: 32-bit multiplies, which vectorise on
+// every x86 CPU and cost one instruction each on a GPU.
+SHARDADAM_HD uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x85ebca6bu;
+  x ^= x >> 13;
+  x *= 0xc2b2ae35u;
+  return x ^ (x >> 16);
+}
+
+// The key of one (seed, step, tensor), mixed once per chunk.
+SHARDADAM_HD uint64_t rounding_key(uint64_t seed, uint64_t step, uint32_t tensor) {
+  const uint32_t a = mix32(uint32_t(seed) ^ mix32(uint32_t(seed >> 32) ^ mix32(uint32_t(step) ^
+                                                                              mix32(uint32_t(step >> 32) + tensor))));
+  return (uint64_t(mix32(a + 0x9e3779b9u)) << 32) | a;
+}
+
+// Element i's bits: one 32-bit mix per element (the element index taken
+// modulo 2^32: a tensor of more elements reuses the pattern 2^32 apart).
+SHARDADAM_HD uint32_t rounding_bits(uint64_t key, int64_t index) {
+  return mix32(uint32_t(key >> 32) ^ (uint32_t(index) * 0x9e3779b9u + uint32_t(key)));
+}
+
 // An fp32 master stored as a bf16 model param (high half, rounded to nearest)
 // plus an int16 remainder (low half). Rounding up is recorded by the sign of
 // the remainder, so join(split(x)) == x bit for bit for every fp32 x.

@@ -24,6 +24,8 @@ struct AdamExtras {
   uint64_t scales[kScaledStates] = {0, 0, 0};  // float32 [num_tensors] each, or 0
   uint64_t amax_scratch = 0;  // float32 [3 * num_tensors], needed with scales
   bool unscale_grads = false;  // see UpdateArgs::unscale_grads
+  bool stochastic_rounding = false;  // see UpdateArgs::stochastic_rounding
+  uint64_t rounding_seed = 0;
 };
 
 // Dtype and presence rules for update tables (cpp/check_update.cpp); called
@@ -47,6 +49,8 @@ void run_update(const Engine& e, const TensorTable& t, const std::vector<AdamGro
   op.a.grad_scale = x.grad_scale;
   if (x.unscale_grads) t.check_writable(kGrad);
   op.a.unscale_grads = x.unscale_grads;
+  op.a.stochastic_rounding = x.stochastic_rounding;
+  op.a.rounding_seed = x.rounding_seed;
   bool scaled = false;
   static constexpr const char* kScaleNames[kScaledStates] = {"master_scales", "exp_avg_scales",
                                                              "exp_avg_sq_scales"};

@@ -2,8 +2,9 @@
 // each engine (cpp/cpu_engine.h, cuda/multi_tensor_apply.cuh) implements:
 //
 //   IO (one tile of up to K elements of one tensor):
-//     dtype(l), count(), lanes(), load(l, float[K]), store(l, const float[K]),
+//     dtype(l), count(), lanes(), index(), load(l, float[K]), store(l, const float[K]),
 //     load_bits(l, uint16[K]), store_bits(l, const uint16[K])
+//     index() is lane 0's element index in its tensor.
 //     count() elements are real. Ops compute lanes() of them: the CPU engine
 //     gives count() (no work on padding), the GPU engine K (a constant trip
 //     count keeps tiles in registers); padding lanes load as zeros and are
@@ -80,6 +81,10 @@ struct UpdateArgs {
   // gradients come out unscaled, as torch's fused Adam leaves them); like
   // every other write it is skipped when found_inf is set.
   bool unscale_grads = false;
+  // bf16 parameters that are their own master round stochastically
+  // ([Note: stochastic rounding] in dtype.h), keyed by this seed.
+  bool stochastic_rounding = false;
+  uint64_t rounding_seed = 0;
 };
 
 // One optimizer step over the lists of UpdateList for any rule (see
@@ -97,6 +102,7 @@ struct UpdateOp {
     float rescale[kScaledStates];  // true value -> stored
     float amax[kScaledStates];
     float grad_scale;  // for unscale_grads
+    uint64_t rounding_key;  // stochastic rounding: this tensor's at this step
   };
 
   using GroupState = Coeffs;
@@ -117,6 +123,10 @@ struct UpdateOp {
       s.amax[i] = 0.0f;
     }
     s.grad_scale = a.unscale_grads ? float(a.grad_scale.read()) : 1.0f;
+    s.rounding_key = a.stochastic_rounding
+                         ? rounding_key(a.rounding_seed, uint64_t(a.groups[ctx.group - a.group_base].step.read()),
+                                        ctx.tensor)
+                         : 0;
     return s;
   }
 
@@ -164,6 +174,11 @@ struct UpdateOp {
       for (int k = 0; k < io.lanes(); ++k) split_remainder(p[k], hi[k], lo[k]);
       io.store_bits(kParam, hi);
       io.store_bits(kRemainder, lo);
+    } else if (a.stochastic_rounding && io.dtype(kParam) == DType::BF16) {
+      uint16_t hi[K];
+      for (int k = 0; k < io.lanes(); ++k)
+        hi[k] = float_to_bf16_stochastic(p[k], rounding_bits(s.rounding_key, io.index() + k));
+      io.store_bits(kParam, hi);
     } else {
       for (int k = 0; k < io.lanes(); ++k) p[k] *= s.rescale[kScaledMaster];
       io.store(kParam, p);

@@ -16,7 +16,8 @@ struct OpFastDtypes<UpdateOp<LionRule>> {
       FixedDtypes<F32, F16, F32, None, None, F16, None>,     // fp32 master, fp16 model
       FixedDtypes<F32, F32, F32, None, None, BF16, None>,    // fp32 grads, bf16 param copy (sharded)
       FixedDtypes<F32, F32, F32, None, None, F32, None>,     // fp32 grads, fp32 param copy (sharded)
-      FixedDtypes<BF16, BF16, F32, None, None, None, I16>>;  // bf16 params + remainders
+      FixedDtypes<BF16, BF16, F32, None, None, None, I16>,   // bf16 params + remainders
+      FixedDtypes<BF16, BF16, F32, None, None, None, None>>;  // bf16 params as their own master
 };
 
 void cuda_lion(const TensorTable& t, const CudaTarget& where, const std::vector<AdamGroup>& groups,

@@ -94,6 +94,7 @@ class CudaIO {
   __device__ DType dtype(int l) const { return refs_.dtype_of(l); }
   __device__ int count() const { return count_; }
   __device__ constexpr int lanes() const { return K; }
+  __device__ int64_t index() const { return index_; }  // of lane 0 in its tensor
 
   __device__ void load(int l, float (&out)[K]) const {
     switch (dtype(l)) {

@@ -52,7 +52,8 @@ def _close(model, want, rtol=1e-5, atol=1e-6):
 # ------------------------------------------------------------ constructor
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(store_param_remainders=True), r"store_param_remainders=True needs store_params=False.*used to ask"),
+    (dict(store_param_remainders=True, store_params=True),
+     r"store_param_remainders=True needs store_params=False.*used to ask"),
     (dict(store_param_remainders=True, store_params=False, dtype=torch.float16), r"needs dtype=torch.float32"),
     (dict(with_scaled_states=True), r"with_scaled_states=True stores .* in `dtype`.*float16"),
     (dict(with_scaled_states=True, store_params=False, dtype=torch.float16), r"needs store_params=True"),

@@ -212,7 +212,7 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out) -> None:
                          masters=masters, steps=steps,
                          same_on_all_ranks=all(torch.equal(t, flat) for t in gathered),
                          frozen_unchanged=torch.equal(frozen.detach(), frozen_before),
-                         buckets=len(opt.layout.buckets), norms=norms,
+                         buckets=len(opt.layout.buckets), norms=norms, grads_in_buffer=opt.grads_in_buffer,
                          copy_engine=opt.transports["param_sync"].startswith("copy-engine"),
                          grad_copy_engine=opt.transports["grad_sync"].startswith("copy-engine")))
     _exit()
@@ -244,7 +244,7 @@ def _config(**kw) -> dict:
                overlap_param_sync=False, contiguous_param_buffer=False, redundant=False, late_load=False,
                contiguous_grad_buffer=False, amsgrad=False, scaler=False, inf_step=None,
                param_sync_dtype=None, dtype=torch.float32, remainders=False, scaled_states=False,
-               store_params=True, capturable=False, capture=False, lr_schedule=False, copy_engine=None,
+               store_params=None, capturable=False, capture=False, lr_schedule=False, copy_engine=None,
                grad_copy_engine=None, optimizer="adam")
     unknown = set(kw) - set(cfg)
     assert not unknown, f"unknown config keys {unknown}"
@@ -372,6 +372,7 @@ def test_matches_single_process_adam_on_the_global_batch(world, adam_w_mode, buc
     (2, dict(model="reordered")),                  # backward order differs from parameter order
     (2, dict(contiguous_param_buffer=True)),       # all-gathers land in the parameters
     (4, dict(redundant=True, overlap_param_sync=True)),  # 2 shards x 2 replicas
+    (4, dict(redundant=True, contiguous_grad_buffer=True, contiguous_param_buffer=True)),  # shards in the buffers
     (2, dict(late_load=True, contiguous_param_buffer=True)),
     (3, dict(contiguous_grad_buffer=True, micro=2)),          # autograd accumulates into the buckets
     (2, dict(contiguous_grad_buffer=True, overlap=False, contiguous_param_buffer=True)),
@@ -393,7 +394,7 @@ def test_matches_single_process_adam_on_the_global_batch(world, adam_w_mode, buc
     pytest.param(2, dict(device="cuda", contiguous_param_buffer=True, copy_engine=True, scaler=True, inf_step=2,
                          model="reordered"), marks=pytest.mark.multigpu),
 ], ids=["world-1", "world-4", "no-overlap", "no_sync-3", "sync-every-2", "sync-every-3-pipeline-1", "reordered",
-        "contiguous-params", "redundant-2x2", "weights-loaded-after-construction",
+        "contiguous-params", "redundant-2x2", "redundant-2x2-contiguous-both", "weights-loaded-after-construction",
         "contiguous-grads-no_sync", "contiguous-both-no-overlap", "amsgrad", "tiny-model-3-ranks", "gradients-absent-on-rank-1", "grad-scaler-inf-skips",
         "grad-scaler-clip", "overlap-params-3", "overlap-contiguous-params", "nccl-2-overlap-everything",
         "nccl-2-contiguous-buffers", "nccl-2-nccl-collectives", "nccl-2-copy-engine-reduce-rounds",
@@ -526,7 +527,7 @@ def test_store_params_false_updates_the_parameter_shard():
     """Without a stored master, Adam updates the parameter shard itself: for
     fp32 parameters bit-identical to the run with masters; for bf16 ones the
     saved masters are the bf16 parameters."""
-    with_masters = _spawn(_worker, 2, _config())
+    with_masters = _spawn(_worker, 2, _config(store_params=True))
     without = _spawn(_worker, 2, _config(store_params=False))
     for i, (a, b) in enumerate(zip(without["params"], with_masters["params"])):
         np.testing.assert_array_equal(a, b, err_msg=f"param {i}")

@@ -85,13 +85,13 @@ def test_a_table_of_another_parameter_count_is_refused_by_name(one_rank):
 
 
 @pytest.mark.parametrize("dtype, kw, temporaries", [
-    (torch.float32, {}, set()),
-    (torch.float32, dict(amsgrad=True), set()),
-    (torch.float32, dict(store_params=False), {"master"}),
+    (torch.float32, dict(store_params=True), set()),
+    (torch.float32, dict(amsgrad=True, store_params=True), set()),
+    (torch.float32, {}, {"master"}),  # the default for fp32: the parameter shard is the master
     (torch.bfloat16, {}, set()),
     (torch.bfloat16, dict(store_param_remainders=True, store_params=False), {"master"}),
     (torch.bfloat16, dict(with_scaled_states=True, dtype=torch.float16), {"master", "exp_avg", "exp_avg_sq"}),
-], ids=["fp32", "amsgrad", "store_params-false", "bf16-masters", "remainders", "scaled-states"])
+], ids=["fp32-masters", "amsgrad", "fp32-default", "bf16-masters", "remainders", "scaled-states"])
 def test_dcp_load_copies_only_temporaries(one_rank, tmp_path, dtype, kw, temporaries, monkeypatch):
     """Saved with one bucket size, loaded with another: pieces that are views
     of the optimizer's fp32 buffers were filled in place by dcp.load and are

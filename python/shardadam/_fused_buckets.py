@@ -275,9 +275,11 @@ class Bucket:
                               param_remainders=lists["param_remainders"], scales=lists["scales"],
                               group_sizes=group_sizes)
 
-    def launch(self, prepared: tuple, hyper: dict, grad_scale, found_inf, unscale_grads: bool = False) -> None:
+    def launch(self, prepared: tuple, hyper: dict, grad_scale, found_inf, unscale_grads: bool = False,
+               rounding_seed=None) -> None:
         plan, idx = prepared
-        self.rule.launch(plan, hyper, grad_scale=grad_scale, found_inf=found_inf, unscale_grads=unscale_grads)
+        self.rule.launch(plan, hyper, grad_scale=grad_scale, found_inf=found_inf, unscale_grads=unscale_grads,
+                         rounding_seed=rounding_seed)
         if idx is not None:
             for name, scales in self.scales.items():  # the kernel chose new scales for the subset's copy
                 scales[idx] = plan.subset_scales[name]

@@ -16,6 +16,7 @@ from . import kernels
 from ._dtensor import agree_on_flag, check_param, is_dtensor, shards_for
 from ._fused_buckets import Bucket, storage_kind
 from ._groups import check_step_groups, plain_value, run_closure
+from ._rounding import refuse_masters, rounding_seed
 from ._rules import UpdateRule
 from ._state_dict import load_buckets_state, pack_state
 from ._tracked import GRAD, ReplacedParams, moved_indices
@@ -32,7 +33,8 @@ class FusedOptimizer(torch.optim.Optimizer):
     Storage options (every rule): master_weights / master_weight_dtype (fp32,
     or fp16 with a per-tensor scale), store_param_remainders (bf16 params +
     int16 remainders), state_dtypes (per state: fp32, bf16, or fp16 with
-    per-tensor scales where the rule allows), capturable, flat_grads,
+    per-tensor scales where the rule allows), bf16_stochastic_round /
+    stochastic_round_seed (_rounding.py), capturable, flat_grads,
     skip_nonfinite_grads: see FusedAdam's docstring. grad_of: how a
     parameter's gradient is read (``p.grad``; FusedAdam's use_decoupled_grad
     reads ``p.decoupled_grad``).
@@ -40,7 +42,11 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, defaults: dict, rule: UpdateRule, *, capturable=False, master_weights=False,
                  master_weight_dtype=torch.float32, state_dtypes: dict | None = None, store_param_remainders=False,
-                 flat_grads=False, skip_nonfinite_grads=False, grad_of=GRAD):
+                 flat_grads=False, skip_nonfinite_grads=False, grad_of=GRAD, bf16_stochastic_round=False,
+                 stochastic_round_seed=None):
+        refuse_masters(bf16_stochastic_round, master_weights=master_weights,
+                       store_param_remainders=store_param_remainders)
+        self.rounding_seed = rounding_seed(bf16_stochastic_round, stochastic_round_seed)
         state_dtypes = dict(state_dtypes or {})
         for name, dtype, allowed in [("master_weight_dtype", master_weight_dtype, (torch.float32, torch.float16))] + [
                 (f"{state}_dtype", dtype, STATE_DTYPES) for state, dtype in state_dtypes.items()]:
@@ -219,7 +225,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             # The kernels multiply gradients by grad_scale: pass 1 / scale.
             inv_scale = 1.0 if scale is None else torch.reciprocal(scale.to(b.device, torch.float32))
             b.launch(ready, hyper, inv_scale, None if found_inf is None else found_inf.to(b.device, torch.float32),
-                     unscale_grads=scale is not None)
+                     unscale_grads=scale is not None, rounding_seed=self.rounding_seed)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

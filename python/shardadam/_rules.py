@@ -50,8 +50,9 @@ class UpdateRule:
         """The kernel's keyword arguments, one value per group."""
         raise NotImplementedError
 
-    def launch(self, plan, hyper: dict, *, grad_scale, found_inf, unscale_grads=False) -> None:
-        """One step; unscale_grads stores the unscaled gradients back (see kernels.adam)."""
+    def launch(self, plan, hyper: dict, *, grad_scale, found_inf, unscale_grads=False, rounding_seed=None) -> None:
+        """One step; unscale_grads stores the unscaled gradients back, and
+        rounding_seed rounds bf16 masters stochastically (see kernels.adam)."""
         raise NotImplementedError
 
     def options(self) -> dict:
@@ -93,8 +94,9 @@ class AdamRule(UpdateRule):
                     bias_correction=[g["bias_correction"] for g in groups],
                     maximize=[g.get("maximize", False) for g in groups], adam_w_mode=self.adam_w_mode)
 
-    def launch(self, plan, hyper, *, grad_scale, found_inf, unscale_grads=False):
-        kernels.adam(plan, grad_scale=grad_scale, found_inf=found_inf, unscale_grads=unscale_grads, **hyper)
+    def launch(self, plan, hyper, *, grad_scale, found_inf, unscale_grads=False, rounding_seed=None):
+        kernels.adam(plan, grad_scale=grad_scale, found_inf=found_inf, unscale_grads=unscale_grads,
+                     stochastic_rounding_seed=rounding_seed, **hyper)
 
     def options(self):
         return dict(adam_w_mode=self.adam_w_mode, amsgrad=self.amsgrad)
@@ -125,7 +127,8 @@ class LionRule(UpdateRule):
         groups = param_groups
         return dict(lr=[g["lr"] for g in groups], beta1=[g["betas"][0] for g in groups],
                     beta2=[g["betas"][1] for g in groups], weight_decay=[g["weight_decay"] for g in groups],
-                    maximize=[g.get("maximize", False) for g in groups])
+                    maximize=[g.get("maximize", False) for g in groups], step=[g["step"] for g in groups])
 
-    def launch(self, plan, hyper, *, grad_scale, found_inf, unscale_grads=False):
-        kernels.lion(plan, grad_scale=grad_scale, found_inf=found_inf, unscale_grads=unscale_grads, **hyper)
+    def launch(self, plan, hyper, *, grad_scale, found_inf, unscale_grads=False, rounding_seed=None):
+        kernels.lion(plan, grad_scale=grad_scale, found_inf=found_inf, unscale_grads=unscale_grads,
+                     stochastic_rounding_seed=rounding_seed, **hyper)

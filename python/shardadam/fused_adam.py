@@ -41,6 +41,11 @@ class FusedAdam(FusedOptimizer):
     fp32 or frozen, must equal it). store_param_remainders: bf16 params + int16
     remainders instead of an fp32 master (2 bytes per element).
     exp_avg_dtype / exp_avg_sq_dtype: fp32, bf16, or fp16 (per-tensor scales).
+    bf16_stochastic_round (torchao's name): bf16 params without a master are
+    rounded stochastically, so updates below half a bf16 step count in
+    expectation; stochastic_round_seed (an int; default: drawn from torch's
+    generator) makes the rounding repeat bit for bit (_rounding.py). It
+    replaces master_weights and store_param_remainders (refused with them).
 
     use_decoupled_grad (TE): gradients are read from ``p.decoupled_grad`` (any
     float dtype, e.g. fp32 for bf16 params) instead of ``p.grad``; zero_grad
@@ -72,7 +77,8 @@ class FusedAdam(FusedOptimizer):
                  bias_correction=True, adam_w_mode=True, capturable=False, master_weights=False,
                  master_weight_dtype=torch.float32, exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32,
                  use_decoupled_grad=False, store_param_remainders=False, set_grad_none=None, maximize=False,
-                 flat_grads=False, skip_nonfinite_grads=False):
+                 flat_grads=False, skip_nonfinite_grads=False, bf16_stochastic_round=False,
+                 stochastic_round_seed=None):
         _te_apex.check_options(betas, exp_avg_dtype, exp_avg_sq_dtype, set_grad_none=set_grad_none,
                                use_decoupled_grad=use_decoupled_grad, flat_grads=flat_grads)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
@@ -82,7 +88,8 @@ class FusedAdam(FusedOptimizer):
                          state_dtypes=dict(exp_avg=exp_avg_dtype, exp_avg_sq=exp_avg_sq_dtype),
                          store_param_remainders=store_param_remainders, flat_grads=flat_grads,
                          skip_nonfinite_grads=skip_nonfinite_grads,
-                         grad_of=decoupled_grad if use_decoupled_grad else GRAD)
+                         grad_of=decoupled_grad if use_decoupled_grad else GRAD,
+                         bf16_stochastic_round=bf16_stochastic_round, stochastic_round_seed=stochastic_round_seed)
         self.use_decoupled_grad = bool(use_decoupled_grad)
         self.set_grad_none = set_grad_none
         self._state_access = _te_apex.StateAccess(self)

@@ -202,7 +202,8 @@ def _plan(cls, first, rest_given: bool, *args, **kwargs) -> TensorPlan:
 
 def adam(params, grads=None, exp_avgs=None, exp_avg_sqs=None, *, lr, step, beta1=0.9, beta2=0.999,
          eps=1e-8, weight_decay=0.0, adam_w_mode=True, bias_correction=True, maximize=False,
-         grad_scale=1.0, found_inf=None, unscale_grads=False, **plan_lists) -> None:
+         grad_scale=1.0, found_inf=None, unscale_grads=False, stochastic_rounding_seed=None,
+         **plan_lists) -> None:
     """One Adam (adam_w_mode=False) or AdamW step over all tensors, in place.
 
     params is an AdamPlan or the params list (then grads, exp_avgs, exp_avg_sqs
@@ -215,6 +216,10 @@ def adam(params, grads=None, exp_avgs=None, exp_avg_sqs=None, *, lr, step, beta1
     the plan, checked once per plan and gradient addresses). When found_inf
     (float32 [1]) is nonzero nothing is written, the grads included.
     Hyperparameters may be sequences with one value per group of the plan.
+    stochastic_rounding_seed (an int): bf16 params that are their own master
+    (no remainders) are rounded stochastically, with random bits hashed from
+    the seed, the step, the tensor's index in the plan and the element's
+    ([Note: stochastic rounding] in cpp/dtype.h); None: to nearest.
 
     Numbers are checked before anything is launched, for every group: lr, eps,
     weight_decay finite and >= 0; beta1, beta2 in [0, 1); grad_scale finite and
@@ -227,13 +232,14 @@ def adam(params, grads=None, exp_avgs=None, exp_avg_sqs=None, *, lr, step, beta1
     """
     plan = _plan(AdamPlan, params, grads is not None or bool(plan_lists),
                  grads, exp_avgs, exp_avg_sqs, **plan_lists)
-    _update(plan, _core.adam, grad_scale, found_inf, unscale_grads, beta1=beta1, beta2=beta2, eps=eps,
-            weight_decay=weight_decay, lr=lr, step=step, bias_correction=bias_correction, adam_w_mode=adam_w_mode,
-            maximize=maximize)
+    _update(plan, _core.adam, grad_scale, found_inf, unscale_grads, stochastic_rounding_seed, beta1=beta1,
+            beta2=beta2, eps=eps, weight_decay=weight_decay, lr=lr, step=step, bias_correction=bias_correction,
+            adam_w_mode=adam_w_mode, maximize=maximize)
 
 
 def lion(params, grads=None, exp_avgs=None, *, lr, beta1=0.9, beta2=0.99, weight_decay=0.0, maximize=False,
-         grad_scale=1.0, found_inf=None, unscale_grads=False, **plan_lists) -> None:
+         grad_scale=1.0, found_inf=None, unscale_grads=False, step=0, stochastic_rounding_seed=None,
+         **plan_lists) -> None:
     """One Lion step over all tensors, in place, as lion-pytorch's update:
 
         g = grad * grad_scale (negated with maximize)
@@ -248,9 +254,10 @@ def lion(params, grads=None, exp_avgs=None, *, lr, beta1=0.9, beta2=0.99, weight
     params is a LionPlan or the params list (then grads, exp_avgs and any
     LionPlan keyword are lists too). lr and grad_scale are numbers or
     one-element tensors read by the kernel (CUDA-graph capturable).
-    unscale_grads: as for adam. When found_inf (float32 [1]) is nonzero
-    nothing is written. Hyperparameters may be sequences with one value per
-    group of the plan.
+    unscale_grads, stochastic_rounding_seed: as for adam (step, a number or
+    a one-element tensor, keys the rounding; Lion's update does not read it).
+    When found_inf (float32 [1]) is nonzero nothing is written.
+    Hyperparameters may be sequences with one value per group of the plan.
 
     Numbers are checked before anything is launched, for every group: lr and
     weight_decay finite and >= 0; beta1, beta2 in [0, 1); grad_scale finite
@@ -261,8 +268,8 @@ def lion(params, grads=None, exp_avgs=None, *, lr, beta1=0.9, beta2=0.99, weight
     the version counters of the written tensors.
     """
     plan = _plan(LionPlan, params, grads is not None or bool(plan_lists), grads, exp_avgs, **plan_lists)
-    _update(plan, _core.lion, grad_scale, found_inf, unscale_grads, beta1=beta1, beta2=beta2,
-            weight_decay=weight_decay, lr=lr, maximize=maximize)
+    _update(plan, _core.lion, grad_scale, found_inf, unscale_grads, stochastic_rounding_seed, beta1=beta1,
+            beta2=beta2, weight_decay=weight_decay, lr=lr, step=step, maximize=maximize)
 
 
 # AdamGroup fields (cpp/update_rule.h) by kind: read by the kernel from a number
@@ -273,7 +280,8 @@ _BETA_FIELDS = ("beta1", "beta2")
 _NONNEGATIVE_FIELDS = ("eps", "weight_decay")
 
 
-def _update(plan: _UpdatePlan, kernel, grad_scale, found_inf, unscale_grads: bool, **hyper) -> None:
+def _update(plan: _UpdatePlan, kernel, grad_scale, found_inf, unscale_grads: bool, rounding_seed,
+            **hyper) -> None:
     """One step of an update rule: hyper holds the AdamGroup fields the rule
     reads, each a value for all groups or a sequence of one per group. Every
     number is checked before the launch; then the versions are bumped."""
@@ -299,6 +307,9 @@ def _update(plan: _UpdatePlan, kernel, grad_scale, found_inf, unscale_grads: boo
     extras.grad_scale = scalar("grad_scale", grad_scale, plan.device)
     extras.found_inf = flag_ptr("found_inf", found_inf, plan.device)
     extras.unscale_grads = bool(unscale_grads)
+    if rounding_seed is not None:
+        extras.stochastic_rounding = True
+        extras.rounding_seed = int(rounding_seed) % 2 ** 64
     scratch = None
     if any(plan.scale_ptrs):
         extras.scales = plan.scale_ptrs
@@ -324,7 +335,7 @@ def _check_group(kind: str, row: dict) -> None:
     if not isinstance(row["lr"][1], torch.Tensor):
         check_nonnegative(kind, *row["lr"])
     if "step" in row and not isinstance(row["step"][1], torch.Tensor):
-        check_update_step(kind, *row["step"], bool(row["bias_correction"][1]))
+        check_update_step(kind, *row["step"], "bias_correction" in row and bool(row["bias_correction"][1]))
 
 
 def scale(inputs, outputs=None, scale=1.0, *, found_inf=None, skip_if=None) -> None:

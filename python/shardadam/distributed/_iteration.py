@@ -5,9 +5,10 @@ iteration on a track of their own; every move names the phases it may come
 from, so a call out of order raises (naming both phases) instead of reading
 half-reduced gradients or stale parameters.
 
-    gradients   accumulating --backward hands one over--> reducing
+    gradients   accumulating | consumed --backward hands one over--> reducing
                 accumulating | reducing | reduced --grad_sync()--> reduced
                 any --step() / zero_grad()--> accumulating
+                reduced --step(), reduced shards in the gradient buffer--> consumed
     parameters  current | gathering --step(), overlap_param_sync--> gathering
                 current | deferred --step(), overlap + capturable--> deferred
                 deferred --the next forward / param_sync()--> gathering
@@ -15,7 +16,11 @@ half-reduced gradients or stale parameters.
 
 A backward after the gradients were reduced (grad_sync(), grad_norm() or
 clip_grad_norm()) and before step() would start a reduction that the step
-no longer waits for: the reduced -> reducing move is refused. "deferred" is
+no longer waits for: the reduced -> reducing move is refused. "consumed":
+the contiguous gradient buffer holds this rank's reduced shard ([Note:
+reduced shards in the gradient buffer] in optimizer.py) until zero_grad();
+a gradient that autograd added into it before then is refused by the
+engine (it would add last step's sums), one that replaced it is taken. "deferred" is
 the capturable variant: the all-gathers after a captured step are started by
 the next forward, so that one captured iteration holds both ends of them.
 """
@@ -31,6 +36,7 @@ class Grads(enum.Enum):
     ACCUMULATING = "accumulating"
     REDUCING = "reducing"
     REDUCED = "reduced"
+    CONSUMED = "consumed"
 
 
 class Params(enum.Enum):
@@ -41,8 +47,9 @@ class Params(enum.Enum):
 
 _GRAD_MOVES = {
     Grads.ACCUMULATING: set(Grads),
-    Grads.REDUCING: {Grads.ACCUMULATING, Grads.REDUCING},
+    Grads.REDUCING: {Grads.ACCUMULATING, Grads.REDUCING, Grads.CONSUMED},
     Grads.REDUCED: set(Grads),
+    Grads.CONSUMED: {Grads.REDUCED},
 }
 _PARAM_MOVES = {
     Params.CURRENT: {Params.CURRENT, Params.GATHERING},
@@ -81,9 +88,10 @@ class Iteration:
                                "the engine)")
         self.params = to
 
-    def end(self) -> None:
-        """After step() or zero_grad(): the next iteration accumulates anew."""
-        self.move_grads(Grads.ACCUMULATING)
+    def end(self, consumed: bool = False) -> None:
+        """After step() or zero_grad(): the next iteration accumulates anew
+        (consumed: after a step whose reduced shards stay in the gradient buffer)."""
+        self.move_grads(Grads.CONSUMED if consumed else Grads.ACCUMULATING)
         self.clip = self.inv_scale = None
 
 

@@ -5,6 +5,8 @@ StorageSpec ([Note: storage codecs] in _storage.py) they stand for.
   rule's states): fp32, fp16 or bf16, stored plain, as apex stores them;
 - store_params: keep a master of the parameter shard in `dtype`; False:
   the step reads and updates the parameter shard itself (param_sync_dtype);
+  None (the default): False where that shard is an exact fp32 master
+  (resolve_store_params), True elsewhere;
 - store_param_remainders (with store_params=False, dtype fp32, bf16
   parameters): the fp32 master is the bf16 parameter plus an int16 low half;
 - with_scaled_states (with store_params=True, dtype fp16 or bf16): fp16
@@ -21,7 +23,7 @@ from .. import _storage
 STATE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def check_storage_options(dtype, store_params: bool, store_param_remainders: bool,
+def check_storage_options(dtype, store_params: bool | None, store_param_remainders: bool,
                           with_scaled_states: bool) -> None:
     """apex's rules for combining the storage options (ValueError naming the fix)."""
     if dtype not in STATE_DTYPES:
@@ -41,7 +43,7 @@ def check_storage_options(dtype, store_params: bool, store_param_remainders: boo
             raise ValueError(f"store_param_remainders=True needs dtype=torch.float32 (the remainders complete bf16 "
                              f"parameters to fp32 masters), got dtype={dtype}")
     if with_scaled_states:
-        if not store_params:
+        if store_params is False:
             raise ValueError("with_scaled_states=True needs store_params=True: it scales the stored master")
         if dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(
@@ -72,6 +74,23 @@ def check_sync_dtypes(grad_sync_dtype, param_sync_dtype) -> None:
             raise ValueError(f"{name}={value}: the sync dtypes must be torch.float32, torch.float16 or "
                              f"torch.bfloat16 (apex's integer and byte parameter sync, which copies the most "
                              f"significant bytes, is not supported)")
+
+
+def resolve_store_params(store_params: bool | None, dtype, store_param_remainders: bool, with_scaled_states: bool,
+                         param_sync_dtypes, stochastic_round: bool = False) -> bool:
+    """store_params=None: no master of its own where the parameter shard is
+    one already, bit for bit (fp32 state, every parameter synchronised in
+    fp32: the update reads and writes the same fp32 values either way),
+    saving 4 bytes per parameter and rank where the shard lives in the
+    contiguous parameter buffer; a master where the shard is rounded or
+    the options need one. Remainders and bf16_stochastic_round are ways of
+    keeping no master."""
+    if store_params is not None:
+        return store_params
+    if store_param_remainders or stochastic_round:
+        return False
+    exact = dtype == torch.float32 and set(param_sync_dtypes) == {torch.float32}
+    return with_scaled_states or not exact
 
 
 def storage_spec(rule, dtype, store_params: bool, store_param_remainders: bool,

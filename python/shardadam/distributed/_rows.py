@@ -66,6 +66,12 @@ class BucketRows:
         return self.tensors[0] if len(self.tensors) == 1 and len(self.tensors[0]) == len(self.rows) else None
 
     @property
+    def blocks(self) -> list[torch.Tensor]:
+        """The fewest contiguous tensors that hold every row: the backing
+        tensors, or the rows where those are column slices."""
+        return self.tensors if all(t.is_contiguous() for t in self.tensors) else self.rows
+
+    @property
     def device(self) -> torch.device:
         return self.tensors[0].device
 

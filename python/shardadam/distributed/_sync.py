@@ -109,7 +109,7 @@ class GradSync:
         self._flush_round()
         self.pipeline.drain()
         if self.redundant_group is not None:  # replicas of a shard add their sums
-            for t in self.shards.tensors:
+            for t in self.shards.blocks:
                 dist.all_reduce(t, group=self.redundant_group)
 
     def close(self) -> None:

@@ -15,7 +15,9 @@ class DistributedFusedAdam(ShardedOptimizer):
 
     apex's constructor, with apex's meanings (README, "apex's arguments and
     methods"): adam_w_mode=False is Adam with L2 weight decay, amsgrad keeps
-    max_exp_avg_sq; dtype, store_params, store_param_remainders,
+    max_exp_avg_sq; bf16_stochastic_round / stochastic_round_seed (bf16
+    parameter shards that are their own master, rounded stochastically:
+    _rounding.py); dtype, store_params, store_param_remainders,
     with_scaled_states and nccl_ub as distributed/_options.py and _nccl_ub.py
     say; every other argument is the engine's (distributed/optimizer.py).
     With average_grad_sync=True the result equals
@@ -38,10 +40,11 @@ class DistributedFusedAdam(ShardedOptimizer):
                  weight_decay=0.0, amsgrad=False, dtype=torch.float32, grad_sync_dtype=None, param_sync_dtype=None,
                  device=None, process_group=None, distributed_process_group=None, redundant_process_group=None,
                  average_grad_sync=True, overlap_grad_sync=True, overlap_param_sync=False, bucket_cap_mb=100,
-                 pipeline_size=2, contiguous_param_buffer=False, contiguous_grad_buffer=False, store_params=True,
+                 pipeline_size=2, contiguous_param_buffer=False, contiguous_grad_buffer=False, store_params=None,
                  store_param_remainders=False, with_scaled_states=False, nccl_ub=False, capturable=False,
                  grad_sync_copy_engine=None, param_sync_copy_engine=None, skip_nonfinite_grads=False,
-                 copy_engine_timeout=_watchdog.DEFAULT_TIMEOUT_S):
+                 copy_engine_timeout=_watchdog.DEFAULT_TIMEOUT_S, bf16_stochastic_round=False,
+                 stochastic_round_seed=None):
         self.adam_w_mode = adam_w_mode
         self.amsgrad = amsgrad
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
@@ -55,4 +58,5 @@ class DistributedFusedAdam(ShardedOptimizer):
             store_params=store_params, store_param_remainders=store_param_remainders,
             with_scaled_states=with_scaled_states, nccl_ub=nccl_ub, capturable=capturable,
             grad_sync_copy_engine=grad_sync_copy_engine, param_sync_copy_engine=param_sync_copy_engine,
-            skip_nonfinite_grads=skip_nonfinite_grads, copy_engine_timeout=copy_engine_timeout)
+            skip_nonfinite_grads=skip_nonfinite_grads, copy_engine_timeout=copy_engine_timeout,
+            bf16_stochastic_round=bf16_stochastic_round, stochastic_round_seed=stochastic_round_seed)

@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from .. import kernels
 from .._groups import check_step_groups, pack_groups, param_names, plain_value, run_closure, set_group_values
+from .._rounding import refuse_masters, rounding_seed
 from .._rules import UpdateRule
 from .. import _storage
 from .._dtensor import refuse_sharded_params
@@ -53,7 +54,8 @@ from ._apex_methods import ApexMethods
 from ._agreement import check_same_setup, validate_then_agree
 from ._first_use import FirstUseGuard
 from ._nccl_ub import RegisteredPool, check_nccl_ub
-from ._options import PARAM_DTYPES, check_storage_options, check_sync_dtypes, storage_spec, sync_class
+from ._options import (PARAM_DTYPES, check_storage_options, check_sync_dtypes, resolve_store_params, storage_spec,
+                       sync_class)
 from ._iteration import BackwardOrderProbe, Grads, Iteration, Params
 from ._peer_gather import PeerParamGather
 from ._peer_reduce import PeerGradReduce
@@ -78,6 +80,7 @@ def _grad_ready(optimizer: weakref.ref, k: int, param: torch.Tensor) -> None:
     if opt._probe.active:
         opt._probe.record(k)  # the first iteration synchronises in step(), in the order learnt here
     elif not opt.iteration.no_sync:
+        opt._leave_consumed([k])
         opt.iteration.move_grads(Grads.REDUCING)
         opt._grad_sync.pack(k, param.grad)
         param.grad = opt._grad_views[k] if opt.contiguous_grad_buffer else None
@@ -147,10 +150,11 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
                  param_sync_dtype=None, device=None, process_group=None, distributed_process_group=None,
                  redundant_process_group=None, average_grad_sync=True, overlap_grad_sync=True,
                  overlap_param_sync=False, bucket_cap_mb=100, pipeline_size=2, contiguous_param_buffer=False,
-                 contiguous_grad_buffer=False, store_params=True, store_param_remainders=False,
+                 contiguous_grad_buffer=False, store_params=None, store_param_remainders=False,
                  with_scaled_states=False, nccl_ub=False, capturable=False, grad_sync_copy_engine=None,
                  param_sync_copy_engine=None, skip_nonfinite_grads=False,
-                 copy_engine_timeout=_watchdog.DEFAULT_TIMEOUT_S):
+                 copy_engine_timeout=_watchdog.DEFAULT_TIMEOUT_S, bf16_stochastic_round=False,
+                 stochastic_round_seed=None):
         name = type(self).__name__
         self.rule = rule
 
@@ -158,6 +162,9 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
             if not (isinstance(pipeline_size, int) and pipeline_size >= 1):
                 raise ValueError(f"pipeline_size must be an int >= 1 (buckets in flight), got {pipeline_size!r}")
             check_storage_options(dtype, store_params, store_param_remainders, with_scaled_states)
+            refuse_masters(bf16_stochastic_round, store_params=store_params is True,
+                           store_param_remainders=store_param_remainders, with_scaled_states=with_scaled_states)
+            self.rounding_seed = rounding_seed(bf16_stochastic_round, stochastic_round_seed)
             check_sync_dtypes(grad_sync_dtype, param_sync_dtype)
             if nccl_ub and not contiguous_grad_buffer:
                 raise ValueError("nccl_ub=True needs contiguous_grad_buffer=True (as apex): the NCCL-registered "
@@ -209,8 +216,9 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
         self.store_param_remainders = store_param_remainders
         self.with_scaled_states = with_scaled_states
         # store_params=False: no master of its own; the rule updates the
-        # parameter shard in param_sync_dtype (lossy below fp32, unlike remainders).
-        self.store_params = store_params
+        # parameter shard in param_sync_dtype (lossy below fp32, unlike
+        # remainders). None: resolved per layout (resolve_store_params).
+        self._store_params_option = self.store_params = store_params
         self.nccl_ub = nccl_ub
         self._nccl_pool = None
         self.average_grad_sync = average_grad_sync
@@ -367,10 +375,6 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
         if self._nccl_pool is not None:
             self._nccl_pool.close()
         self._nccl_pool = RegisteredPool(self.dist_group, dev) if self.nccl_ub else None
-        # Persistent: this rank's shards only. Full-size bucket buffers exist
-        # only while their collective runs (at most pipeline_size at a time).
-        with self._nccl_pool.allocate() if self.nccl_ub else contextlib.nullcontext():
-            self.grad_shards = BucketRows.allocate(self.layout.buckets, self.shard_size, grad_dtypes, dev)
         own = slice(self.rank * self.shard_size, (self.rank + 1) * self.shard_size)
         self.param_buffer, self.grad_buffer, self._grad_views = None, None, None
         # The peers map this rank's memory before the parameters move in: a refusal leaves them as they were.
@@ -395,6 +399,21 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
                 if p.grad is not None:
                     view.copy_(p.grad)
             self._attach_grad_views()
+        # Persistent: this rank's shards only. Full-size bucket buffers exist
+        # only while their collective runs (at most pipeline_size at a time).
+        # [Note: reduced shards in the gradient buffer]: with a contiguous
+        # gradient buffer reduced by a collective, each bucket is
+        # reduce-scattered in place (NCCL and gloo take an output that is the
+        # input's own piece), so the reduced shard is this rank's part of the
+        # buffer and costs no memory of its own; the buffer then holds it
+        # until zero_grad() (Grads.CONSUMED in _iteration.py). The copy
+        # engines sum into shards of their own.
+        self.grads_in_buffer = self.grad_buffer is not None and reduce is None
+        if self.grads_in_buffer:
+            self.grad_shards = self.grad_buffer.columns(own)
+        else:
+            with self._nccl_pool.allocate() if self.nccl_ub else contextlib.nullcontext():
+                self.grad_shards = BucketRows.allocate(self.layout.buckets, self.shard_size, grad_dtypes, dev)
         # This rank's pieces, ordered by group so that one launch covers them all.
         shard = sorted(self.layout.shard_fragments(self.rank), key=lambda f: self.param_groups_of[f.param])
         # The master and the rule's states in dtype; with_scaled_states and
@@ -402,6 +421,9 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
         # inside the kernel (_options.py). With remainders the
         # fp32 master is the bf16 parameter shard (its high half) plus int16
         # low halves: 2 bytes per parameter instead of 4.
+        self.store_params = resolve_store_params(self._store_params_option, self.dtype, self.store_param_remainders,
+                                                 self.with_scaled_states, param_dtypes.values(),
+                                                 self.rounding_seed is not None)
         spec = storage_spec(self.rule, self.dtype, self.store_params, self.store_param_remainders,
                             self.with_scaled_states)
         stored = spec.allocate(self.rule, (n_buckets, self.shard_size), len(shard), dev)
@@ -638,7 +660,7 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
                 self.skipped_steps += 1
                 _log.warning("%s: step skipped on every rank: the reduced gradients hold inf or NaN (%d steps "
                              "skipped so far)", type(self).__name__, self.skipped_steps)
-            self._end_iteration()
+            self._end_iteration(stepped=True)
             return loss
         if self.iteration.clip is not None:  # deferred: on the unscaled norm
             max_norm, scaled_norm = self.iteration.clip
@@ -650,7 +672,7 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
         for g in self.param_groups:
             g["step"] += advance
         self.rule.launch(self.plan, self.rule.hyper(self.param_groups), grad_scale=grad_scale,
-                         found_inf=found_inf if self.capturable else None)
+                         found_inf=found_inf if self.capturable else None, rounding_seed=self.rounding_seed)
         # The all-gathers write the parameters behind autograd's back: tell
         # it, so a graph that saved a parameter before this step refuses to
         # run backward through the new values (as after torch.optim's step).
@@ -664,7 +686,7 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
             self.param_sync()
         if self.overlap_param_sync:  # any other read waits on first use
             self._first_use.arm(self.params)
-        self._end_iteration()
+        self._end_iteration(stepped=True)
         return loss
 
     def _check_params_in_place(self) -> None:
@@ -703,9 +725,28 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
         dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.dist_group)
         return found
 
-    def _end_iteration(self) -> None:
+    def _end_iteration(self, stepped: bool = False) -> None:
         self._grad_sync.reset()
-        self.iteration.end()
+        self.iteration.end(consumed=stepped and self.grads_in_buffer)
+
+    def _leave_consumed(self, params) -> None:
+        """Before the first gradient of an iteration after a step that left
+        its reduced shards in the gradient buffer (Grads.CONSUMED): refuse a
+        gradient that autograd added into the buffer (params: indices whose
+        .grad to look at), else clear this rank's shard of it, which the
+        gradients that replaced their views do not all cover."""
+        if self.iteration.grads is not Grads.CONSUMED:
+            return
+        names = param_names(self.param_groups)
+        for k in params:
+            grad = self.params[k].grad
+            if grad is not None and grad.data_ptr() == self._grad_views[k].data_ptr():
+                raise RuntimeError(
+                    f"{names[id(self.params[k])]}: a gradient was added into the contiguous gradient buffer while "
+                    f"it still holds the last step's reduced shard ({type(self).__name__}(contiguous_grad_buffer="
+                    "True) reduces in place): call optimizer.zero_grad() between a step and the next backward")
+        self.grad_shards.zero_()
+        self.iteration.move_grads(Grads.REDUCING)
 
     def unscale_grads(self, *args, inv_scale=None, grad_scaler=None) -> dict:
         """apex's deferred unscale: divide this iteration's gradients by the
@@ -823,7 +864,7 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
         """The whole reduced gradient shard: its padding holds zeros, so its
         norm and non-finite flag are the shard's."""
         if self._norm_plan is None:
-            self._norm_plan = kernels.NormPlan([t.reshape(-1) for t in self.grad_shards.tensors],
+            self._norm_plan = kernels.NormPlan([t.reshape(-1) for t in self.grad_shards.blocks],
                                                check_addresses=False)  # own buffers
         return self._norm_plan
 
@@ -850,6 +891,7 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
         every bucket that backward has not started, and wait for all."""
         if self._probe.active:
             self._adopt_backward_order()
+        self._leave_consumed(range(len(self.params)))
         self._grad_sync.finish()
         if not self.contiguous_grad_buffer:
             for p in self.params:  # handed over: the reduced shards hold them now
