@@ -30,6 +30,12 @@ CONFIGS = {
     "fp32 params, contiguous buffers, store_params=True": dict(param_dtype=torch.float32, store_params=True,
                                                               contiguous_param_buffer=True,
                                                               contiguous_grad_buffer=True),
+    "fp32 params, contiguous buffers, FP8 states": dict(param_dtype=torch.float32, contiguous_param_buffer=True,
+                                                       contiguous_grad_buffer=True, exp_avg_dtype=torch.uint8,
+                                                       exp_avg_sq_dtype=torch.uint8),
+    "bf16 params, stochastic rounding, FP8 states": dict(param_dtype=torch.bfloat16, bf16_stochastic_round=True,
+                                                        contiguous_param_buffer=True, contiguous_grad_buffer=True,
+                                                        exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8),
 }
 # Buffers that hold the model's own parameters and gradients (the parameter
 # and gradient shards may be views of them: [Note: reduced shards in the

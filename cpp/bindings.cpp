@@ -41,7 +41,8 @@ using CudaUpdate = void (*)(const TensorTable&, const CudaTarget&, const std::ve
 // (device < 0) or on a CUDA device.
 template <class Rule>
 void def_update(nb::module_& m, const char* check_name, CpuUpdate cpu, CudaUpdate cuda) {
-  m.def(check_name, &check_table<Rule>, "table"_a, "scaled_master"_a);
+  m.def(check_name, &check_table<Rule>, "table"_a, "scaled"_a,
+        "scaled: bit i set when ScaledState i (master, exp_avg, exp_avg_sq) has per-tensor scales.");
   m.def(
       Rule::kName,
       [cpu, cuda](const TensorTable& t, const std::vector<AdamGroup>& groups, const AdamExtras& x, int device,
@@ -86,7 +87,8 @@ NB_MODULE(_core, m) {
       .value("int16", DType::I16)
       .value("float64", DType::F64)
       .value("int32", DType::I32)
-      .value("int64", DType::I64);
+      .value("int64", DType::I64)
+      .value("float8_e4m3fn", DType::F8E4M3);
 
   nb::class_<ScalarSrc>(m, "Scalar", "A number, or the address of a one-element tensor read by the kernel.")
       .def("__init__",
@@ -167,9 +169,10 @@ NB_MODULE(_core, m) {
   def_pass(m, "join_remainders", cpu_join_remainders, cuda_join_remainders,
            "Lists (bf16 params, int16 remainders, fp32 masters): write the exact fp32 master that "
            "each param and remainder represent (the inverse of split_remainders).");
-  m.def("pow2_scale_for", &pow2_scale_for, "amax"_a, "old_scale"_a,
-        "The per-tensor scale the kernels choose for scaled fp16 states (cpp/ops.h), in float32: "
-        "amax * scale just under 2^15, a power of two; old_scale when amax is 0 or not finite.");
+  m.def("pow2_scale_for", &pow2_scale_for, "amax"_a, "old_scale"_a, "top"_a = kF16ScaleTop,
+        "The per-tensor scale the kernels choose for scaled states (cpp/ops.h), in float32: "
+        "amax * scale just under 2^top (15 for fp16, 8 for FP8 E4M3), a power of two; old_scale when "
+        "amax is 0 or not finite.");
 
   m.def(
       "l2_norm",

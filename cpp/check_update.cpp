@@ -7,8 +7,9 @@ bool is_float(DType d) { return d == DType::F32 || d == DType::F16 || d == DType
 
 }  // namespace
 
-void check_update_table(const TensorTable& t, bool scaled_master, const std::string& rule,
+void check_update_table(const TensorTable& t, uint32_t scaled, const std::string& rule,
                         uint32_t required, uint32_t unused) {
+  const bool scaled_master = scaled & (1u << kScaledMaster);
   SHARDADAM_CHECK(t.num_lists() == kUpdateLists,
                   rule + ": a table needs the 7 update lists (UpdateList in cpp/update_rule.h)");
   for (int l = 0; l < kUpdateLists; ++l)
@@ -21,6 +22,17 @@ void check_update_table(const TensorTable& t, bool scaled_master, const std::str
   SHARDADAM_CHECK(!(rem && scaled_master),
                   rule + ": param_remainders and master_scales exclude each other: the remainder "
                          "already makes the bf16 param an exact fp32 master");
+  // FP8 states exist only scaled, every tensor of the list alike (the
+  // scale's top exponent follows the list's dtype: launch.h).
+  for (int i = kScaledExpAvg; i < kScaledStates; ++i) {
+    const int l = kScaledList[i];
+    if (!t.has_list(l)) continue;
+    bool any = false;
+    for (uint8_t d : t.list(l).dtypes) any |= DType(d) == DType::F8E4M3;
+    SHARDADAM_CHECK(!any || ((scaled & (1u << i)) && t.list_dtype_is(l, DType::F8E4M3)),
+                    rule + ": float8_e4m3fn " + t.list(l).name + " need per-tensor scales, and every tensor of "
+                    "the list in float8_e4m3fn");
+  }
   for (int l = 0; l < kUpdateLists; ++l) {
     if (!t.has_list(l)) continue;
     const ListSpec& spec = t.list(l);
@@ -32,6 +44,9 @@ void check_update_table(const TensorTable& t, bool scaled_master, const std::str
         SHARDADAM_CHECK(DType(t.list(kParam).dtypes[i]) == DType::BF16,
                         t.list(kParam).name + "[" + std::to_string(i) +
                             "] must be bfloat16 when param_remainders are given");
+      } else if (d == DType::F8E4M3) {
+        SHARDADAM_CHECK(l == kExpAvg || l == kExpAvgSq,
+                        at + " is float8_e4m3fn: FP8 stores exp_avg and exp_avg_sq only (with their scales)");
       } else {
         SHARDADAM_CHECK(is_float(d), at + " has dtype " + dtype_name(d) +
                                          "; supported: float32, float16, bfloat16");

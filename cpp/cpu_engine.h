@@ -66,6 +66,11 @@ class CpuIO {
         for (int k = 0; k < n; ++k) out[k] = f16_to_float(s[k]);
         break;
       }
+      case DType::F8E4M3: {
+        const uint8_t* s = reinterpret_cast<const uint8_t*>(t_.ptr[l]) + index_;
+        for (int k = 0; k < n; ++k) out[k] = f8e4m3_to_float(s[k]);
+        break;
+      }
       default:
         for (int k = 0; k < n; ++k) out[k] = 0.0f;
     }
@@ -92,6 +97,11 @@ class CpuIO {
       case DType::F16: {
         uint16_t* d = reinterpret_cast<uint16_t*>(t_.ptr[l]) + index_;
         for (int k = 0; k < n; ++k) d[k] = float_to_f16(in[k]);
+        break;
+      }
+      case DType::F8E4M3: {
+        uint8_t* d = reinterpret_cast<uint8_t*>(t_.ptr[l]) + index_;
+        for (int k = 0; k < n; ++k) d[k] = float_to_f8e4m3(in[k]);
         break;
       }
       default:

@@ -23,13 +23,20 @@ enum class DType : uint8_t {
   F64 = 5,  // scalar sources only
   I32 = 6,  // scalar sources only
   I64 = 7,  // scalar sources only
+  F8E4M3 = 8,  // FP8 E4M3 (OCP "fn": no infinities) in one byte; scaled optimizer states
 };
+
+// The dtypes a tensor of a table may have (the others are scalar sources).
+inline bool is_storage_dtype(uint8_t code) {
+  return (code >= uint8_t(DType::F32) && code <= uint8_t(DType::I16)) || code == uint8_t(DType::F8E4M3);
+}
 
 inline int64_t dtype_size(DType d) {
   switch (d) {
     case DType::F32: case DType::I32: return 4;
     case DType::F16: case DType::BF16: case DType::I16: return 2;
     case DType::F64: case DType::I64: return 8;
+    case DType::F8E4M3: return 1;
     default: return 0;
   }
 }
@@ -44,6 +51,7 @@ inline const char* dtype_name(DType d) {
     case DType::F64: return "float64";
     case DType::I32: return "int32";
     case DType::I64: return "int64";
+    case DType::F8E4M3: return "float8_e4m3fn";
   }
   return "unknown";
 }
@@ -156,6 +164,37 @@ SHARDADAM_HD uint64_t rounding_key(uint64_t seed, uint64_t step, uint32_t tensor
 // modulo 2^32: a tensor of more elements reuses the pattern 2^32 apart).
 SHARDADAM_HD uint32_t rounding_bits(uint64_t key, int64_t index) {
   return mix32(uint32_t(key >> 32) ^ (uint32_t(index) * 0x9e3779b9u + uint32_t(key)));
+}
+
+// FP8 E4M3 (1 sign, 4 exponent bits biased by 7, 3 mantissa bits; 0x7f and
+// 0xff are NaN, no infinities; largest finite 448, subnormals down to 2^-9).
+// Written out in integer and float steps so that the CPU and the GPU agree
+// bit for bit, and with torch's float8_e4m3fn on every finite input up to
+// 448: round to nearest even.
+SHARDADAM_HD float f8e4m3_to_float(uint8_t b) {
+  const uint32_t sign = uint32_t(b & 0x80u) << 24;
+  const uint32_t em = b & 0x7fu;
+  if (em == 0x7fu) return bits_float(sign | 0x7fc00000u);  // NaN
+  if (em < 0x08u) return bits_float(sign | float_bits(float(em) * 0.001953125f));  // subnormal: m * 2^-9
+  return bits_float(sign | ((em << 20) + (120u << 23)));  // rebias 7 -> 127
+}
+
+// Round to nearest even. NaN, infinities and magnitudes past 448 (which the
+// per-tensor scales keep far away) become NaN: a non-finite state stays
+// visible instead of saturating into a finite one.
+SHARDADAM_HD uint8_t float_to_f8e4m3(float f) {
+  uint32_t u = float_bits(f);
+  const uint8_t sign = uint8_t((u >> 24) & 0x80u);
+  u &= 0x7fffffffu;
+  if (u >= 0x43e80000u) return sign | 0x7fu;  // >= 464 (halfway to 480) or not finite: NaN
+  if (u < 0x3c800000u) {  // below 2^-6: the subnormal grid, multiples of 2^-9
+    // + 2^-9 * 2^23 makes the FPU round the value to a multiple of 2^-9 (ties to even).
+    const float shifted = bits_float(u) + 16384.0f;  // 2^14: its ulp is 2^-9
+    return sign | uint8_t(float_bits(shifted) - 0x46800000u);
+  }
+  const uint32_t odd = (u >> 20) & 1u;
+  u += 0x7ffffu + odd;  // round the mantissa to 3 bits, ties to even
+  return sign | uint8_t(((u >> 20) - (120u << 3)) & 0x7fu);
 }
 
 // An fp32 master stored as a bf16 model param (high half, rounded to nearest)

@@ -59,7 +59,7 @@ struct CpuEngine {
     for (int i = 0; i < kScaledStates; ++i)
       if (a.scales[i])
         for (int64_t t = 0; t < num_tensors; ++t)
-          a.scales[i][t] = pow2_scale_for(a.amax[i][t], a.scales[i][t]);
+          a.scales[i][t] = pow2_scale_for(a.amax[i][t], a.scales[i][t], a.scale_top[i]);
   }
   void finalize_norm(const float* partials, float* per_tensor, float* total) const {
     float sum = 0.0f;

@@ -29,13 +29,14 @@ struct AdamExtras {
 };
 
 // Dtype and presence rules for update tables (cpp/check_update.cpp); called
-// once when a plan is built. `required`, `unused`: list_bit masks.
-void check_update_table(const TensorTable& t, bool scaled_master, const std::string& rule,
+// once when a plan is built. `scaled`: bit i set when ScaledState i has
+// scales. `required`, `unused`: list_bit masks.
+void check_update_table(const TensorTable& t, uint32_t scaled, const std::string& rule,
                         uint32_t required, uint32_t unused);
 
 template <class Rule>
-void check_table(const TensorTable& t, bool scaled_master) {
-  check_update_table(t, scaled_master, Rule::kName, Rule::kRequired, Rule::kUnused);
+void check_table(const TensorTable& t, uint32_t scaled) {
+  check_update_table(t, scaled, Rule::kName, Rule::kRequired, Rule::kUnused);
 }
 
 template <class Rule, class Engine>
@@ -58,6 +59,7 @@ void run_update(const Engine& e, const TensorTable& t, const std::vector<AdamGro
     SHARDADAM_CHECK(!(x.scales[i] && (Rule::kUnused & list_bit(kScaledList[i]))),
                     name + ": " + kScaleNames[i] + " given for a state " + name + " does not keep");
     op.a.scales[i] = reinterpret_cast<float*>(x.scales[i]);
+    op.a.scale_top[i] = t.list_dtype_is(kScaledList[i], DType::F8E4M3) ? kF8ScaleTop : kF16ScaleTop;
     scaled |= x.scales[i] != 0;
   }
   const float* skip_if = reinterpret_cast<const float*>(x.found_inf);

@@ -49,13 +49,16 @@ constexpr int kScaledList[kScaledStates] = {kParam, kExpAvg, kExpAvgSq};
 
 // Scaled low-precision states keep value * scale with scale a power of two,
 // so scaling and unscaling are exact. The scale maps the tensor's absolute
-// maximum just under 2^15: far from fp16 overflow (65504), and values 2^39
-// below the maximum still land on fp16's subnormal grid.
-SHARDADAM_HD float pow2_scale_for(float amax, float old_scale) {
+// maximum just under 2^top: for fp16 2^15, far from its overflow (65504),
+// with values 2^39 below the maximum still on its subnormal grid; for FP8
+// E4M3 2^8 (its largest value is 448), down to 2^-17 of the maximum.
+constexpr int kF16ScaleTop = 15;
+constexpr int kF8ScaleTop = 8;
+SHARDADAM_HD float pow2_scale_for(float amax, float old_scale, int top = kF16ScaleTop) {
   if (!(amax > 0.0f) || !is_finite(amax)) return old_scale;
   int e;
   frexpf(amax, &e);  // amax < 2^e
-  int k = 15 - e;
+  int k = top - e;
   k = k > 126 ? 126 : (k < -126 ? -126 : k);
   return ldexpf(1.0f, k);
 }
@@ -76,6 +79,7 @@ struct UpdateArgs {
   ScalarSrc grad_scale;     // multiplies every gradient
   float* scales[kScaledStates] = {nullptr, nullptr, nullptr};  // [num_tensors] each, or null
   float* amax[kScaledStates] = {nullptr, nullptr, nullptr};    // scratch [num_tensors] each
+  int scale_top[kScaledStates] = {kF16ScaleTop, kF16ScaleTop, kF16ScaleTop};  // by the state's storage dtype
   UpdatePhase phase = UpdatePhase::Apply;
   // Store grad * grad_scale back into the grad list (a GradScaler's
   // gradients come out unscaled, as torch's fused Adam leaves them); like
@@ -118,7 +122,7 @@ struct UpdateOp {
       const float old_scale = a.scales[i] ? a.scales[i][ctx.tensor] : 1.0f;
       s.unscale[i] = 1.0f / old_scale;  // exact: scales are powers of two
       s.rescale[i] = (a.phase == UpdatePhase::ApplyScaled && a.scales[i])
-                         ? pow2_scale_for(a.amax[i][ctx.tensor], old_scale)
+                         ? pow2_scale_for(a.amax[i][ctx.tensor], old_scale, a.scale_top[i])
                          : 1.0f;
       s.amax[i] = 0.0f;
     }

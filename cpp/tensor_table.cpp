@@ -49,7 +49,7 @@ TensorTable::TensorTable(std::vector<ListSpec> lists, std::vector<uint32_t> grou
                       where(l, t) + " has " + std::to_string(l.numels[t]) + " elements but " +
                           where(first, t) + " has " + std::to_string(first.numels[t]) +
                           ": corresponding tensors must have the same number of elements");
-      SHARDADAM_CHECK(l.dtypes[t] >= uint8_t(DType::F32) && l.dtypes[t] <= uint8_t(DType::I16),
+      SHARDADAM_CHECK(is_storage_dtype(l.dtypes[t]),
                       where(l, t) + " has an unsupported dtype code " + std::to_string(l.dtypes[t]));
       SHARDADAM_CHECK(l.numels[t] >= 0, where(l, t) + " has a negative size");
       SHARDADAM_CHECK(l.numels[t] == 0 || l.ptrs[t] != 0, where(l, t) + " has a null data pointer");

@@ -10,7 +10,7 @@ __global__ void commit_scales_kernel(const __grid_constant__ UpdateArgs a, int64
   for (int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; t < num_tensors;
        t += int64_t(gridDim.x) * blockDim.x)
     for (int i = 0; i < kScaledStates; ++i)
-      if (a.scales[i]) a.scales[i][t] = pow2_scale_for(a.amax[i][t], a.scales[i][t]);
+      if (a.scales[i]) a.scales[i][t] = pow2_scale_for(a.amax[i][t], a.scales[i][t], a.scale_top[i]);
 }
 
 // One block: each thread adds its tensors' chunk partials in order, then the

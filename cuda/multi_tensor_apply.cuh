@@ -119,6 +119,13 @@ class CudaIO {
         for (int k = 0; k < K; ++k) out[k] = f16_to_float(r[k]);
         break;
       }
+      case DType::F8E4M3: {
+        uint8_t r[K];
+        load_raw(reinterpret_cast<const uint8_t*>(refs_.ptr[l]) + index_, r);
+#pragma unroll
+        for (int k = 0; k < K; ++k) out[k] = f8e4m3_to_float(r[k]);
+        break;
+      }
       default:
 #pragma unroll
         for (int k = 0; k < K; ++k) out[k] = 0.0f;
@@ -146,6 +153,13 @@ class CudaIO {
 #pragma unroll
         for (int k = 0; k < K; ++k) r[k] = float_to_f16(in[k]);
         store_raw(reinterpret_cast<uint16_t*>(refs_.ptr[l]) + index_, r);
+        break;
+      }
+      case DType::F8E4M3: {
+        uint8_t r[K];
+#pragma unroll
+        for (int k = 0; k < K; ++k) r[k] = float_to_f8e4m3(in[k]);
+        store_raw(reinterpret_cast<uint8_t*>(refs_.ptr[l]) + index_, r);
         break;
       }
       default:

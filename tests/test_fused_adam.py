@@ -503,7 +503,7 @@ BAD_DTYPES = {
     "exp_avg-float64": (dict(exp_avg_dtype=torch.float64), "exp_avg_dtype"),
     "exp_avg-int8": (dict(exp_avg_dtype=torch.int8), "exp_avg_dtype"),
     "exp_avg_sq-float64": (dict(exp_avg_sq_dtype=torch.float64), "exp_avg_sq_dtype"),
-    "exp_avg_sq-uint8": (dict(exp_avg_sq_dtype=torch.uint8), "exp_avg_sq_dtype"),
+    "exp_avg_sq-int16": (dict(exp_avg_sq_dtype=torch.int16), "exp_avg_sq_dtype"),
     "master-bf16": (dict(master_weights=True, master_weight_dtype=torch.bfloat16), "master_weight_dtype"),
     "master-float64": (dict(master_weights=True, master_weight_dtype=torch.float64), "master_weight_dtype"),
     "remainders-fp16-master": (dict(store_param_remainders=True, master_weight_dtype=torch.float16),

@@ -23,7 +23,7 @@ from ._tracked import GRAD, ReplacedParams, moved_indices
 
 _log = logging.getLogger("shardadam")
 
-STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 
 
 class FusedOptimizer(torch.optim.Optimizer):

@@ -6,7 +6,9 @@ few storage kinds:
 - plain: fp32 or bf16 values as they are (bf16 rounded to nearest even);
 - scaled: fp16 holding value * scale, the scale a power of two per tensor
   (per shard fragment in the ZeRO engine) that puts the absolute maximum just
-  under 2^15, so small values keep their precision;
+  under 2^15, so small values keep their precision; FP8 E4M3
+  (torch.float8_e4m3fn, TransformerEngine's uint8 states) the same way with
+  the maximum just under 2^8 (E4M3 reaches 448), always scaled;
 - remainder master: a bf16 parameter (the high half, rounded) and an int16
   low half that together are an exact fp32 master;
 - parameter as master (store_params=False): the parameter shard itself.
@@ -24,6 +26,9 @@ from dataclasses import dataclass
 import torch
 
 from . import kernels
+
+# The storage dtypes that carry a scale (FP8 always; fp16 unless apex's plain fp16 states).
+SCALED_DTYPES = (torch.float16, torch.float8_e4m3fn)
 
 # Where the exact master of a parameter lives.
 PARAM = "param"            # the parameter (shard) itself is the master
@@ -52,7 +57,7 @@ class StorageSpec:
         dtypes = dict(self.state_dtypes)
         if name == "max_exp_avg_sq":
             sq = dtypes.get("exp_avg_sq", torch.float32)
-            return torch.float32 if sq == torch.float16 else sq
+            return torch.float32 if sq in SCALED_DTYPES else sq
         return dtypes.get(name, torch.float32)
 
     def allocate(self, rule, size, scale_count: int, device) -> "Stored":
@@ -61,7 +66,8 @@ class StorageSpec:
         states = {name: torch.zeros(size, dtype=self.state_dtype(name), device=device) for name in rule.states}
         master = torch.zeros(size, dtype=self.master_dtype, device=device) if self.master == SEPARATE else None
         remainders = torch.zeros(size, dtype=torch.int16, device=device) if self.master == REMAINDER else None
-        scaled = [name for name in rule.scalable if states[name].dtype == torch.float16] if self.scaled_fp16 else []
+        scaled = [name for name in rule.scalable if states[name].dtype == torch.float8_e4m3fn
+                  or (self.scaled_fp16 and states[name].dtype == torch.float16)]
         if self.scaled_fp16 and master is not None and master.dtype == torch.float16:
             scaled.append("master")
         scales = {name: torch.ones(scale_count, dtype=torch.float32, device=device) for name in scaled}
@@ -92,7 +98,7 @@ def store(stored: torch.Tensor, values: torch.Tensor, scale: torch.Tensor | None
     these values."""
     values = values.to(device=stored.device, dtype=torch.float32)
     if scale is not None:
-        factor = kernels.pow2_scale_for(float(values.abs().max()) if values.numel() else 0.0)
+        factor = kernels.pow2_scale_for(float(values.abs().max()) if values.numel() else 0.0, 1.0, stored.dtype)
         scale.fill_(factor)
         values = values * factor
     stored.copy_(values)

@@ -28,10 +28,6 @@ def check_options(betas, exp_avg_dtype, exp_avg_sq_dtype, *, set_grad_none, use_
             f"FusedAdam: betas={betas!r}: positional arguments after lr follow TransformerEngine's (and torch's) "
             "order (lr, betas, eps, weight_decay, amsgrad); apex's order (lr, bias_correction, betas, eps, "
             "adam_w_mode, weight_decay, ...) must be passed by keyword")
-    for name, dtype in (("exp_avg_dtype", exp_avg_dtype), ("exp_avg_sq_dtype", exp_avg_sq_dtype)):
-        if dtype == torch.uint8:
-            raise ValueError(f"FusedAdam: {name}=torch.uint8 is TransformerEngine's FP8 (Float8Tensor) state, "
-                             "which is not supported: use torch.float16 (per-tensor scaled) or torch.bfloat16")
     if set_grad_none is not None and not isinstance(set_grad_none, bool):
         raise TypeError(f"FusedAdam: set_grad_none must be True, False or None, got {set_grad_none!r}")
     if flat_grads and set_grad_none:
@@ -40,6 +36,12 @@ def check_options(betas, exp_avg_dtype, exp_avg_sq_dtype, *, set_grad_none, use_
     if flat_grads and use_decoupled_grad:
         raise ValueError("FusedAdam: flat_grads=True makes p.grad views of the optimizer's buffers, "
                          "use_decoupled_grad=True reads p.decoupled_grad: use one of them")
+
+
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """TE's spelling of FP8 states, torch.uint8 (E4M3 bytes with a per-tensor
+    scale), as the storage dtype: torch.float8_e4m3fn."""
+    return torch.float8_e4m3fn if dtype == torch.uint8 else dtype
 
 
 def check_plain_params(where: str, params) -> None:

@@ -19,6 +19,7 @@ DTYPE_CODES = {
     torch.float16: _core.DType.float16,
     torch.bfloat16: _core.DType.bfloat16,
     torch.int16: _core.DType.int16,
+    torch.float8_e4m3fn: _core.DType.float8_e4m3fn,
 }
 SCALAR_CODES = {
     torch.float32: _core.DType.float32,

@@ -40,7 +40,9 @@ class FusedAdam(FusedOptimizer):
     each master starting from its tensor (a parameter that is its own master,
     fp32 or frozen, must equal it). store_param_remainders: bf16 params + int16
     remainders instead of an fp32 master (2 bytes per element).
-    exp_avg_dtype / exp_avg_sq_dtype: fp32, bf16, or fp16 (per-tensor scales).
+    exp_avg_dtype / exp_avg_sq_dtype: fp32, bf16, fp16 (per-tensor scales), or
+    FP8 E4M3 with per-tensor scales: torch.float8_e4m3fn, or torch.uint8 (TE's
+    spelling of the same storage).
     bf16_stochastic_round (torchao's name): bf16 params without a master are
     rounded stochastically, so updates below half a bf16 step count in
     expectation; stochastic_round_seed (an int; default: drawn from torch's
@@ -85,7 +87,8 @@ class FusedAdam(FusedOptimizer):
                         bias_correction=bias_correction, maximize=maximize)
         super().__init__(params, defaults, AdamRule(adam_w_mode, amsgrad), capturable=capturable,
                          master_weights=bool(master_weights), master_weight_dtype=master_weight_dtype,
-                         state_dtypes=dict(exp_avg=exp_avg_dtype, exp_avg_sq=exp_avg_sq_dtype),
+                         state_dtypes=dict(exp_avg=_te_apex.state_dtype(exp_avg_dtype),
+                                           exp_avg_sq=_te_apex.state_dtype(exp_avg_sq_dtype)),
                          store_param_remainders=store_param_remainders, flat_grads=flat_grads,
                          skip_nonfinite_grads=skip_nonfinite_grads,
                          grad_of=decoupled_grad if use_decoupled_grad else GRAD,

@@ -44,6 +44,8 @@ __all__ = ["AdamPlan", "LionPlan", "ScalePlan", "NormPlan", "Norms", "adam", "li
            "l2_norm", "split_remainders", "join_remainders", "pow2_scale_for"]
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+# States may also be FP8 E4M3 (with per-tensor scales, exp_avg and exp_avg_sq only).
+STATE_FLOATS = FLOATS + (torch.float8_e4m3fn,)
 
 
 # The lists of the core's update op, in its order (UpdateList in cpp/update_rule.h):
@@ -51,8 +53,8 @@ FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _UPDATE_LISTS = {
     "params": (True, FLOATS),
     "grads": (False, FLOATS),
-    "exp_avgs": (True, FLOATS),
-    "exp_avg_sqs": (True, FLOATS),
+    "exp_avgs": (True, STATE_FLOATS),
+    "exp_avg_sqs": (True, STATE_FLOATS),
     "max_exp_avg_sqs": (True, FLOATS),
     "params_out": (True, FLOATS),
     "param_remainders": (True, (torch.int16,)),
@@ -82,7 +84,7 @@ class _UpdatePlan(TensorPlan):
                          num_groups=len(group_sizes) if group_sizes is not None else 1, device=device,
                          check_addresses=check_addresses)
         self.scale_ptrs = tuple(per_tensor_ptr(name, scales.get(name), n, self.device) for name in _UPDATE_SCALES)
-        check_table(self.table, scales.get("master_scales") is not None)
+        check_table(self.table, sum(1 << i for i, name in enumerate(_UPDATE_SCALES) if scales.get(name) is not None))
         # The kernel reads and writes the scales through their addresses too.
         for name in _UPDATE_SCALES:
             self._watch(name, scales.get(name), written=True)
@@ -140,15 +142,16 @@ class LionPlan(_UpdatePlan):
 
 
 class ScalePlan(TensorPlan):
-    """outputs[i] = inputs[i] * scale, across float dtypes; in place when outputs is inputs.
+    """outputs[i] = inputs[i] * scale, across float dtypes (FP8 E4M3 included:
+    round to nearest even, NaN past 464); in place when outputs is inputs.
 
     check_addresses: see TensorPlan. Every launch bumps the outputs' version counters.
     """
 
     def __init__(self, inputs, outputs, *, check_addresses: bool = True):
         super().__init__("scale", {
-            "inputs": (as_list("inputs", inputs), False, FLOATS),
-            "outputs": (as_list("outputs", outputs), True, FLOATS),
+            "inputs": (as_list("inputs", inputs), False, STATE_FLOATS),
+            "outputs": (as_list("outputs", outputs), True, STATE_FLOATS),
         }, alias_list=0, check_addresses=check_addresses)
         if self.lists["outputs"] is None:
             raise ValueError("scale: outputs must be given (pass inputs again to scale in place)")
@@ -432,13 +435,15 @@ def _remainder_pass(kind: str, kernel, lists: dict) -> None:
     plan._bump_versions()
 
 
-def pow2_scale_for(amax: float, old_scale: float = 1.0) -> float:
-    """The scale the kernels choose for fp16 states: amax * scale just under
-    2^15, powers of two; old_scale kept when amax is 0 or not finite.
+def pow2_scale_for(amax: float, old_scale: float = 1.0, dtype: torch.dtype = torch.float16) -> float:
+    """The scale the kernels choose for scaled states stored in dtype: amax *
+    scale just under 2^15 for fp16 and 2^8 for torch.float8_e4m3fn (whose
+    largest value is 448), powers of two; old_scale kept when amax is 0 or
+    not finite.
 
     The core's own function, computed as the kernels do in float32: amax and
     old_scale are rounded to float32 first (an amax below float32's range
     counts as 0, above it as infinite), and the exponent is clamped to
     [-126, 126].
     """
-    return _core.pow2_scale_for(float(amax), float(old_scale))
+    return _core.pow2_scale_for(float(amax), float(old_scale), 8 if dtype == torch.float8_e4m3fn else 15)

@@ -93,11 +93,34 @@ def resolve_store_params(store_params: bool | None, dtype, store_param_remainder
     return with_scaled_states or not exact
 
 
+def state_dtypes(rule, **given) -> dict:
+    """exp_avg_dtype / exp_avg_sq_dtype (None: `dtype`): a state's storage of
+    its own, by state name. FP8 E4M3 (torch.float8_e4m3fn, or torch.uint8 as
+    TransformerEngine spells it) always carries a scale per shard fragment."""
+    chosen = {}
+    for option, value in given.items():
+        if value is None:
+            continue
+        name = option.removesuffix("_dtype")
+        if name not in rule.states:
+            raise ValueError(f"{option}: {rule.title} keeps no {name} (its states: {', '.join(rule.states)})")
+        value = torch.float8_e4m3fn if value == torch.uint8 else value
+        if value not in STATE_DTYPES + (torch.float8_e4m3fn,):
+            raise ValueError(f"{option} must be torch.float32, torch.float16, torch.bfloat16 or FP8 "
+                             f"(torch.float8_e4m3fn, or torch.uint8 as TransformerEngine spells it), got {value!r}")
+        chosen[name] = value
+    return chosen
+
+
 def storage_spec(rule, dtype, store_params: bool, store_param_remainders: bool,
-                 with_scaled_states: bool) -> _storage.StorageSpec:
-    """The StorageSpec of checked options."""
+                 with_scaled_states: bool, own_dtypes: dict | None = None) -> _storage.StorageSpec:
+    """The StorageSpec of checked options (own_dtypes: state_dtypes's)."""
+    own_dtypes = own_dtypes or {}
+    states = tuple((name, own_dtypes.get(name, dtype)) for name in rule.states
+                   if own_dtypes.get(name, dtype) != torch.float32)
     if store_param_remainders:
-        return _storage.StorageSpec(_storage.REMAINDER)
-    states = tuple((name, dtype) for name in rule.states if dtype != torch.float32)
+        return _storage.StorageSpec(_storage.REMAINDER, torch.float32, states)
     master = _storage.SEPARATE if store_params else _storage.PARAM
-    return _storage.StorageSpec(master, dtype, states, scaled_fp16=with_scaled_states)
+    # A state given fp16 of its own is scaled, as FusedAdam's; `dtype` fp16 only with with_scaled_states (apex).
+    scaled = with_scaled_states or torch.float16 in own_dtypes.values()
+    return _storage.StorageSpec(master, dtype, states, scaled_fp16=scaled)

@@ -54,8 +54,8 @@ from ._apex_methods import ApexMethods
 from ._agreement import check_same_setup, validate_then_agree
 from ._first_use import FirstUseGuard
 from ._nccl_ub import RegisteredPool, check_nccl_ub
-from ._options import (PARAM_DTYPES, check_storage_options, check_sync_dtypes, resolve_store_params, storage_spec,
-                       sync_class)
+from ._options import (PARAM_DTYPES, check_storage_options, check_sync_dtypes, resolve_store_params, state_dtypes,
+                       storage_spec, sync_class)
 from ._iteration import BackwardOrderProbe, Grads, Iteration, Params
 from ._peer_gather import PeerParamGather
 from ._peer_reduce import PeerGradReduce
@@ -154,7 +154,7 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
                  with_scaled_states=False, nccl_ub=False, capturable=False, grad_sync_copy_engine=None,
                  param_sync_copy_engine=None, skip_nonfinite_grads=False,
                  copy_engine_timeout=_watchdog.DEFAULT_TIMEOUT_S, bf16_stochastic_round=False,
-                 stochastic_round_seed=None):
+                 stochastic_round_seed=None, exp_avg_dtype=None, exp_avg_sq_dtype=None):
         name = type(self).__name__
         self.rule = rule
 
@@ -165,6 +165,8 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
             refuse_masters(bf16_stochastic_round, store_params=store_params is True,
                            store_param_remainders=store_param_remainders, with_scaled_states=with_scaled_states)
             self.rounding_seed = rounding_seed(bf16_stochastic_round, stochastic_round_seed)
+            given = dict(exp_avg_dtype=exp_avg_dtype, exp_avg_sq_dtype=exp_avg_sq_dtype)
+            self.state_dtypes = state_dtypes(rule, **given)  # each state's storage where not `dtype`
             check_sync_dtypes(grad_sync_dtype, param_sync_dtype)
             if nccl_ub and not contiguous_grad_buffer:
                 raise ValueError("nccl_ub=True needs contiguous_grad_buffer=True (as apex): the NCCL-registered "
@@ -425,7 +427,7 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
                                                  self.with_scaled_states, param_dtypes.values(),
                                                  self.rounding_seed is not None)
         spec = storage_spec(self.rule, self.dtype, self.store_params, self.store_param_remainders,
-                            self.with_scaled_states)
+                            self.with_scaled_states, self.state_dtypes)
         stored = spec.allocate(self.rule, (n_buckets, self.shard_size), len(shard), dev)
         self.states, self.master, self.remainders = stored.states, stored.master, stored.remainders
         self.state_scales = stored.scales
@@ -1064,7 +1066,7 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
         def group_name(g, absent: str = "default") -> str:
             return absent if g is None else f"(size {dist.get_world_size(g)}, id {id(g)})"
 
-        options = dict(self.rule.options(), dtype=self.dtype,
+        options = dict(self.rule.options(), dtype=self.dtype, state_dtypes=self.state_dtypes,
                        grad_sync_dtype=self.grad_sync_dtype, param_sync_dtype=self.param_sync_dtype,
                        device=self.device, average_grad_sync=self.average_grad_sync,
                        overlap_grad_sync=self.overlap_grad_sync, overlap_param_sync=self.overlap_param_sync,

@@ -1,0 +1,119 @@
+#!/usr/bin/env python
+"""shardadam's AdamW step in each storage kind, side by side in one run with
+torch's fused AdamW on the same tensors.
+
+Kinds (bytes a step must move per element: read and write the parameter and
+the states, read the gradient):
+
+- fp32: fp32 parameters and states, fp32 gradients: 28 B;
+- FP8 states: fp32 parameters and gradients, exp_avg and exp_avg_sq in FP8
+  E4M3 with a scale per tensor: 16 B. The scales follow each step's new
+  maxima, so the kernel runs twice (measure, then apply): it reads 26 B;
+- bf16, to nearest / stochastic: bf16 parameters that are their own master,
+  bf16 gradients, fp32 states: 22 B, rounding to nearest or stochastically
+  (bf16_stochastic_round: a 32-bit hash per element);
+- torch fused AdamW on fp32 (28 B) and on the bf16 parameters (its states
+  are then bf16 too: 14 B).
+
+Effective bandwidth = those bytes / time, next to a large device-to-device
+copy (bytes read + written).
+
+    python benchmarks/bench_storage_kinds.py --device cuda --out kinds.json
+    python benchmarks/bench_storage_kinds.py --device cpu --numel 27 --tensors 1,200
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+
+import torch
+
+import shardadam
+from shardadam import kernels
+from timing import time_steps
+
+F8 = torch.float8_e4m3fn
+
+
+def _split(numel: int, n: int) -> list[int]:
+    return [numel // n + (i < numel % n) for i in range(n)]
+
+
+def _shardadam(sizes, dev, param_dtype, state_dtype, seed=None):
+    params = [torch.randn(n, device=dev).to(param_dtype) for n in sizes]
+    grads = [torch.randn(n, device=dev).to(param_dtype) for n in sizes]
+    states = [[torch.zeros(n, device=dev, dtype=state_dtype) for n in sizes] for _ in range(2)]
+    scales = [torch.ones(len(sizes), device=dev) for _ in range(2)] if state_dtype == F8 else [None, None]
+    plan = kernels.AdamPlan(params, grads, *states, exp_avg_scales=scales[0], exp_avg_sq_scales=scales[1])
+    step = iter(range(1, 1 << 30))
+    return lambda: kernels.adam(plan, lr=1e-3, step=next(step), weight_decay=0.01, stochastic_rounding_seed=seed)
+
+
+def _torch_fused(sizes, dev, dtype):
+    params = [torch.nn.Parameter(torch.randn(n, device=dev).to(dtype)) for n in sizes]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, fused=True).step
+
+
+def _copy_gbs(numel: int, dev: str, reps: int) -> float:
+    """A device-to-device copy of numel fp32 elements: bytes read + written per second."""
+    src = torch.randn(numel, device=dev)
+    dst = torch.empty_like(src)
+    ms = statistics.median(time_steps(lambda: dst.copy_(src), dev, reps, 3))
+    return 2 * numel * 4 / ms / 1e6
+
+
+# name -> (bytes per element it must move, builder(sizes, dev))
+KINDS = {
+    "shardadam fp32": (28, lambda s, d: _shardadam(s, d, torch.float32, torch.float32)),
+    "shardadam FP8 states": (16, lambda s, d: _shardadam(s, d, torch.float32, F8)),
+    "shardadam bf16, to nearest": (22, lambda s, d: _shardadam(s, d, torch.bfloat16, torch.float32)),
+    "shardadam bf16, stochastic": (22, lambda s, d: _shardadam(s, d, torch.bfloat16, torch.float32, seed=1234)),
+    "torch fused fp32": (28, lambda s, d: _torch_fused(s, d, torch.float32)),
+    "torch fused bf16 (bf16 states)": (14, lambda s, d: _torch_fused(s, d, torch.bfloat16)),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
+    ap.add_argument("--numel", type=int, default=30, help="log2 of the element count (default 30)")
+    ap.add_argument("--tensors", default="1,200,20000", help="tensor counts, comma-separated")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    dev, numel = args.device, 1 << args.numel
+    torch.manual_seed(0)
+    copy_gbs = _copy_gbs(numel // 2, dev, args.reps)
+    rows = []
+    for n_tensors in map(int, args.tensors.split(",")):
+        sizes = _split(numel, n_tensors)
+        for name, (bytes_per_elem, build) in KINDS.items():
+            if name.startswith("torch") and dev == "cpu" and n_tensors > 1:
+                continue  # torch's CPU fused step is per tensor: the 1-tensor row says enough
+            fn = build(sizes, dev)
+            ms = statistics.median(time_steps(fn, dev, args.reps, 3))
+            gbs = bytes_per_elem * numel / ms / 1e6
+            rows.append(dict(tensors=n_tensors, impl=name, bytes=bytes_per_elem, ms=ms, gbs=gbs,
+                             of_copy=gbs / copy_gbs))
+            del fn
+            if dev == "cuda":
+                torch.cuda.empty_cache()
+    meta = dict(device=torch.cuda.get_device_name() if dev == "cuda" else platform.processor() or "cpu",
+                torch=torch.__version__, shardadam=shardadam.__version__, numel=numel, copy_gbs=copy_gbs,
+                cpu_threads=torch.get_num_threads())
+    print(f"{meta['device']}, 2^{args.numel} elements, copy {copy_gbs:.0f} GB/s")
+    print("| tensors | step | B/elem | ms | GB/s | of copy |")
+    print("|---:|---|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['tensors']} | {r['impl']} | {r['bytes']} | {r['ms']:.2f} | {r['gbs']:.0f} | {r['of_copy']:.2f} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
