@@ -3,7 +3,8 @@
 example GPT (examples/train.py: a small GPT learning Python source, character
 by character) trained from the same seed on the same batches with
 
-- fp32 parameters (the reference), and with FP8 E4M3 exp_avg and exp_avg_sq,
+- fp32 parameters (the reference), with FP8 E4M3 exp_avg and exp_avg_sq, and
+  with FP8 exp_avg only,
 - bf16 parameters with fp32 masters (master_weights=True),
 - bf16 parameters without a master, rounded stochastically (bf16_stochastic_round),
 - bf16 parameters without a master, rounded to nearest (what stochastic rounding fixes),
@@ -11,7 +12,7 @@ by character) trained from the same seed on the same batches with
 then the final losses (mean of the last tenth of the steps) against fp32's,
 and the loss curves overlaid (CSV and SVG).
 
-    python benchmarks/quality_storage.py --out results/quality_storage_cpu   # CPU, a few minutes
+    python benchmarks/quality_storage.py --kinds "fp32,FP8 states,FP8 exp_avg" --out results/quality_storage_cpu
     python benchmarks/quality_storage.py --device cuda --steps 2000 --out results/quality_storage_h200
 """
 from __future__ import annotations
@@ -32,10 +33,11 @@ from train import corpus, train  # noqa: E402
 
 KINDS = {
     "fp32": (torch.float32, {}),
-    "fp32, FP8 states": (torch.float32, dict(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8)),
+    "FP8 states": (torch.float32, dict(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8)),
+    "FP8 exp_avg": (torch.float32, dict(exp_avg_dtype=torch.uint8)),
     "bf16 + fp32 masters": (torch.bfloat16, dict(master_weights=True)),
-    "bf16, stochastic rounding": (torch.bfloat16, dict(bf16_stochastic_round=True, stochastic_round_seed=0)),
-    "bf16, round to nearest": (torch.bfloat16, {}),
+    "bf16 stochastic rounding": (torch.bfloat16, dict(bf16_stochastic_round=True, stochastic_round_seed=0)),
+    "bf16 round to nearest": (torch.bfloat16, {}),
 }
 
 
@@ -48,15 +50,21 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--chars", type=int, default=2_000_000)
+    ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated subset of: " + ", ".join(KINDS))
     ap.add_argument("--out", type=pathlib.Path, help="write <out>.csv, <out>.svg and <out>.json")
     args = ap.parse_args()
+    kinds = args.kinds.split(",")
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown or "fp32" not in kinds:
+        ap.error(f"--kinds: unknown {unknown}, or fp32 (the reference) missing")
     args.log_every = max(1, args.steps // 6)
     text = corpus(args.chars)
     chars = sorted(set(text))
     index = {c: i for i, c in enumerate(chars)}
     data = torch.tensor([index[c] for c in text], dtype=torch.long)
     curves = {}
-    for name, (dtype, options) in KINDS.items():
+    for name in kinds:
+        dtype, options = KINDS[name]
         curves[name] = train(name, lambda groups, o=options: shardadam.FusedAdam(groups, lr=args.lr, **o), args,
                              data, len(chars), dtype)
     tail = max(1, args.steps // 10)
