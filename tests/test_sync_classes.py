@@ -286,3 +286,20 @@ def test_state_survives_a_change_of_sync_classes(one_rank):
         assert torch.equal(state[k]["param"], value), k
         assert not state[k]["exp_avg"].any()
     assert torch.equal(state[4]["param"], torch.full_like(params[4], 0.5))
+
+
+def test_classes_without_elements_have_empty_rows(one_rank):
+    """A sync class whose parameters hold no elements has no buckets (empty
+    rows); a model of such parameters alone steps too."""
+    empty, lone, weight = nn.Parameter(torch.zeros(0)), nn.Parameter(torch.zeros(0, dtype=BF16)), nn.Parameter(
+        torch.ones(4))
+    opt = shardadam.DistributedFusedAdam([empty, lone, weight], lr=0.1, bucket_cap_mb=1e-4)
+    for p in (empty, lone, weight):
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert torch.allclose(weight.detach(), torch.full((4,), 0.9)) and empty.numel() == lone.numel() == 0
+    alone = nn.Parameter(torch.zeros(0))
+    opt = shardadam.DistributedFusedAdam([alone], lr=0.1)
+    alone.grad = torch.zeros(0)
+    opt.step()
+    assert opt.state_dict()["state"][0]["param"].numel() == 0

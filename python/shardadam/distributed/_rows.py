@@ -34,10 +34,11 @@ class BucketRows:
 
     @classmethod
     def allocate(cls, buckets: list, size: int, dtype_of_key: dict, device, factory=torch.zeros) -> BucketRows:
-        """[count of key, size] per key of the layout's buckets, in that key's dtype."""
-        counts: dict = {}
+        """[count of key, size] per key, in that key's dtype (a key whose
+        parameters have no elements has no buckets: an empty tensor)."""
+        counts = dict.fromkeys(dtype_of_key, 0)
         for bucket in buckets:
-            counts[bucket.key] = counts.get(bucket.key, 0) + 1
+            counts[bucket.key] += 1
         tensors = {key: factory(n, size, dtype=dtype_of_key[key], device=device) for key, n in counts.items()}
         return cls(list(tensors.values()), [tensors[bucket.key][bucket.index] for bucket in buckets])
 
