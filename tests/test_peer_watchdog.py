@@ -30,6 +30,7 @@ import shardadam
 from shardadam.distributed import _peer, _watchdog
 from shardadam.distributed._peer_gather import LANDED, READY, PeerParamGather
 from shardadam.distributed._peer_reduce import ARRIVED, FREED, PeerGradReduce
+from shardadam.distributed._rows import BucketRows
 from shardadam.distributed._sync import GradSync
 from shardadam.distributed.layout import BucketLayout
 
@@ -479,11 +480,11 @@ def test_grad_sync_tells_the_copy_engines_each_bucket(contiguous):
     layout = BucketLayout([p.numel() for p in params], [0] * len(params), 2, 600 * 4 / (1 << 20), {0: 4})
     n_buckets = len(layout.buckets)
     assert n_buckets > 1
-    shards = torch.zeros(n_buckets, layout.shard_size(0))
+    shards = BucketRows.of(torch.zeros(n_buckets, layout.shard_size(0)))
     peer = _RecordingPeer()
     buffer = views = None
     if contiguous:
-        buffer = torch.zeros(n_buckets, layout.bucket_size(0))
+        buffer = BucketRows.of(torch.zeros(n_buckets, layout.bucket_size(0)))
         views = [torch.zeros_like(p) for p in params]  # not the buffer's views: packed by copy
     sync = GradSync(params, layout, shards, None, 2, buffer=buffer, views=views, peer=peer)
     for k in reversed(range(len(params))):
