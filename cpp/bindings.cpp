@@ -19,13 +19,14 @@ using namespace shardadam;
 namespace {
 
 using ListTuple = std::tuple<std::string, std::vector<uint64_t>, std::vector<int64_t>,
-                             std::vector<uint8_t>, bool>;
+                             std::vector<uint8_t>, bool, int>;
 
 TensorTable make_table(const std::vector<ListTuple>& lists, std::vector<uint32_t> groups,
                        int64_t num_groups, int64_t chunk_size, int alias_list) {
   std::vector<ListSpec> specs;
   for (const ListTuple& l : lists)
-    specs.push_back(ListSpec{std::get<0>(l), std::get<1>(l), std::get<2>(l), std::get<3>(l), std::get<4>(l)});
+    specs.push_back(
+        ListSpec{std::get<0>(l), std::get<1>(l), std::get<2>(l), std::get<3>(l), std::get<4>(l), std::get<5>(l)});
   return TensorTable(std::move(specs), std::move(groups), num_groups, chunk_size, alias_list);
 }
 
@@ -88,7 +89,9 @@ NB_MODULE(_core, m) {
       .value("float64", DType::F64)
       .value("int32", DType::I32)
       .value("int64", DType::I64)
-      .value("float8_e4m3fn", DType::F8E4M3);
+      .value("float8_e4m3fn", DType::F8E4M3)
+      .value("q8_signed", DType::Q8S)
+      .value("q8_unsigned", DType::Q8U);
 
   nb::class_<ScalarSrc>(m, "Scalar", "A number, or the address of a one-element tensor read by the kernel.")
       .def("__init__",
@@ -133,8 +136,8 @@ NB_MODULE(_core, m) {
              new (t) TensorTable(make_table(lists, std::move(groups), num_groups, chunk_size, alias_list));
            },
            "lists"_a, "groups"_a, "num_groups"_a, "chunk_size"_a, "alias_list"_a = -1,
-           "lists: (name, addresses, numels, dtype codes, written) per list; an absent list has "
-           "no addresses. groups: a non-decreasing group index per tensor, or empty (one group). "
+           "lists: (name, addresses, numels, dtype codes, written, blocks_of) per list; an absent "
+           "list has no addresses; blocks_of: the list whose block maxima this one holds, or -1. groups: a non-decreasing group index per tensor, or empty (one group). "
            "alias_list: a written list may be exactly this list's tensor (in place).")
       .def_prop_ro("num_lists", &TensorTable::num_lists)
       .def_prop_ro("num_tensors", &TensorTable::num_tensors)
@@ -173,6 +176,16 @@ NB_MODULE(_core, m) {
         "The per-tensor scale the kernels choose for scaled states (cpp/ops.h), in float32: "
         "amax * scale just under 2^top (15 for fp16, 8 for FP8 E4M3), a power of two; old_scale when "
         "amax is 0 or not finite.");
+
+  m.def(
+      "q8_map",
+      [](bool is_signed) {
+        const Q8Map& q = q8_maps().map[is_signed ? 0 : 1];
+        return std::vector<float>(q.decode, q.decode + 256);
+      },
+      "signed"_a,
+      "The dynamic map of blockwise 8-bit states (cpp/dtype.h): the value / block maximum of each code.");
+  m.def("q8_block", []() { return kQuantBlock; }, "Elements per block of blockwise 8-bit states.");
 
   m.def(
       "l2_norm",

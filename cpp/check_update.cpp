@@ -11,7 +11,9 @@ void check_update_table(const TensorTable& t, uint32_t scaled, const std::string
                         uint32_t required, uint32_t unused) {
   const bool scaled_master = scaled & (1u << kScaledMaster);
   SHARDADAM_CHECK(t.num_lists() == kUpdateLists,
-                  rule + ": a table needs the 7 update lists (UpdateList in cpp/update_rule.h)");
+                  rule + ": a table needs the 9 update lists (UpdateList in cpp/update_rule.h)");
+  SHARDADAM_CHECK(t.list(kExpAvgBlocks).blocks_of == kExpAvg && t.list(kExpAvgSqBlocks).blocks_of == kExpAvgSq,
+                  rule + ": the block maxima lists must be marked as those of exp_avg and exp_avg_sq");
   for (int l = 0; l < kUpdateLists; ++l)
     SHARDADAM_CHECK(!(unused & list_bit(l)) || !t.has_list(l),
                     rule + ": " + t.list(l).name + " must not be given: " + rule + " keeps no such state");
@@ -33,8 +35,22 @@ void check_update_table(const TensorTable& t, uint32_t scaled, const std::string
                     rule + ": float8_e4m3fn " + t.list(l).name + " need per-tensor scales, and every tensor of "
                     "the list in float8_e4m3fn");
   }
-  for (int l = 0; l < kUpdateLists; ++l) {
+  // Blockwise 8-bit states: exp_avg in the signed map, exp_avg_sq in the
+  // unsigned one (its values are never negative), never with scales.
+  for (int i = kScaledExpAvg; i < kScaledStates; ++i) {
+    const int l = kScaledList[i];
     if (!t.has_list(l)) continue;
+    const DType want = l == kExpAvg ? DType::Q8S : DType::Q8U;
+    for (int64_t k = 0; k < t.num_tensors(); ++k) {
+      const DType d = DType(t.list(l).dtypes[k]);
+      if (!is_blockwise(d)) continue;
+      const std::string at = t.list(l).name + "[" + std::to_string(k) + "]";
+      SHARDADAM_CHECK(d == want, at + " is " + dtype_name(d) + "; " + t.list(l).name + " takes " + dtype_name(want));
+      SHARDADAM_CHECK(!(scaled & (1u << i)), at + " is blockwise 8-bit, which has block maxima, not per-tensor scales");
+    }
+  }
+  for (int l = 0; l < kUpdateLists; ++l) {
+    if (!t.has_list(l) || l == kExpAvgBlocks || l == kExpAvgSqBlocks) continue;  // blocks: the table checked them
     const ListSpec& spec = t.list(l);
     for (int64_t i = 0; i < t.num_tensors(); ++i) {
       const DType d = DType(spec.dtypes[i]);
@@ -44,6 +60,9 @@ void check_update_table(const TensorTable& t, uint32_t scaled, const std::string
         SHARDADAM_CHECK(DType(t.list(kParam).dtypes[i]) == DType::BF16,
                         t.list(kParam).name + "[" + std::to_string(i) +
                             "] must be bfloat16 when param_remainders are given");
+      } else if (is_blockwise(d)) {
+        SHARDADAM_CHECK(l == kExpAvg || l == kExpAvgSq,
+                        at + " is blockwise 8-bit: it stores exp_avg and exp_avg_sq only");
       } else if (d == DType::F8E4M3) {
         SHARDADAM_CHECK(l == kExpAvg || l == kExpAvgSq,
                         at + " is float8_e4m3fn: FP8 stores exp_avg and exp_avg_sq only (with their scales)");

@@ -12,19 +12,24 @@
 namespace shardadam {
 
 constexpr int kCpuTile = 32;
+// Tables with blockwise 8-bit lists are walked a block per tile.
+constexpr int kCpuBlockTile = kQuantBlock;
 
 // Addresses and dtypes of one tensor in every list, read once per chunk.
 template <int L>
 struct CpuTensor {
-  CpuTensor(const TableView& tv, uint32_t tensor) {
+  CpuTensor(const TableView& tv, uint32_t tensor) : q8(tv.q8) {
     for (int l = 0; l < L; ++l) {
       ptr[l] = reinterpret_cast<char*>(tv.ptrs[int64_t(l) * tv.num_tensors + tensor]);
       dtype[l] = DType(tv.dtypes[int64_t(l) * tv.num_tensors + tensor]);
+      block_list[l] = tv.block_list[l];
       all_f32 &= dtype[l] == DType::F32 || dtype[l] == DType::None;
     }
   }
   char* ptr[L];
   DType dtype[L];
+  int8_t block_list[L];
+  const Q8Maps* q8;
   bool all_f32 = true;  // every present list is float32
 };
 
@@ -71,6 +76,13 @@ class CpuIO {
         for (int k = 0; k < n; ++k) out[k] = f8e4m3_to_float(s[k]);
         break;
       }
+      case DType::Q8S: case DType::Q8U: {
+        const uint8_t* s = reinterpret_cast<const uint8_t*>(t_.ptr[l]) + index_;
+        const float* decode = q8_map_of(*t_.q8, t_.dtype[l]).decode;
+        const float absmax = *block_max_ptr(l);
+        for (int k = 0; k < n; ++k) out[k] = decode[s[k]] * absmax;
+        break;
+      }
       default:
         for (int k = 0; k < n; ++k) out[k] = 0.0f;
     }
@@ -104,9 +116,26 @@ class CpuIO {
         for (int k = 0; k < n; ++k) d[k] = float_to_f8e4m3(in[k]);
         break;
       }
+      case DType::Q8S: case DType::Q8U: {  // the tile is one block
+        uint8_t* d = reinterpret_cast<uint8_t*>(t_.ptr[l]) + index_;
+        const Q8Map& map = q8_map_of(*t_.q8, t_.dtype[l]);
+        float absmax = 0.0f;
+        for (int k = 0; k < n; ++k) absmax = nan_max(absmax, fabsf(in[k]));
+        absmax = q8_block_max(absmax);
+        const float inv = q8_inverse(absmax);
+        const bool is_signed = t_.dtype[l] == DType::Q8S;
+        for (int k = 0; k < n; ++k) d[k] = q8_encode(in[k] * inv, map, is_signed);
+        *block_max_ptr(l) = absmax;
+        break;
+      }
       default:
         break;
     }
+  }
+
+  // The maximum of this tile's block (blockwise list l).
+  float* block_max_ptr(int l) const {
+    return reinterpret_cast<float*>(t_.ptr[t_.block_list[l]]) + index_ / kQuantBlock;
   }
 
   void load_bits(int l, uint16_t (&out)[K]) const {
@@ -184,6 +213,15 @@ void cpu_run_chunks(const TableView& tv, int64_t chunk_begin, int64_t chunk_end,
       current_group = ctx.group;
     }
     const CpuTensor<Op::kLists> tensor(tv, ch.tensor);
+    if constexpr (Op::kBlockwise) {
+      if (tv.blockwise) {  // chunks start on block boundaries (the table's chunk size)
+        auto state = op.template begin<kCpuBlockTile>(ctx, group_state);
+        cpu_run_tiles<kCpuBlockTile, false>(tensor, ch, op, state);
+        CpuReducer red;
+        op.template finish<kCpuBlockTile>(ctx, state, red);
+        continue;
+      }
+    }
     auto state = op.template begin<K>(ctx, group_state);
     if (tensor.all_f32) cpu_run_tiles<K, true>(tensor, ch, op, state);
     else cpu_run_tiles<K, false>(tensor, ch, op, state);
@@ -200,6 +238,7 @@ constexpr int64_t kCpuParallelMin = int64_t(1) << 16;
 template <class Op, class Run>
 void cpu_apply(const TableView& tv, int64_t chunk_begin, int64_t chunk_end, const Op& op,
                const float* skip_if, int threads, Run run) {
+  SHARDADAM_CHECK(Op::kBlockwise || !tv.blockwise, "this operation takes no blockwise 8-bit lists");
   if (flag_is_set(skip_if) || chunk_end <= chunk_begin) return;
   int64_t work = 0;
   for (int64_t c = chunk_begin; c < chunk_end && work < kCpuParallelMin; ++c) work += tv.chunks[c].len;

@@ -2,6 +2,7 @@
 // The math always runs in float; storage types only meet it through these.
 #pragma once
 
+#include <cmath>
 #include <cstring>
 
 #include "common.h"
@@ -24,11 +25,17 @@ enum class DType : uint8_t {
   I32 = 6,  // scalar sources only
   I64 = 7,  // scalar sources only
   F8E4M3 = 8,  // FP8 E4M3 (OCP "fn": no infinities) in one byte; scaled optimizer states
+  Q8S = 9,     // 8-bit code of the signed dynamic map, scaled per block ([Note: blockwise 8-bit states])
+  Q8U = 10,    // 8-bit code of the unsigned dynamic map, scaled per block
 };
 
 // The dtypes a tensor of a table may have (the others are scalar sources).
 inline bool is_storage_dtype(uint8_t code) {
-  return (code >= uint8_t(DType::F32) && code <= uint8_t(DType::I16)) || code == uint8_t(DType::F8E4M3);
+  return (code >= uint8_t(DType::F32) && code <= uint8_t(DType::I16)) ||
+         (code >= uint8_t(DType::F8E4M3) && code <= uint8_t(DType::Q8U));
+}
+
+inline bool is_blockwise(DType d) { return d == DType::Q8S || d == DType::Q8U;
 }
 
 inline int64_t dtype_size(DType d) {
@@ -36,7 +43,7 @@ inline int64_t dtype_size(DType d) {
     case DType::F32: case DType::I32: return 4;
     case DType::F16: case DType::BF16: case DType::I16: return 2;
     case DType::F64: case DType::I64: return 8;
-    case DType::F8E4M3: return 1;
+    case DType::F8E4M3: case DType::Q8S: case DType::Q8U: return 1;
     default: return 0;
   }
 }
@@ -52,6 +59,8 @@ inline const char* dtype_name(DType d) {
     case DType::I32: return "int32";
     case DType::I64: return "int64";
     case DType::F8E4M3: return "float8_e4m3fn";
+    case DType::Q8S: return "blockwise8 (signed)";
+    case DType::Q8U: return "blockwise8 (unsigned)";
   }
   return "unknown";
 }
@@ -196,6 +205,79 @@ SHARDADAM_HD uint8_t float_to_f8e4m3(float f) {
   u += 0x7ffffu + odd;  // round the mantissa to 3 bits, ties to even
   return sign | uint8_t(((u >> 20) - (120u << 3)) & 0x7fu);
 }
+
+// [Note: blockwise 8-bit states] The 8-bit optimizers of Dettmers et al.
+// ("8-bit Optimizers via Block-wise Quantization", 2022): a state is cut into
+// blocks of 256 elements in memory order (from each tensor's first element);
+// a block stores its absolute maximum as one fp32 and each element as an
+// 8-bit code of value / absmax in a dynamic map. The map spends its codes
+// like a float with a variable-length exponent: decades 10^-z (z = 0 is
+// (0.1, 1]) each hold a linear grid, the top decade the finest, so that
+// relative precision stays even across seven decades. Signed map (exp_avg):
+// a sign bit and 7 magnitude bits, decades z = 0..6 holding 2^(6-z) values;
+// unsigned map (exp_avg_sq): 8 magnitude bits, decades 0..7 holding
+// 2^(7-z). Magnitude code 0 is 0; code c in [2^k, 2^(k+1)) is decade
+// z = top - k, value lower_z + (c - 2^k + 1) * step_z, where lower_z is
+// 10^-(z+1) (0 for the bottom decade, which reaches down to 0) and the top
+// code of each decade is exactly 10^-z (1.0 for z = 0, so a block's largest
+// element is stored exactly).
+//
+// Encoding rounds value / absmax to the nearest map value with no search:
+// the float's exponent and its top 8 mantissa bits index a table of cells
+// (relative width 2^-8, narrower than the map's finest relative step, so a
+// cell holds at most one midpoint between map values), which gives the code
+// nearest the cell's start; one comparison with the midpoint above that code
+// settles it. Two table reads and a comparison, the same on the CPU and the
+// GPU bit for bit; encoding a decoded value gives back its code. A block's
+// update decodes, steps and re-encodes in one pass: its new maximum is
+// reduced over the block (one warp on the GPU) before any code is written.
+constexpr int kQuantBlock = 256;
+constexpr int kQ8Octaves = 32;  // octave o: |y| in [2^-o, 2^(1-o)); the last also takes everything below
+
+struct Q8Map {
+  float decode[256];  // code -> value in [-1, 1] (signed) or [0, 1]
+  float mid[128 * 2];  // magnitude code c -> midpoint to the next larger value (+inf past the top)
+  uint8_t cell[kQ8Octaves * 256];  // (octave, top 8 mantissa bits) -> magnitude code nearest the cell's start
+};
+struct Q8Maps {
+  Q8Map map[2];  // [0] signed (Q8S), [1] unsigned (Q8U)
+};
+static_assert(sizeof(Q8Maps) % 16 == 0, "Q8Maps is copied in 16-byte words");
+
+// The maps, built once on the host (cpp/q8_map.cpp).
+const Q8Maps& q8_maps();
+
+SHARDADAM_HD const Q8Map& q8_map_of(const Q8Maps& maps, DType d) { return maps.map[d == DType::Q8U ? 1 : 0]; }
+
+// The magnitude code of y >= 0 (y = value / absmax, at most 1 but for
+// rounding; NaN gives a code too, which its block's NaN maximum makes
+// decode to NaN).
+SHARDADAM_HD uint32_t q8_magnitude_code(float y, const Q8Map& q) {
+  const uint32_t bits = float_bits(y);
+  int o = 127 - int(bits >> 23);
+  o = o < 0 ? 0 : (o > kQ8Octaves - 1 ? kQ8Octaves - 1 : o);
+  const uint32_t c = q.cell[(o << 8) | ((bits >> 15) & 0xffu)];
+  return c + (y > q.mid[c] ? 1u : 0u);
+}
+
+// The code of y = value / absmax: the signed map keeps the sign in bit 7
+// (zero always as code 0); the unsigned map takes negative values as 0.
+SHARDADAM_HD uint8_t q8_encode(float y, const Q8Map& q, bool is_signed) {
+  if (!is_signed) return uint8_t(q8_magnitude_code(fmaxf(y, 0.0f), q));
+  const uint32_t mag = q8_magnitude_code(fabsf(y), q);
+  return uint8_t(mag == 0 ? 0u : (mag | ((float_bits(y) >> 24) & 0x80u)));
+}
+
+// The maximum a block stores: NaN when the block holds an infinity or a
+// NaN, so that every element of it decodes to NaN (a non-finite state stays
+// visible instead of turning into finite values).
+SHARDADAM_HD float q8_block_max(float absmax) {
+  return (float_bits(absmax) & 0x7f800000u) != 0x7f800000u ? absmax : bits_float(0x7fc00000u);
+}
+
+// 1 / the stored maximum, or 0 for a block of zeros (every code 0) and for a
+// NaN maximum (the codes are then irrelevant).
+SHARDADAM_HD float q8_inverse(float absmax) { return absmax > 0.0f ? 1.0f / absmax : 0.0f; }
 
 // An fp32 master stored as a bf16 model param (high half, rounded to nearest)
 // plus an int16 remainder (low half). Rounding up is recorded by the sign of

@@ -86,6 +86,8 @@ void run_update(const Engine& e, const TensorTable& t, const std::vector<AdamGro
 template <class Engine>
 void run_scale(const Engine& e, const TensorTable& t, ScalarSrc scale, uint64_t found_inf,
                uint64_t skip_if) {
+  SHARDADAM_CHECK(t.num_lists() == ScaleOp::kLists && t.list(2).blocks_of == 0 && t.list(3).blocks_of == 1,
+                  "scale: a table needs 4 lists: inputs, outputs, and their block maxima (marked as theirs)");
   ScaleOp op;
   op.scale = scale;
   op.found_inf = reinterpret_cast<float*>(found_inf);
@@ -112,6 +114,7 @@ void run_remainders(const Engine& e, const TensorTable& t) {
 template <class Engine>
 void run_l2_norm(const Engine& e, const TensorTable& t, uint64_t partials, uint64_t per_tensor,
                  uint64_t total, uint64_t nonfinite) {
+  SHARDADAM_CHECK(t.num_lists() == SumSqOp::kLists, "l2_norm: a table needs 1 list");
   SumSqOp op;
   op.partials = reinterpret_cast<float*>(partials);
   op.nonfinite = reinterpret_cast<float*>(nonfinite);

@@ -12,7 +12,11 @@
 //   Reducer (once per chunk, all threads of a chunk call it together):
 //     max_to(float*, v), sum_to(float*, v), flag_if(float*, bool)
 //
-// An op has kLists, a GroupState computed once per parameter group (the CPU
+//     For blockwise 8-bit lists ([Note: blockwise 8-bit states] in dtype.h)
+//     load and store decode and encode through the list's block maxima; a
+//     store reduces each block's maximum first, so every lane of a block
+//     stores each such list together.
+// An op has kLists, kBlockwise (whether it takes blockwise lists), a GroupState computed once per parameter group (the CPU
 // engine reuses it across a group's chunks), a per-chunk State<K>, and
 // group_state / begin / tile / finish.
 #pragma once
@@ -96,6 +100,7 @@ struct UpdateArgs {
 template <class Rule>
 struct UpdateOp {
   static constexpr int kLists = kUpdateLists;
+  static constexpr bool kBlockwise = true;  // takes blockwise 8-bit states (the IO decodes and encodes them)
   using Coeffs = typename Rule::Coeffs;
   UpdateArgs a;
 
@@ -208,9 +213,11 @@ using AdamOp = UpdateOp<AdamRule>;
 
 // ---------------------------------------------------------------- scale / copy
 
-// out = in * scale, in any float dtypes. Flags non-finite input.
+// out = in * scale, in any float dtypes, blockwise 8-bit included (lists 2
+// and 3 hold their block maxima). Flags non-finite input.
 struct ScaleOp {
-  static constexpr int kLists = 2;  // 0: in, 1: out
+  static constexpr int kLists = 4;  // 0: in, 1: out, 2: in's block maxima, 3: out's
+  static constexpr bool kBlockwise = true;
   ScalarSrc scale;
   float* found_inf = nullptr;
 
@@ -251,6 +258,7 @@ struct ScaleOp {
 
 // The hooks of an op that keeps nothing per group or chunk.
 struct StatelessOp {
+  static constexpr bool kBlockwise = false;
   struct GroupState {};
   template <int K>
   struct State {};
@@ -306,6 +314,7 @@ struct JoinRemaindersOp : StatelessOp {
 // finalize step adds chunks per tensor in a fixed order (deterministic).
 struct SumSqOp {
   static constexpr int kLists = 1;
+  static constexpr bool kBlockwise = false;
   float* partials = nullptr;  // [num_chunks]
   float* nonfinite = nullptr;
 

@@ -38,8 +38,9 @@ TensorTable::TensorTable(std::vector<ListSpec> lists, std::vector<uint32_t> grou
   const ListSpec& first = lists_[0];
   num_tensors_ = int64_t(first.ptrs.size());
   SHARDADAM_CHECK(num_tensors_ < (int64_t(1) << 32), "too many tensors for one table (2^32)");
+  SHARDADAM_CHECK(num_lists() <= kMaxLists, "a table has at most " + std::to_string(kMaxLists) + " lists");
   for (const ListSpec& l : lists_) {
-    if (l.ptrs.empty()) continue;
+    if (l.ptrs.empty() || l.blocks_of >= 0) continue;  // block lists: validate_blocks
     SHARDADAM_CHECK(int64_t(l.ptrs.size()) == num_tensors_ && l.numels.size() == l.ptrs.size() &&
                         l.dtypes.size() == l.ptrs.size(),
                     l.name + " has " + std::to_string(l.ptrs.size()) + " tensors but " + first.name +
@@ -62,6 +63,7 @@ TensorTable::TensorTable(std::vector<ListSpec> lists, std::vector<uint32_t> grou
   SHARDADAM_CHECK(num_groups_ >= 1 && (num_tensors_ == 0 || int64_t(groups_.back()) < num_groups_),
                   "num_groups must be at least 1 and exceed every group index");
 
+  validate_blocks();
   validate_overlap();
 
   // Zero-size tensors keep their index (per-tensor outputs stay aligned with
@@ -80,6 +82,45 @@ TensorTable::TensorTable(std::vector<ListSpec> lists, std::vector<uint32_t> grou
   tensor_chunks_[num_tensors_] = int64_t(chunks_.size());
   while (g_next <= num_groups_) group_chunk_begin_[g_next++] = int64_t(chunks_.size());
   build_blob();
+}
+
+void TensorTable::validate_blocks() const {
+  const ListSpec& first = lists_[0];
+  std::vector<int> block_list(size_t(num_lists()), -1);
+  for (int l = 0; l < num_lists(); ++l) {
+    const ListSpec& b = lists_[l];
+    if (b.blocks_of < 0) continue;
+    SHARDADAM_CHECK(b.blocks_of < num_lists() && b.blocks_of != l && lists_[b.blocks_of].blocks_of < 0,
+                    b.name + " holds the block maxima of no valid list");
+    const ListSpec& of = lists_[b.blocks_of];
+    SHARDADAM_CHECK(block_list[b.blocks_of] < 0, of.name + " has two lists of block maxima");
+    if (b.ptrs.empty()) continue;
+    block_list[b.blocks_of] = l;
+    SHARDADAM_CHECK(!of.ptrs.empty(), b.name + " holds block maxima of " + of.name + ", which is not given");
+    SHARDADAM_CHECK(int64_t(b.ptrs.size()) == num_tensors_ && b.numels.size() == b.ptrs.size() &&
+                        b.dtypes.size() == b.ptrs.size(),
+                    b.name + " has " + std::to_string(b.ptrs.size()) + " tensors but " + first.name + " has " +
+                        std::to_string(num_tensors_) + ": pass lists of equal length");
+    for (int64_t t = 0; t < num_tensors_; ++t) {
+      const int64_t blocks = (first.numels[t] + kQuantBlock - 1) / kQuantBlock;
+      SHARDADAM_CHECK(b.numels[t] == blocks, where(b, t) + " has " + std::to_string(b.numels[t]) +
+                                                 " elements; it holds one float32 per " +
+                                                 std::to_string(kQuantBlock) + " elements of " + where(of, t) +
+                                                 ": " + std::to_string(blocks));
+      SHARDADAM_CHECK(DType(b.dtypes[t]) == DType::F32, where(b, t) + " must be float32 (block maxima)");
+      SHARDADAM_CHECK(b.numels[t] == 0 || b.ptrs[t] != 0, where(b, t) + " has a null data pointer");
+      SHARDADAM_CHECK(is_blockwise(DType(of.dtypes[t])),
+                      where(b, t) + " holds block maxima, but " + where(of, t) + " is " +
+                          dtype_name(DType(of.dtypes[t])) + ", not blockwise 8-bit");
+    }
+  }
+  for (int l = 0; l < num_lists(); ++l) {
+    const ListSpec& spec = lists_[l];
+    if (spec.ptrs.empty() || block_list[l] >= 0) continue;
+    for (int64_t t = 0; t < num_tensors_; ++t)
+      SHARDADAM_CHECK(!is_blockwise(DType(spec.dtypes[t])),
+                      where(spec, t) + " is blockwise 8-bit but the table has no list of its block maxima");
+  }
 }
 
 void TensorTable::validate_overlap(uint32_t also_written) const {
@@ -133,6 +174,20 @@ void TensorTable::validate_overlap(uint32_t also_written) const {
 
 void TensorTable::build_blob() {
   const int L = num_lists();
+  uniform_dtype_.assign(size_t(L), uint8_t(DType::None));
+  blockwise_ = false;
+  for (int l = 0; l < L; ++l) {
+    const ListSpec& spec = lists_[l];
+    if (spec.ptrs.empty()) continue;
+    uint8_t d = spec.dtypes.empty() ? uint8_t(DType::None) : spec.dtypes[0];
+    for (uint8_t x : spec.dtypes) {
+      if (x != d) d = kMixedDtypes;
+      blockwise_ |= is_blockwise(DType(x));
+    }
+    uniform_dtype_[l] = d;
+  }
+  SHARDADAM_CHECK(!blockwise_ || chunk_size_ % kQuantBlock == 0,
+                  "chunk_size must be a multiple of " + std::to_string(kQuantBlock) + " with blockwise lists");
   std::vector<uint64_t> ptrs(size_t(L) * size_t(num_tensors_), 0);
   std::vector<uint8_t> dtypes(size_t(L) * size_t(num_tensors_), uint8_t(DType::None));
   std::vector<uint8_t> aligned(size_t(num_tensors_), 1);
@@ -143,7 +198,7 @@ void TensorTable::build_blob() {
       ptrs[size_t(l) * num_tensors_ + t] = spec.ptrs[t];
       dtypes[size_t(l) * num_tensors_ + t] = spec.dtypes[t];
       const uint64_t vec_bytes = uint64_t(kVecElems * dtype_size(DType(spec.dtypes[t])));
-      if (spec.ptrs[t] % vec_bytes != 0) aligned[t] = 0;
+      if (spec.blocks_of < 0 && spec.ptrs[t] % vec_bytes != 0) aligned[t] = 0;  // maxima: read one by one
     }
   }
   blob_.clear();
@@ -154,15 +209,11 @@ void TensorTable::build_blob() {
   off_aligned_ = append(blob_, aligned);
   off_tensor_chunks_ = append(blob_, tensor_chunks_);
   off_chunks_ = append(blob_, chunks_);
+  if (blockwise_) {
+    std::vector<Q8Maps> maps{q8_maps()};
+    off_q8_ = append(blob_, maps);
+  }
   blob_.resize((blob_.size() + 15) & ~size_t(15));
-}
-
-bool TensorTable::list_dtype_is(int l, DType d) const {
-  const ListSpec& spec = lists_[l];
-  if (spec.ptrs.empty()) return d == DType::None;
-  for (uint8_t x : spec.dtypes)
-    if (x != uint8_t(d)) return false;
-  return true;
 }
 
 TableView TensorTable::view(const void* base) const {
@@ -175,6 +226,10 @@ TableView TensorTable::view(const void* base) const {
   v.aligned = b + off_aligned_;
   v.tensor_chunks = reinterpret_cast<const int64_t*>(b + off_tensor_chunks_);
   v.chunks = reinterpret_cast<const Chunk*>(b + off_chunks_);
+  v.blockwise = blockwise_;
+  if (blockwise_) v.q8 = reinterpret_cast<const Q8Maps*>(b + off_q8_);
+  for (int l = 0; l < num_lists(); ++l)
+    if (lists_[l].blocks_of >= 0 && has_list(l)) v.block_list[lists_[l].blocks_of] = int8_t(l);
   v.num_lists = num_lists();
   v.num_tensors = num_tensors_;
   v.num_chunks = int64_t(chunks_.size());
@@ -210,7 +265,7 @@ bool TensorTable::refresh_read_list(int l, const std::vector<uint64_t>& ptrs) {
     spec.ptrs[t] = ptrs[t];
     column[t] = ptrs[t];
     const uint64_t vec_bytes = uint64_t(kVecElems * dtype_size(DType(spec.dtypes[t])));
-    if (ptrs[t] % vec_bytes != 0 && aligned[t]) {  // never re-enabled: other lists may need it off
+    if (spec.blocks_of < 0 && ptrs[t] % vec_bytes != 0 && aligned[t]) {  // never re-enabled: other lists may need it off
       aligned[t] = 0;
       alignment_changed = true;
     }

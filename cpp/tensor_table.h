@@ -18,6 +18,10 @@ namespace shardadam {
 // Elements handled per vector access on the GPU; tables flag tensors whose
 // every list is aligned to this many elements so the engine can vectorise.
 constexpr int kVecElems = 4;
+// The most lists a table may have.
+constexpr int kMaxLists = 12;
+// TensorTable::list_dtype_is: a list whose tensors differ in dtype.
+constexpr uint8_t kMixedDtypes = 0xff;
 
 // A tensor's chunks split its elements into equal shares of work. The CPU
 // engine walks each chunk's contiguous range; the CUDA engine keeps the count
@@ -39,6 +43,10 @@ struct TableView {
   const uint8_t* aligned = nullptr;    // [num_tensors]: every list vector-aligned
   const int64_t* tensor_chunks = nullptr;  // [num_tensors + 1]: chunk range per tensor
   const Chunk* chunks = nullptr;       // [num_chunks]
+  const Q8Maps* q8 = nullptr;          // the dynamic maps, in tables with blockwise lists
+  // Per list: the list holding its blocks' maxima (blockwise lists), else -1.
+  int8_t block_list[kMaxLists] = {-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1};
+  bool blockwise = false;              // some list is blockwise 8-bit
   int32_t num_lists = 0;
   int64_t num_tensors = 0;
   int64_t num_chunks = 0;
@@ -50,6 +58,9 @@ struct ListSpec {
   std::vector<int64_t> numels;
   std::vector<uint8_t> dtypes;
   bool written = false;
+  // >= 0: this list holds the per-block maxima (float32, one per 256
+  // elements, rounded up) of list `blocks_of`, whose dtype is blockwise.
+  int blocks_of = -1;
 };
 
 class TensorTable {
@@ -71,7 +82,8 @@ class TensorTable {
   const ListSpec& list(int l) const { return lists_[l]; }
   // True when every tensor of list l has dtype d (DType::None: the list is
   // absent). Lets an engine pick a kernel compiled for fixed dtypes.
-  bool list_dtype_is(int l, DType d) const;
+  bool list_dtype_is(int l, DType d) const { return uniform_dtype_[l] == uint8_t(d); }
+  bool blockwise() const { return blockwise_; }
   // First chunk of group g; group_chunk_begin(num_groups) == num_chunks.
   int64_t group_chunk_begin(int64_t g) const { return group_chunk_begin_[g]; }
 
@@ -99,6 +111,7 @@ class TensorTable {
  private:
   // also_written: bit l set: read-only list l is checked as if written.
   void validate_overlap(uint32_t also_written = 0) const;
+  void validate_blocks() const;
   void build_blob();
 
   std::vector<ListSpec> lists_;
@@ -112,9 +125,11 @@ class TensorTable {
   int64_t total_numel_ = 0;
   int64_t chunk_size_ = 0;
   int alias_list_ = -1;
+  std::vector<uint8_t> uniform_dtype_;  // per list: its tensors' one dtype, kMixed, or None when absent
+  bool blockwise_ = false;
   mutable uint32_t checked_writable_ = 0;  // bit l: check_writable(l) passed since the last refresh
   size_t off_ptrs_ = 0, off_dtypes_ = 0, off_numels_ = 0, off_groups_ = 0, off_aligned_ = 0,
-         off_tensor_chunks_ = 0, off_chunks_ = 0;
+         off_tensor_chunks_ = 0, off_chunks_ = 0, off_q8_ = 0;
 };
 
 }  // namespace shardadam

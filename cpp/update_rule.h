@@ -28,7 +28,9 @@ enum UpdateList : int {
   kMaxExpAvgSq = 4,   // AMSGrad, optional
   kParamOut = 5,      // optional copy of the new param in another dtype
   kRemainder = 6,     // optional int16 low half of the fp32 master
-  kUpdateLists = 7,
+  kExpAvgBlocks = 7,  // block maxima of a blockwise 8-bit exp_avg ([Note: blockwise 8-bit states])
+  kExpAvgSqBlocks = 8,  // block maxima of a blockwise 8-bit exp_avg_sq
+  kUpdateLists = 9,
 };
 
 constexpr uint32_t list_bit(int l) { return uint32_t(1) << l; }

@@ -4,12 +4,13 @@
 namespace shardadam {
 
 // Kernels with fixed dtypes for the common tables (lists: param, grad,
-// exp_avg, exp_avg_sq, max_exp_avg_sq, param_out, remainder); any other mix
+// exp_avg, exp_avg_sq, max_exp_avg_sq, param_out, remainder, and the block
+// maxima of blockwise exp_avg and exp_avg_sq); any other mix
 // runs the general kernel, correct but slower.
 template <>
 struct OpFastDtypes<AdamOp> {
   static constexpr DType F32 = DType::F32, BF16 = DType::BF16, F16 = DType::F16, I16 = DType::I16,
-                         F8 = DType::F8E4M3, None = DType::None;
+                         F8 = DType::F8E4M3, Q8S = DType::Q8S, Q8U = DType::Q8U, None = DType::None;
   using type = DtypeList<
       FixedDtypes<F32, F32, F32, F32, None, None, None>,    // fp32
       FixedDtypes<F32, BF16, F32, F32, None, BF16, None>,   // fp32 master, bf16 model
@@ -20,7 +21,12 @@ struct OpFastDtypes<AdamOp> {
       FixedDtypes<BF16, BF16, F32, F32, None, None, None>,   // bf16 params as their own master
       FixedDtypes<F32, F32, F8, F8, None, None, None>,       // fp32, FP8 states
       FixedDtypes<F32, BF16, F8, F8, None, BF16, None>,      // fp32 master, bf16 model, FP8 states
-      FixedDtypes<BF16, BF16, F8, F8, None, None, None>>;    // bf16 own master, FP8 states
+      FixedDtypes<BF16, BF16, F8, F8, None, None, None>,     // bf16 own master, FP8 states
+      // blockwise 8-bit states (+ their block maxima)
+      FixedDtypes<F32, F32, Q8S, Q8U, None, None, None, F32, F32>,     // fp32
+      FixedDtypes<F32, BF16, Q8S, Q8U, None, BF16, None, F32, F32>,    // fp32 master, bf16 model
+      FixedDtypes<F32, F32, Q8S, Q8U, None, BF16, None, F32, F32>,     // fp32 grads, bf16 param copy (sharded)
+      FixedDtypes<BF16, BF16, Q8S, Q8U, None, None, None, F32, F32>>;  // bf16 own master
 };
 
 void cuda_adam(const TensorTable& t, const CudaTarget& where, const std::vector<AdamGroup>& groups,

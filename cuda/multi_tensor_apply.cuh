@@ -7,6 +7,8 @@
 // Indices are 64-bit throughout: a tensor may exceed 2^31 elements.
 #pragma once
 
+#include <type_traits>
+
 #include "cuda_check.cuh"
 #include "cuda_api.h"
 #include "ops.h"
@@ -24,8 +26,21 @@ constexpr int kBlock = SHARDADAM_CUDA_BLOCK;
 // blocks of 256 or 1024, L2 prefetch of the next tile, streaming cache hints,
 // smaller chunks and a persistent grid-stride walk were all no faster.
 constexpr int kTile = kVecElems;
+// Tables with blockwise 8-bit lists: a warp's 32 threads take one block of
+// kQuantBlock elements, so a block's maximum is one warp reduction.
+constexpr int kBlockTile = kQuantBlock / 32;
+static_assert(kBlockTile % kVecElems == 0, "a block tile is whole vector accesses");
 // At least 1024 threads per multiprocessor: caps registers at 64 per thread.
 constexpr int kMinBlocks = 1024 / kBlock > 0 ? 1024 / kBlock : 1;
+// Blockwise kernels hold twice the elements per thread and the map lookups:
+// at 64 registers (two blocks per multiprocessor) they spill a few words;
+// one block with up to 128 registers spills none and ran as fast on an H200
+// (5.55 against 5.58 ms for 2^30 elements; overridable for tuning:
+// -DSHARDADAM_BLOCKWISE_MIN_BLOCKS=2).
+#ifndef SHARDADAM_BLOCKWISE_MIN_BLOCKS
+#define SHARDADAM_BLOCKWISE_MIN_BLOCKS 1
+#endif
+constexpr int kMinBlocksBlockwise = SHARDADAM_BLOCKWISE_MIN_BLOCKS;
 constexpr int64_t kMaxGrid = 0x7fffffff;
 
 template <class T, int K>
@@ -46,9 +61,16 @@ struct TableDtypes {
 template <DType... Ds>
 struct FixedDtypes {
   static constexpr bool kFixed = true;
+  static constexpr int kCount = sizeof...(Ds);
+  // Lists past the given ones are absent (a signature may leave out the trailing block lists).
   __host__ __device__ static constexpr DType at(int l) {
     constexpr DType d[] = {Ds...};
-    return d[l];
+    return l < kCount ? d[l] : DType::None;
+  }
+  static constexpr bool has_blockwise() {
+    for (int l = 0; l < kCount; ++l)
+      if (at(l) == DType::Q8S || at(l) == DType::Q8U) return true;
+    return false;
   }
 };
 
@@ -65,10 +87,14 @@ struct OpFastDtypes {
 // One tensor's addresses (and dtypes, when not fixed), read once per block.
 template <int L, class Dtypes>
 struct TensorRefs {
-  __device__ TensorRefs(const TableView& tv, uint32_t tensor) {
+  __device__ TensorRefs(const TableView& tv, uint32_t tensor, const Q8Maps* maps) : q8(maps) {
 #pragma unroll
     for (int l = 0; l < L; ++l) {
       ptr[l] = reinterpret_cast<char*>(tv.ptrs[int64_t(l) * tv.num_tensors + tensor]);
+      // Read from the table, not ptr[block_list[l]]: a runtime index would put ptr in local memory.
+      // Unused (no blockwise list l), the load is dropped.
+      const int b = tv.block_list[l];
+      blocks[l] = maps && b >= 0 ? reinterpret_cast<float*>(tv.ptrs[int64_t(b) * tv.num_tensors + tensor]) : nullptr;
       if constexpr (!Dtypes::kFixed) dtype[l] = DType(tv.dtypes[int64_t(l) * tv.num_tensors + tensor]);
     }
   }
@@ -81,6 +107,8 @@ struct TensorRefs {
   }
   char* ptr[L];
   DType dtype[Dtypes::kFixed ? 1 : L];
+  float* blocks[L];  // the block maxima of blockwise list l
+  const Q8Maps* q8;  // in shared memory, in blockwise kernels
 };
 
 // One tile of one tensor. kFull: K elements, every list aligned for vector
@@ -126,6 +154,15 @@ class CudaIO {
         for (int k = 0; k < K; ++k) out[k] = f8e4m3_to_float(r[k]);
         break;
       }
+      case DType::Q8S: case DType::Q8U: {  // only in blockwise kernels (q8 set)
+        uint8_t r[K];
+        load_raw(reinterpret_cast<const uint8_t*>(refs_.ptr[l]) + index_, r);
+        const float* decode = q8_map_of(*refs_.q8, dtype(l)).decode;
+        const float absmax = *block_max_ptr(l);  // the same address for the warp: one broadcast
+#pragma unroll
+        for (int k = 0; k < K; ++k) out[k] = decode[r[k]] * absmax;
+        break;
+      }
       default:
 #pragma unroll
         for (int k = 0; k < K; ++k) out[k] = 0.0f;
@@ -162,9 +199,30 @@ class CudaIO {
         store_raw(reinterpret_cast<uint8_t*>(refs_.ptr[l]) + index_, r);
         break;
       }
+      case DType::Q8S: case DType::Q8U: {  // the warp is one block; every lane is here
+        float absmax = 0.0f;
+#pragma unroll
+        for (int k = 0; k < K; ++k) absmax = nan_max(absmax, k < count_ ? fabsf(in[k]) : 0.0f);
+#pragma unroll
+        for (int o = 16; o > 0; o /= 2) absmax = nan_max(absmax, __shfl_xor_sync(0xffffffffu, absmax, o));
+        absmax = q8_block_max(absmax);
+        const float inv = q8_inverse(absmax);
+        const Q8Map& map = q8_map_of(*refs_.q8, dtype(l));
+        const bool is_signed = dtype(l) == DType::Q8S;
+        uint8_t r[K];
+#pragma unroll
+        for (int k = 0; k < K; ++k) r[k] = q8_encode(in[k] * inv, map, is_signed);
+        store_raw(reinterpret_cast<uint8_t*>(refs_.ptr[l]) + index_, r);
+        if (index_ % kQuantBlock == 0) *block_max_ptr(l) = absmax;  // lane 0: always a real element
+        break;
+      }
       default:
         break;
     }
+  }
+
+  __device__ float* block_max_ptr(int l) const {
+    return refs_.blocks[l] + index_ / kQuantBlock;
   }
 
   __device__ void load_bits(int l, uint16_t (&out)[K]) const {
@@ -253,13 +311,27 @@ class CudaReducer {
 // held Adam at 78% of copy bandwidth (benchmarks/RESULTS.md). Every launch
 // covers whole tensors (group ranges are tensor-aligned), so each element is
 // still handled exactly once; per-chunk partial results stay per-tensor exact.
-template <class Op, class Dtypes>
-__global__ void __launch_bounds__(kBlock, kMinBlocks)
+//
+// Blockwise kernels (K == kBlockTile) walk warp by warp: a warp goes on while
+// its block has elements, lanes past the tensor's end taking empty tiles, so
+// that every lane joins each block reduction. They read the dynamic maps
+// from shared memory.
+template <class Op, class Dtypes, int K>
+__global__ void __launch_bounds__(kBlock, K == kBlockTile ? kMinBlocksBlockwise : kMinBlocks)
     multi_tensor_kernel(const TableView tv, const int64_t chunk_begin, const __grid_constant__ Op op,
                         const float* skip_if) {
-  constexpr int K = kTile;
+  constexpr bool kBlocks = K == kBlockTile;
   constexpr int64_t kSweep = int64_t(kBlock) * K;
   if (flag_is_set(skip_if)) return;  // the same answer for every block
+  __shared__ std::conditional_t<kBlocks, Q8Maps, char> shared_maps;
+  const Q8Maps* maps = nullptr;
+  if constexpr (kBlocks) {
+    const uint4* src = reinterpret_cast<const uint4*>(tv.q8);
+    uint4* dst = reinterpret_cast<uint4*>(&shared_maps);
+    maps = &shared_maps;
+    for (int w = threadIdx.x; w < int(sizeof(Q8Maps) / sizeof(uint4)); w += kBlock) dst[w] = src[w];
+    __syncthreads();
+  }
   const int64_t c = chunk_begin + blockIdx.x;
   const uint32_t tensor = tv.chunks[c].tensor;
   const int64_t first_chunk = tv.tensor_chunks[tensor];
@@ -267,13 +339,16 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
   const int64_t n = tv.numels[tensor];
   const bool vector_ok = tv.aligned[tensor] != 0;
   const ChunkCtx ctx{tensor, tv.groups[tensor], c};
-  const TensorRefs<Op::kLists, Dtypes> refs(tv, tensor);
+  const TensorRefs<Op::kLists, Dtypes> refs(tv, tensor, maps);
   auto state = op.template begin<K>(ctx, op.group_state(ctx.group));
-  for (int64_t i = (c - first_chunk) * kSweep + int64_t(threadIdx.x) * K; i < n; i += sweep_stride) {
+  const int64_t lead = kBlocks ? int64_t(threadIdx.x & 31) * K : 0;  // this lane's offset in its warp's block
+  for (int64_t i = (c - first_chunk) * kSweep + int64_t(threadIdx.x) * K; i - lead < n; i += sweep_stride) {
     if (vector_ok && n - i >= K) {
       op.template tile<K>(CudaIO<Op::kLists, K, Dtypes, true>(refs, i, K), state);
     } else {
-      op.template tile<K>(CudaIO<Op::kLists, K, Dtypes, false>(refs, i, int(n - i < K ? n - i : K)), state);
+      const int64_t left = n - i;
+      op.template tile<K>(CudaIO<Op::kLists, K, Dtypes, false>(refs, i, int(left < 0 ? 0 : (left < K ? left : K))),
+                          state);
     }
   }
   CudaReducer red;
@@ -313,11 +388,25 @@ struct CudaEngine {
                           const float* skip_if) const {
     launch<Op, TableDtypes>(chunk_begin, chunk_end, op, skip_if);
   }
+  // Blockwise tables take the blockwise kernel: of the general one, or of a
+  // signature with blockwise lists (which no other table matches).
   template <class Op, class Dtypes>
   void launch(int64_t chunk_begin, int64_t chunk_end, const Op& op, const float* skip_if) const {
+    SHARDADAM_CHECK(Op::kBlockwise || !table.blockwise(), "this operation takes no blockwise 8-bit lists");
+    if constexpr (Dtypes::kFixed) {
+      launch_tiles<Op, Dtypes, Dtypes::has_blockwise() ? kBlockTile : kTile>(chunk_begin, chunk_end, op, skip_if);
+    } else if constexpr (Op::kBlockwise) {
+      if (table.blockwise()) launch_tiles<Op, Dtypes, kBlockTile>(chunk_begin, chunk_end, op, skip_if);
+      else launch_tiles<Op, Dtypes, kTile>(chunk_begin, chunk_end, op, skip_if);
+    } else {
+      launch_tiles<Op, Dtypes, kTile>(chunk_begin, chunk_end, op, skip_if);
+    }
+  }
+  template <class Op, class Dtypes, int K>
+  void launch_tiles(int64_t chunk_begin, int64_t chunk_end, const Op& op, const float* skip_if) const {
     for (int64_t c = chunk_begin; c < chunk_end; c += kMaxGrid) {
       const int64_t n = chunk_end - c < kMaxGrid ? chunk_end - c : kMaxGrid;
-      multi_tensor_kernel<Op, Dtypes><<<unsigned(n), kBlock, 0, stream>>>(tv, c, op, skip_if);
+      multi_tensor_kernel<Op, Dtypes, K><<<unsigned(n), kBlock, 0, stream>>>(tv, c, op, skip_if);
       cuda_check(cudaGetLastError(), "multi_tensor_kernel launch");
     }
   }
