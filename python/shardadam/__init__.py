@@ -2,6 +2,7 @@
 from . import _core, checkpoint, kernels
 from .distributed import DistributedFusedAdam, DistributedFusedLion
 from ._state_dict import torch_adam_state_dict
+from ._storage import BLOCKWISE8
 from .fused_adam import FusedAdam
 from .fused_lion import FusedLion
 
@@ -13,5 +14,5 @@ def build_info() -> dict:
     return _core.build_info()
 
 
-__all__ = ["DistributedFusedAdam", "DistributedFusedLion", "FusedAdam", "FusedLion", "build_info", "checkpoint",
+__all__ = ["BLOCKWISE8", "DistributedFusedAdam", "DistributedFusedLion", "FusedAdam", "FusedLion", "build_info", "checkpoint",
            "kernels", "torch_adam_state_dict", "__version__"]

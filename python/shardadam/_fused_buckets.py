@@ -24,7 +24,7 @@ import torch
 
 from . import kernels
 from ._dtensor import PLAIN
-from ._storage import PARAM, REMAINDER, SEPARATE, StorageSpec
+from ._storage import PARAM, REMAINDER, SEPARATE, StorageSpec, block_views, blocks_of
 from ._torch import check_tensor
 from ._tracked import DATA_PTR
 
@@ -81,9 +81,11 @@ class Bucket:
         # The rule's states, flat; fp16 ones keep per-tensor power-of-two
         # scales (stored = true * scale), keyed like the states ("master" too).
         spec = StorageSpec(kind, opts["master_weight_dtype"], tuple(opts["state_dtypes"].items()))
-        stored = spec.allocate(self.rule, total, n, self.device)
+        stored = spec.allocate(self.rule, total, n, self.device, sum(blocks_of(p.numel()) for p in params))
         self.states, self.scales, self.master, self.remainders = (stored.states, stored.scales, stored.master,
                                                                   stored.remainders)
+        # Blockwise states: each parameter's block maxima, a slice of one flat buffer per state.
+        self.blocks = {name: block_views(flat, [p.numel() for p in params]) for name, flat in stored.blocks.items()}
         self.views = [self._views_of(i) for i in range(n)]
         for i, p in enumerate(params):
             if self.master is not None:
@@ -113,15 +115,17 @@ class Bucket:
             views["param_remainder"] = _dense_view(self.remainders, off, p)
         for name, scales in self.scales.items():
             views[f"{name}_scale"] = scales[i]
+        for name, blocks in self.blocks.items():
+            views[f"{name}_absmax"] = blocks[i]
         return views
 
     def exposed_state(self, i: int) -> dict:
         """``optimizer.state[p]`` of parameter i: its views, as DTensors of the
         parameter's placements for a DTensor parameter (the per-tensor scales
         stay plain: each belongs to this rank's piece)."""
-        scales = {f"{name}_scale" for name in self.scales}
+        own = {f"{name}_scale" for name in self.scales} | {f"{name}_absmax" for name in self.blocks}
         owner = self.owners[i]
-        return {name: view if name in scales else self.shards.wrap(view, owner) for name, view in self.views[i].items()}
+        return {name: view if name in own else self.shards.wrap(view, owner) for name, view in self.views[i].items()}
 
     def local_grads(self) -> list:
         """The gradients the kernels read (local tensors of DTensor gradients);
@@ -241,6 +245,7 @@ class Bucket:
             params_out=params if masters is not None else None,
             param_remainders=[v["param_remainder"] for v in views] if self.remainders is not None else None,
             scales={name: scales if full else scales[idx].clone() for name, scales in self.scales.items()},
+            absmax={name: [v[f"{name}_absmax"] for v in views] for name in self.blocks},
         )
 
     def prepare(self) -> tuple | None:
@@ -273,7 +278,7 @@ class Bucket:
         step (Bucket.prepare, the optimizer's _params_moved) and owns the rest."""
         return self.rule.plan(lists["params"], lists["grads"], lists["states"], params_out=lists["params_out"],
                               param_remainders=lists["param_remainders"], scales=lists["scales"],
-                              group_sizes=group_sizes)
+                              absmax=lists["absmax"], group_sizes=group_sizes)
 
     def launch(self, prepared: tuple, hyper: dict, grad_scale, found_inf, unscale_grads: bool = False,
                rounding_seed=None) -> None:

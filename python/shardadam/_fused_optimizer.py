@@ -19,11 +19,12 @@ from ._groups import check_step_groups, plain_value, run_closure
 from ._rounding import refuse_masters, rounding_seed
 from ._rules import UpdateRule
 from ._state_dict import load_buckets_state, pack_state
+from ._storage import BLOCKWISE8
 from ._tracked import GRAD, ReplacedParams, moved_indices
 
 _log = logging.getLogger("shardadam")
 
-STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, BLOCKWISE8)
 
 
 class FusedOptimizer(torch.optim.Optimizer):
@@ -32,8 +33,8 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     Storage options (every rule): master_weights / master_weight_dtype (fp32,
     or fp16 with a per-tensor scale), store_param_remainders (bf16 params +
-    int16 remainders), state_dtypes (per state: fp32, bf16, or fp16 with
-    per-tensor scales where the rule allows), bf16_stochastic_round /
+    int16 remainders), state_dtypes (per state: fp32, bf16, fp16 or FP8 with
+    per-tensor scales, or BLOCKWISE8, where the rule allows), bf16_stochastic_round /
     stochastic_round_seed (_rounding.py), capturable, flat_grads,
     skip_nonfinite_grads: see FusedAdam's docstring. grad_of: how a
     parameter's gradient is read (``p.grad``; FusedAdam's use_decoupled_grad

@@ -23,9 +23,11 @@ CHUNK_SIZE = 65536
 class TensorPlan:
     """Lists of equally sized tensors for one kernel family.
 
-    ``lists`` maps each list name to (tensors or None, written, allowed dtypes),
-    in the order the core expects. The plan keeps the tensors alive and reads
-    their addresses now.
+    ``lists`` maps each list name to (tensors or None, written, allowed dtypes)
+    or (..., options), options a dict of ``codes`` (dtype codes that replace
+    the usual ones for this list) and ``blocks_of`` (the name of the list
+    whose block maxima this one holds), in the order the core expects. The
+    plan keeps the tensors alive and reads their addresses now.
 
     check_addresses (default True): every launch first verifies that every
     tensor of the plan still has the data pointer it had when the plan was
@@ -63,7 +65,11 @@ class TensorPlan:
         ref = tensor_lists[0]
         if ref is None:
             raise ValueError(f"{kind}: {ref_name} must be given")
-        specs = [spec(n, lists[n][0], lists[n][1], ref, ref_name, self.device, lists[n][2]) for n in names]
+        options = {n: lists[n][3] if len(lists[n]) > 3 else {} for n in names}
+        specs = [spec(n, lists[n][0], lists[n][1], ref, ref_name, self.device, lists[n][2],
+                      codes=options[n].get("codes"),
+                      blocks_of=names.index(options[n]["blocks_of"]) if "blocks_of" in options[n] else -1)
+                 for n in names]
         self.table = _core.TensorTable(specs, groups or [], num_groups, CHUNK_SIZE, alias_list)
         self.lists = dict(zip(names, tensor_lists))
         self.num_tensors = len(ref)

@@ -38,11 +38,13 @@ class UpdateRule:
         raise NotImplementedError
 
     def plan(self, params: list, grads: list, states: dict, *, params_out=None, param_remainders=None,
-             scales: dict | None = None, group_sizes=None, device=None) -> kernels.TensorPlan:
+             scales: dict | None = None, absmax: dict | None = None, group_sizes=None,
+             device=None) -> kernels.TensorPlan:
         """The kernel's plan over `params` (the values updated: masters where
-        there are masters), with ``states[name]`` a list per state and
+        there are masters), with ``states[name]`` a list per state,
         ``scales[name]`` the per-tensor scales of fp16 storage ("master"
-        included), or None. The optimizers check their own tensors every step
+        included), or None, and ``absmax[name]`` a list of the block maxima
+        of each blockwise state's tensors. The optimizers check their own tensors every step
         and own the rest, so the plan does not re-check addresses."""
         raise NotImplementedError
 
@@ -77,13 +79,14 @@ class AdamRule(UpdateRule):
     def check_group(self, where: str, group: dict) -> None:
         check_adam_group(where, group)
 
-    def plan(self, params, grads, states, *, params_out=None, param_remainders=None, scales=None, group_sizes=None,
-             device=None):
-        scales = scales or {}
+    def plan(self, params, grads, states, *, params_out=None, param_remainders=None, scales=None, absmax=None,
+             group_sizes=None, device=None):
+        scales, absmax = scales or {}, absmax or {}
         return kernels.AdamPlan(params, grads, states["exp_avg"], states["exp_avg_sq"],
                                 max_exp_avg_sqs=states.get("max_exp_avg_sq"), params_out=params_out,
                                 param_remainders=param_remainders, exp_avg_scales=scales.get("exp_avg"),
                                 exp_avg_sq_scales=scales.get("exp_avg_sq"), master_scales=scales.get("master"),
+                                exp_avg_absmax=absmax.get("exp_avg"), exp_avg_sq_absmax=absmax.get("exp_avg_sq"),
                                 group_sizes=group_sizes, device=device, check_addresses=False)
 
     def hyper(self, param_groups):
@@ -115,13 +118,13 @@ class LionRule(UpdateRule):
     def check_group(self, where: str, group: dict) -> None:
         check_lion_group(where, group)
 
-    def plan(self, params, grads, states, *, params_out=None, param_remainders=None, scales=None, group_sizes=None,
-             device=None):
-        scales = scales or {}
+    def plan(self, params, grads, states, *, params_out=None, param_remainders=None, scales=None, absmax=None,
+             group_sizes=None, device=None):
+        scales, absmax = scales or {}, absmax or {}
         return kernels.LionPlan(params, grads, states["exp_avg"], params_out=params_out,
                                 param_remainders=param_remainders, exp_avg_scales=scales.get("exp_avg"),
-                                master_scales=scales.get("master"), group_sizes=group_sizes, device=device,
-                                check_addresses=False)
+                                master_scales=scales.get("master"), exp_avg_absmax=absmax.get("exp_avg"),
+                                group_sizes=group_sizes, device=device, check_addresses=False)
 
     def hyper(self, param_groups):
         groups = param_groups

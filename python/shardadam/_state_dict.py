@@ -18,7 +18,7 @@ import torch
 from ._rules import AdamRule
 from ._groups import pack_groups, plain_value, set_group_values
 from ._state_dict_check import check_state_dict
-from ._storage import REMAINDER, SEPARATE, joined_master, split_master, store, true_values
+from ._storage import REMAINDER, SEPARATE, codec, joined_master, split_master, store, true_values
 
 
 def true_state(b, j: int, name: str) -> torch.Tensor:
@@ -27,7 +27,7 @@ def true_state(b, j: int, name: str) -> torch.Tensor:
     or the remainders joined with the bf16 parameter)."""
     v = b.views[j]
     if name in b.states:
-        return true_values(v[name], v.get(name + "_scale"))
+        return true_values(v[name], **codec(v, name))
     if b.kind == SEPARATE:
         return true_values(v["master_param"], v.get("master_scale"))
     return joined_master(b.params[j].detach(), v["param_remainder"])
@@ -63,7 +63,7 @@ def load_buckets_state(opt, layout, state_dict: dict) -> None:
             p, views = b.params[j], b.views[j]  # a DTensor's local tensor; the entry holds local pieces
             for k in b.states:
                 if k in entry:
-                    store(views[k], entry[k], views.get(k + "_scale"))
+                    store(views[k], entry[k], **codec(views, k))
             master = entry["master"]
             if master is None:
                 if b.kind == SEPARATE:

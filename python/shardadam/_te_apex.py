@@ -16,7 +16,7 @@ import torch
 from ._dtensor import is_dtensor
 from ._fused_buckets import storage_kind
 from ._state_dict import true_state
-from ._storage import PARAM, REMAINDER, SEPARATE, split_master, store
+from ._storage import PARAM, REMAINDER, SEPARATE, codec, split_master, store
 
 MASTER = "master_param"
 
@@ -156,7 +156,7 @@ class StateAccess:
         views = b.views[j]
         with torch.no_grad():
             if name != MASTER:
-                store(views[name], values, views.get(name + "_scale"))
+                store(views[name], values, **codec(views, name))
             elif b.kind == SEPARATE:
                 store(views[MASTER], values, views.get("master_scale"))
             elif remainder_bits:
@@ -177,7 +177,7 @@ class StateAccess:
         views = b.views[j]
         with torch.no_grad():
             for name in b.states:
-                store(views[name], torch.zeros_like(views[name], dtype=torch.float32), views.get(name + "_scale"))
+                store(views[name], torch.zeros_like(views[name], dtype=torch.float32), **codec(views, name))
             if b.kind == SEPARATE:
                 store(views[MASTER], param.detach(), views.get("master_scale"))
             elif b.kind == REMAINDER:

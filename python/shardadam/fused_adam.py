@@ -40,9 +40,13 @@ class FusedAdam(FusedOptimizer):
     each master starting from its tensor (a parameter that is its own master,
     fp32 or frozen, must equal it). store_param_remainders: bf16 params + int16
     remainders instead of an fp32 master (2 bytes per element).
-    exp_avg_dtype / exp_avg_sq_dtype: fp32, bf16, fp16 (per-tensor scales), or
+    exp_avg_dtype / exp_avg_sq_dtype: fp32, bf16, fp16 (per-tensor scales),
     FP8 E4M3 with per-tensor scales: torch.float8_e4m3fn, or torch.uint8 (TE's
-    spelling of the same storage).
+    spelling of the same storage), or "blockwise8" (shardadam.BLOCKWISE8):
+    8-bit codes of a dynamic map with a float32 maximum per block of 256
+    elements (1.016 bytes per element), exp_avg signed, exp_avg_sq unsigned;
+    ``state[p]`` then holds the uint8 codes and ``exp_avg_absmax`` /
+    ``exp_avg_sq_absmax``, checkpoints the true fp32 values.
     bf16_stochastic_round (torchao's name): bf16 params without a master are
     rounded stochastically, so updates below half a bf16 step count in
     expectation; stochastic_round_seed (an int; default: drawn from torch's

@@ -41,23 +41,32 @@ from ._validate import (check_beta, check_finite, check_host_number, check_nonne
                         check_update_step)
 
 __all__ = ["AdamPlan", "LionPlan", "ScalePlan", "NormPlan", "Norms", "adam", "lion", "scale", "copy",
-           "l2_norm", "split_remainders", "join_remainders", "pow2_scale_for"]
+           "l2_norm", "split_remainders", "join_remainders", "pow2_scale_for", "blockwise_quantize",
+           "blockwise_dequantize", "q8_map"]
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 # States may also be FP8 E4M3 (with per-tensor scales, exp_avg and exp_avg_sq only).
 STATE_FLOATS = FLOATS + (torch.float8_e4m3fn,)
 
 
+# Blockwise 8-bit states ([Note: blockwise 8-bit states] in cpp/dtype.h) are
+# uint8 tensors of codes, exp_avg in the signed dynamic map and exp_avg_sq in
+# the unsigned one, each with a float32 list of its blocks' maxima.
+_SIGNED_CODES = {torch.uint8: _core.DType.q8_signed}
+_UNSIGNED_CODES = {torch.uint8: _core.DType.q8_unsigned}
+
 # The lists of the core's update op, in its order (UpdateList in cpp/update_rule.h):
-# name -> (written, allowed dtypes). A rule's plan gives the lists it uses.
+# name -> (written, allowed dtypes[, options]). A rule's plan gives the lists it uses.
 _UPDATE_LISTS = {
     "params": (True, FLOATS),
     "grads": (False, FLOATS),
-    "exp_avgs": (True, STATE_FLOATS),
-    "exp_avg_sqs": (True, STATE_FLOATS),
+    "exp_avgs": (True, STATE_FLOATS + (torch.uint8,), {"codes": _SIGNED_CODES}),
+    "exp_avg_sqs": (True, STATE_FLOATS + (torch.uint8,), {"codes": _UNSIGNED_CODES}),
     "max_exp_avg_sqs": (True, FLOATS),
     "params_out": (True, FLOATS),
     "param_remainders": (True, (torch.int16,)),
+    "exp_avg_absmax": (True, (torch.float32,), {"blocks_of": "exp_avgs"}),
+    "exp_avg_sq_absmax": (True, (torch.float32,), {"blocks_of": "exp_avg_sqs"}),
 }
 # Per-tensor scales of scaled states, in the core's order (ScaledState in cpp/ops.h).
 _UPDATE_SCALES = ("master_scales", "exp_avg_scales", "exp_avg_sq_scales")
@@ -74,8 +83,7 @@ class _UpdatePlan(TensorPlan):
 
     def __init__(self, kind: str, check_table, required: tuple[str, ...], lists: dict, scales: dict,
                  group_sizes: Sequence[int] | None, device, check_addresses: bool):
-        lists = {name: (as_list(name, lists.get(name)), written, dtypes)
-                 for name, (written, dtypes) in _UPDATE_LISTS.items()}
+        lists = {name: (as_list(name, lists.get(name)), *role) for name, role in _UPDATE_LISTS.items()}
         for name in required:
             if lists[name][0] is None:
                 raise ValueError(f"{kind}: {name} must be given")
@@ -94,8 +102,12 @@ class AdamPlan(_UpdatePlan):
     """The tensors of an Adam update.
 
     params: fp32/fp16/bf16, updated in place (the master weights when params_out
-    is given). grads: any of those dtypes. exp_avgs, exp_avg_sqs: fp32/fp16/bf16.
-    max_exp_avg_sqs: AMSGrad. params_out: the new params again, in another dtype
+    is given). grads: any of those dtypes. exp_avgs, exp_avg_sqs: fp32/fp16/bf16,
+    float8_e4m3fn (with scales), or uint8: blockwise 8-bit codes (exp_avgs in
+    the signed dynamic map, exp_avg_sqs in the unsigned one) whose block maxima
+    are exp_avg_absmax / exp_avg_sq_absmax: float32, one per 256 elements of
+    the tensor in memory order (rounded up), written by every step; start
+    codes and maxima at 0 or use ``blockwise_quantize``. max_exp_avg_sqs: AMSGrad. params_out: the new params again, in another dtype
     (e.g. the bf16 model copy of fp32 masters). param_remainders: int16 low halves
     that make bf16 params exact fp32 masters. exp_avg_scales, exp_avg_sq_scales,
     master_scales: float32 [len(params)] per-tensor scales of low-precision states
@@ -111,9 +123,11 @@ class AdamPlan(_UpdatePlan):
 
     def __init__(self, params, grads, exp_avgs, exp_avg_sqs, *, max_exp_avg_sqs=None, params_out=None,
                  param_remainders=None, exp_avg_scales=None, exp_avg_sq_scales=None, master_scales=None,
-                 group_sizes: Sequence[int] | None = None, device=None, check_addresses: bool = True):
+                 exp_avg_absmax=None, exp_avg_sq_absmax=None, group_sizes: Sequence[int] | None = None, device=None,
+                 check_addresses: bool = True):
         lists = dict(params=params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs,
-                     max_exp_avg_sqs=max_exp_avg_sqs, params_out=params_out, param_remainders=param_remainders)
+                     max_exp_avg_sqs=max_exp_avg_sqs, params_out=params_out, param_remainders=param_remainders,
+                     exp_avg_absmax=exp_avg_absmax, exp_avg_sq_absmax=exp_avg_sq_absmax)
         scales = dict(master_scales=master_scales, exp_avg_scales=exp_avg_scales,
                       exp_avg_sq_scales=exp_avg_sq_scales)
         super().__init__("adam", _core.check_adam_table, ("grads", "exp_avgs", "exp_avg_sqs"), lists, scales,
@@ -124,18 +138,19 @@ class LionPlan(_UpdatePlan):
     """The tensors of a Lion update.
 
     params: fp32/fp16/bf16, updated in place (the master weights when params_out
-    is given). grads: any of those dtypes. exp_avgs: fp32/fp16/bf16, Lion's only
-    state. params_out, param_remainders, exp_avg_scales, master_scales,
-    group_sizes, device, check_addresses: as for AdamPlan. Every launch bumps
+    is given). grads: any of those dtypes. exp_avgs: Lion's only state, as
+    AdamPlan's (uint8: blockwise 8-bit with exp_avg_absmax). params_out,
+    param_remainders, exp_avg_scales, master_scales, group_sizes, device,
+    check_addresses: as for AdamPlan. Every launch bumps
     the version counters of params, exp_avgs, params_out, param_remainders and
     the scales.
     """
 
     def __init__(self, params, grads, exp_avgs, *, params_out=None, param_remainders=None, exp_avg_scales=None,
-                 master_scales=None, group_sizes: Sequence[int] | None = None, device=None,
+                 master_scales=None, exp_avg_absmax=None, group_sizes: Sequence[int] | None = None, device=None,
                  check_addresses: bool = True):
         lists = dict(params=params, grads=grads, exp_avgs=exp_avgs, params_out=params_out,
-                     param_remainders=param_remainders)
+                     param_remainders=param_remainders, exp_avg_absmax=exp_avg_absmax)
         scales = dict(master_scales=master_scales, exp_avg_scales=exp_avg_scales)
         super().__init__("lion", _core.check_lion_table, ("grads", "exp_avgs"), lists, scales, group_sizes, device,
                          check_addresses)
@@ -145,13 +160,22 @@ class ScalePlan(TensorPlan):
     """outputs[i] = inputs[i] * scale, across float dtypes (FP8 E4M3 included:
     round to nearest even, NaN past 464); in place when outputs is inputs.
 
-    check_addresses: see TensorPlan. Every launch bumps the outputs' version counters.
+    Blockwise 8-bit tensors (uint8 codes) take their block maxima as
+    inputs_absmax / outputs_absmax (see AdamPlan), in the signed dynamic map
+    unless signed=False. check_addresses: see TensorPlan. Every launch bumps
+    the outputs' version counters (and outputs_absmax's).
     """
 
-    def __init__(self, inputs, outputs, *, check_addresses: bool = True):
+    def __init__(self, inputs, outputs, *, inputs_absmax=None, outputs_absmax=None, signed: bool = True,
+                 check_addresses: bool = True):
+        codes = {"codes": _SIGNED_CODES if signed else _UNSIGNED_CODES}
         super().__init__("scale", {
-            "inputs": (as_list("inputs", inputs), False, STATE_FLOATS),
-            "outputs": (as_list("outputs", outputs), True, STATE_FLOATS),
+            "inputs": (as_list("inputs", inputs), False, STATE_FLOATS + (torch.uint8,), codes),
+            "outputs": (as_list("outputs", outputs), True, STATE_FLOATS + (torch.uint8,), codes),
+            "inputs_absmax": (as_list("inputs_absmax", inputs_absmax), False, (torch.float32,),
+                              {"blocks_of": "inputs"}),
+            "outputs_absmax": (as_list("outputs_absmax", outputs_absmax), True, (torch.float32,),
+                               {"blocks_of": "outputs"}),
         }, alias_list=0, check_addresses=check_addresses)
         if self.lists["outputs"] is None:
             raise ValueError("scale: outputs must be given (pass inputs again to scale in place)")
@@ -366,6 +390,33 @@ def scale(inputs, outputs=None, scale=1.0, *, found_inf=None, skip_if=None) -> N
 def copy(inputs, outputs=None, *, skip_if=None) -> None:
     """outputs = inputs with dtype conversion; nothing is written when skip_if is set."""
     scale(inputs, outputs, 1.0, skip_if=skip_if)
+
+
+def blockwise_quantize(values, codes, absmax, *, signed: bool = True) -> None:
+    """codes, absmax = values in blockwise 8-bit storage ([Note: blockwise
+    8-bit states] in cpp/dtype.h), as the update kernels store states.
+
+    values: float tensors (read); codes: uint8 tensors of the same sizes;
+    absmax: float32 tensors of one element per 256 elements of each tensor
+    (in memory order, rounded up), written with each block's largest
+    magnitude. signed=False: the unsigned map (non-negative values such as
+    exp_avg_sq; negative values become 0). Tensors or lists of tensors; one
+    launch; bad input raises before anything is written.
+    """
+    scale(ScalePlan(values, codes, outputs_absmax=absmax, signed=signed))
+
+
+def blockwise_dequantize(codes, absmax, values, *, signed: bool = True) -> None:
+    """values = the numbers blockwise 8-bit codes and their block maxima
+    stand for (the inverse of blockwise_quantize, exactly what the update
+    kernels read). Tensors or lists of tensors; one launch."""
+    scale(ScalePlan(codes, values, inputs_absmax=absmax, signed=signed))
+
+
+def q8_map(signed: bool = True) -> torch.Tensor:
+    """The dynamic map of blockwise 8-bit states: the value / block maximum
+    that each of the 256 codes stands for (float32 [256])."""
+    return torch.tensor(_core.q8_map(bool(signed)), dtype=torch.float32)
 
 
 def l2_norm(tensors, *, per_tensor: bool = False, found_inf=None) -> Norms:

@@ -359,7 +359,7 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
             if sync is not None:
                 sync.close()
         self.plan = self._grad_sync = self._param_sync = None
-        self.grad_shards = self.master = self.remainders = self.states = None
+        self.grad_shards = self.master = self.remainders = self.states = self.state_blocks = None
         self.param_shards = self.param_buffer = self.grad_buffer = None
         self.params = params
         self.param_groups_of = groups_of
@@ -428,9 +428,13 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
                                                  self.rounding_seed is not None)
         spec = storage_spec(self.rule, self.dtype, self.store_params, self.store_param_remainders,
                             self.with_scaled_states, self.state_dtypes)
-        stored = spec.allocate(self.rule, (n_buckets, self.shard_size), len(shard), dev)
+        fragment_sizes = [f.shard_end - f.shard_start for f in shard]
+        stored = spec.allocate(self.rule, (n_buckets, self.shard_size), len(shard), dev,
+                               sum(map(_storage.blocks_of, fragment_sizes)))
         self.states, self.master, self.remainders = stored.states, stored.master, stored.remainders
         self.state_scales = stored.scales
+        # Blockwise states: each fragment's block maxima, a slice of one flat buffer per state.
+        self.state_blocks = {name: _storage.block_views(flat, fragment_sizes) for name, flat in stored.blocks.items()}
         # What the all-gather sends: a slice of the contiguous parameter buffer,
         # the master itself when every bucket's param_sync_dtype is the
         # master's (fp32 model: no separate copy), or shards the kernel writes
@@ -465,7 +469,7 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
             {name: [t[b, s:e] for b, s, e in pieces] for name, t in self.states.items()},
             params_out=[self.param_shards[b, s:e] for b, s, e in pieces] if self.separate_param_shards else None,
             param_remainders=[self.remainders[b, s:e] for b, s, e in pieces] if rem else None,
-            scales=self.state_scales, group_sizes=sizes, device=dev)
+            scales=self.state_scales, absmax=self.state_blocks, group_sizes=sizes, device=dev)
         self._norm_plan, self._subset_norm_plans = None, {}
         self._grad_sync = GradSync(self.params, self.layout, self.grad_shards, self.dist_group, self.pipeline_size,
                                    self.redundant_group, self.grad_buffer, self._grad_views, reduce)
@@ -518,13 +522,22 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
         if name == "master" and self.master is None:  # store_params=False
             return _storage.true_values(self.param_shards[b])
         stored = self.state_buffer(name)[b]
-        if name not in self.state_scales:
+        if name not in self.state_scales and name not in self.state_blocks:
             return _storage.true_values(stored)
         row = torch.zeros(stored.shape, dtype=torch.float32, device=stored.device)  # padding holds zeros
         for f in self._shard_fragments_by_bucket[b]:
-            scale = self.state_scales[name][self._fragment_index[(b, f.shard_start)]]
-            row[f.shard_start:f.shard_end] = _storage.true_values(stored[f.shard_start:f.shard_end], scale)
+            codec = self._fragment_codec(name, self._fragment_index[(b, f.shard_start)])
+            row[f.shard_start:f.shard_end] = _storage.true_values(stored[f.shard_start:f.shard_end], **codec)
         return row
+
+    def _fragment_codec(self, name: str, j: int) -> dict:
+        """How fragment j of a state is stored: its scale or block maxima (_storage.codec)."""
+        views = {}
+        if name in self.state_scales:
+            views[f"{name}_scale"] = self.state_scales[name][j:j + 1]
+        if name in self.state_blocks:
+            views[f"{name}_absmax"] = self.state_blocks[name][j]
+        return _storage.codec(views, name)
 
     def _write_state(self, name: str, f, values: torch.Tensor) -> None:
         """Store fp32 values into shard fragment f of a state."""
@@ -533,9 +546,9 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
             _storage.split_master(values, self.param_shards[where], self.remainders[where])
         elif name == "master" and self.master is None:  # store_params=False
             _storage.store(self.param_shards[where], values)
-        elif name in self.state_scales:  # each fragment its own scale
+        elif name in self.state_scales or name in self.state_blocks:  # each fragment its own scale or maxima
             j = self._fragment_index[(f.bucket, f.shard_start)]
-            _storage.store(self.state_buffer(name)[where], values, self.state_scales[name][j:j + 1])
+            _storage.store(self.state_buffer(name)[where], values, **self._fragment_codec(name, j))
         else:
             _storage.store(self.state_buffer(name)[where], values)
 
