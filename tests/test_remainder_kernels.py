@@ -222,7 +222,7 @@ def test_core_checks_its_table():
     f32, bf16, i16 = (_core.DType.float32.value, _core.DType.bfloat16.value, _core.DType.int16.value)
 
     def table(codes, written=(False, True, True)):
-        lists = [(name, [t.data_ptr()], [t.numel()], [code], w)
+        lists = [(name, [t.data_ptr()], [t.numel()], [code], w, -1)
                  for name, t, code, w in zip(("masters", "params", "remainders"), (m, p, r), codes, written)]
         return _core.TensorTable(lists, [], 1, 65536)
 

@@ -11,6 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import shardadam
+from storage_checks import captured_against_eager
 
 ULP = 2.0 ** -7  # bf16's step in [1, 2)
 
@@ -147,17 +148,5 @@ def test_a_captured_step_rounds_as_the_eager_one():
         p.grad = torch.ones_like(p)
         return p, shardadam.FusedAdam([p], lr=0.3 * ULP, capturable=True, bf16_stochastic_round=True,
                                       stochastic_round_seed=11)
-    eager_p, eager = make()
-    for _ in range(3):
-        eager.step()
-    p, opt = make()
-    opt.step()  # warm-up outside the graph: builds the plan
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph):
-        opt.step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
-    graph.replay()
+    (eager_p, _), (p, _) = captured_against_eager(make)
     assert torch.equal(p.detach(), eager_p.detach())

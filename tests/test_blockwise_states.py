@@ -1,0 +1,292 @@
+"""Blockwise 8-bit optimizer states (exp_avg_dtype="blockwise8": [Note:
+blockwise 8-bit states] in cpp/dtype.h). References, written here from the
+documented map: the map built in float64, the nearest map value found by
+search over all 256 codes, and torch's AdamW whose states are replaced after
+every step by their quantized values (what the storage keeps)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+import shardadam
+from shardadam import kernels
+from storage_checks import (captured_against_eager, distributed_equals_fused, distributed_reloaded_through_fp32,
+                            lion_or_adamw, reloaded_through_fp32, small_model_run, steps_on_cpu_and_cuda,
+                            steps_on_quantized_states)
+
+BLOCK = 256
+Q8 = shardadam.BLOCKWISE8
+
+
+def _reference_map(signed: bool) -> torch.Tensor:
+    """The documented map: magnitude code c in [2^k, 2^(k+1)) is decade
+    z = top - k, the j-th of 2^k grid points above 10^-(z+1) (0 for the
+    bottom decade) up to 10^-z; signed codes keep the sign in bit 7."""
+    top = 6 if signed else 7
+    magnitude = [0.0]
+    for c in range(1, 2 << top):
+        k = int(math.floor(math.log2(c)))
+        z, n, j = top - k, 2 ** k, c - 2 ** k + 1
+        lower, upper = (10.0 ** -(z + 1) if z < top else 0.0), 10.0 ** -z
+        magnitude.append(upper if j == n else lower + j * (upper - lower) / n)
+    values = torch.tensor(magnitude, dtype=torch.float64).float()
+    return torch.cat([values, -values]) if signed else values
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_map_is_the_documented_one(signed):
+    got = kernels.q8_map(signed)
+    assert torch.equal(got, _reference_map(signed))
+    magnitudes = got.abs().unique()
+    assert magnitudes[0] == 0 and magnitudes[-1] == 1.0
+    assert len(magnitudes) == (128 if signed else 256)
+    assert magnitudes[1] == (1e-6 if signed else 1e-7) or math.isclose(magnitudes[1].item(),
+                                                                        1e-6 if signed else 1e-7, rel_tol=1e-6)
+
+
+def _blocks(x: torch.Tensor) -> torch.Tensor:
+    """x flat, zero-padded to whole blocks, one row per block."""
+    flat = x.reshape(-1).double()
+    return torch.nn.functional.pad(flat, (0, -flat.numel() % BLOCK)).view(-1, BLOCK)
+
+
+def _check_nearest(values: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> None:
+    """absmax is each block's largest magnitude exactly, and every code's map
+    value is the nearest to value / absmax (as the kernel forms it in float32),
+    up to one float32 rounding of a tie."""
+    table = _reference_map(signed).double()
+    rows = _blocks(values.cpu())
+    assert torch.equal(absmax.cpu().double(), rows.abs().amax(dim=1))
+    inv = torch.where(absmax.cpu() > 0, 1.0 / absmax.cpu(), torch.zeros_like(absmax.cpu()))
+    y = (rows.float() * inv[:, None]).double().reshape(-1)[:values.numel()]
+    if not signed:
+        y = y.clamp(min=0)
+    got = table[codes.cpu().reshape(-1).long()]
+    best = (y[:, None] - table[None, :]).abs().amin(dim=1)
+    assert ((got - y).abs() <= best + 1e-7 * y.abs() + 1e-12).all()
+
+
+def _samples(n: int, generator: torch.Generator) -> torch.Tensor:
+    """Values over many magnitudes, with a block of zeros and a lone value."""
+    x = torch.randn(n, generator=generator) * torch.logspace(-8, 2, n).pow(torch.rand(n, generator=generator))
+    x[BLOCK:2 * BLOCK] = 0
+    x[2 * BLOCK + 7] = 3.0
+    return x
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_quantize_rounds_to_the_nearest_map_value(device, signed):
+    g = torch.Generator().manual_seed(0)
+    values = _samples(20 * BLOCK + 77, g)  # a partial last block
+    if not signed:
+        values = values.abs()
+    values = values.to(device)
+    codes = torch.empty(values.shape, dtype=torch.uint8, device=device)
+    absmax = torch.empty(-(-values.numel() // BLOCK), device=device)
+    kernels.blockwise_quantize(values, codes, absmax, signed=signed)
+    _check_nearest(values, codes, absmax, signed)
+    decoded = torch.empty_like(values)
+    kernels.blockwise_dequantize(codes, absmax, decoded, signed=signed)
+    table = _reference_map(signed)
+    expect = table[codes.cpu().long()] * absmax.cpu().repeat_interleave(BLOCK)[:values.numel()]
+    assert torch.equal(decoded.cpu(), expect)
+    # Encoding decoded values gives back the same codes and maxima.
+    again, again_max = torch.empty_like(codes), torch.empty_like(absmax)
+    kernels.blockwise_quantize(decoded, again, again_max, signed=signed)
+    assert torch.equal(again, codes) and torch.equal(again_max, absmax)
+
+
+def test_blocks_follow_each_tensors_memory_order(device):
+    """Blocks start at each tensor's first element; a channels_last tensor is
+    cut in its memory order."""
+    x = torch.randn(2, 3, 16, 16, device=device).to(memory_format=torch.channels_last)
+    codes = torch.empty_like(x, dtype=torch.uint8)
+    absmax = torch.empty(-(-x.numel() // BLOCK), device=device)
+    kernels.blockwise_quantize([x], [codes], [absmax])
+    in_memory = x.permute(0, 2, 3, 1).reshape(-1)
+    assert torch.equal(absmax.cpu().double(), _blocks(in_memory.cpu()).abs().amax(dim=1))
+
+
+def test_non_finite_values_make_their_block_nan(device):
+    x = torch.randn(3 * BLOCK, device=device)
+    x[5], x[BLOCK + 9] = math.inf, math.nan
+    codes = torch.empty_like(x, dtype=torch.uint8)
+    absmax = torch.empty(3, device=device)
+    kernels.blockwise_quantize(x, codes, absmax)
+    out = torch.empty_like(x)
+    kernels.blockwise_dequantize(codes, absmax, out)
+    assert out[:2 * BLOCK].isnan().all() and out[2 * BLOCK:].isfinite().all()
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(absmax_size=3), r"outputs_absmax\[0\] has 3 elements; it holds one float32 maximum per 256 elements"),
+    (dict(absmax_dtype=torch.float16), r"outputs_absmax\[0\] has dtype float16"),
+    (dict(no_absmax=True), r"outputs\[0\] is blockwise 8-bit but the table has no list of its block maxima"),
+])
+def test_quantize_refuses_bad_maxima(kw, match):
+    x = torch.randn(1000)
+    codes = torch.zeros(1000, dtype=torch.uint8)
+    absmax = torch.zeros(kw.get("absmax_size", 4), dtype=kw.get("absmax_dtype", torch.float32))
+    with pytest.raises(ValueError, match=match):
+        if kw.get("no_absmax"):
+            kernels.copy(x, codes)
+        else:
+            kernels.blockwise_quantize(x, codes, absmax)
+    assert codes.eq(0).all() and absmax.eq(0).all()
+
+
+def _quantized(t: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """t as blockwise storage keeps it, and its codes: the nearest map value
+    per element (reference search, float64) times its block's maximum."""
+    table = _reference_map(signed).double()
+    rows = _blocks(t.cpu())
+    absmax = rows.abs().amax(dim=1, keepdim=True)
+    y = torch.where(absmax > 0, rows / absmax, torch.zeros_like(rows)).reshape(-1, 1)
+    codes = (y - table[None, :]).abs().argmin(dim=1).view_as(rows)
+    values = (table[codes].float() * absmax.float()).reshape(-1)[:t.numel()].view_as(t).to(t.device)
+    return values, codes.reshape(-1)[:t.numel()].view_as(t)
+
+
+@pytest.mark.parametrize("lion", [False, True], ids=["adam", "lion"])
+def test_steps_equal_adamw_on_quantized_states(device, lion):
+    """Four steps of a model whose tensors hold several blocks: the
+    parameters equal the reference's within fp32 rounding and the stored
+    states decode to the reference's quantized ones (a value that fp32
+    rounding put on the other side of a tie may differ by one map step; the
+    block maxima may differ in the last bit where the compiler fused a
+    multiply-add that torch rounds twice)."""
+    torch.manual_seed(0)
+    model = nn.Linear(64, 48).to(device)
+    opt, reference, want, names = lion_or_adamw(model, lion, exp_avg_dtype=Q8, exp_avg_sq_dtype=Q8)
+    steps_on_quantized_states(model, opt, reference, want, names,
+                              lambda state, name: _quantized(state, signed=name != "exp_avg_sq")[0])
+    for p, q in zip(model.parameters(), want):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
+        for name in names:
+            assert opt.state[p][name].dtype == torch.uint8
+            assert opt.state[p][f"{name}_absmax"].numel() == -(-p.numel() // BLOCK)
+            got = torch.empty_like(p, dtype=torch.float32)
+            kernels.blockwise_dequantize(opt.state[p][name], opt.state[p][f"{name}_absmax"], got,
+                                         signed=name != "exp_avg_sq")
+            expect = reference.state[q][name]
+            step = expect.abs().max() * 0.9 / 64  # one step of the finest decade
+            assert (got - expect).abs().max() <= step, name
+            codes = _quantized(expect, signed=name != "exp_avg_sq")[1]
+            assert (opt.state[p][name].cpu().long() != codes).float().mean() < 0.01, name
+
+
+def test_skipped_step_writes_nothing(device):
+    """GradScaler's found_inf: codes and maxima stay bit for bit."""
+    model = nn.Linear(64, 48).to(device)
+    opt = shardadam.FusedAdam(model.parameters(), lr=1e-2, exp_avg_dtype=Q8, exp_avg_sq_dtype=Q8, capturable=False)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    before = {(id(p), k): v.clone() for p in model.parameters() for k, v in opt.state[p].items()}
+    params = [p.detach().clone() for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    plan = opt._buckets[0].prepare()
+    opt._buckets[0].launch(plan, opt.rule.hyper(opt.param_groups), grad_scale=1.0,
+                           found_inf=torch.ones(1, device=device))
+    for p, old in zip(model.parameters(), params):
+        assert torch.equal(p.detach(), old)
+        for k, v in opt.state[p].items():
+            assert torch.equal(v, before[(id(p), k)]), k
+
+
+def test_checkpoints_hold_true_values_and_load_across_storage(device):
+    """state_dict() saves fp32 values; an fp32-state optimizer loads them and
+    saves the same dict; loading that back into blockwise storage gives the
+    same codes and maxima (encoding a decoded value returns its code)."""
+    torch.manual_seed(0)
+    model = nn.Linear(64, 48).to(device)
+    opt, back = reloaded_through_fp32(model, exp_avg_dtype=Q8, exp_avg_sq_dtype=Q8)
+    for p in model.parameters():
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(back.state[p][name], opt.state[p][name]), name
+            assert torch.equal(back.state[p][f"{name}_absmax"], opt.state[p][f"{name}_absmax"]), name
+
+
+def test_kernel_refuses_blockwise_with_scales():
+    p, g = torch.zeros(300), torch.zeros(300)
+    m, v = torch.zeros(300, dtype=torch.uint8), torch.zeros(300, dtype=torch.uint8)
+    blocks = [torch.zeros(2), torch.zeros(2)]
+    with pytest.raises(ValueError, match=r"exp_avgs\[0\] is blockwise 8-bit, which has block maxima, not "
+                                         r"per-tensor scales"):
+        kernels.AdamPlan([p], [g], [m], [v], exp_avg_absmax=[blocks[0]], exp_avg_sq_absmax=[blocks[1]],
+                         exp_avg_scales=torch.ones(1))
+    with pytest.raises(ValueError, match=r"max_exp_avg_sqs\[0\] has dtype uint8"):
+        kernels.AdamPlan([p], [g], [m], [v], exp_avg_absmax=[blocks[0]], exp_avg_sq_absmax=[blocks[1]],
+                         max_exp_avg_sqs=[torch.zeros(300, dtype=torch.uint8)])
+
+
+@pytest.mark.cuda
+def test_cpu_and_cuda_agree():
+    """The same fp32 values encode to the same bytes on both engines; three
+    optimizer steps agree within fp32 rounding (contraction of the update's
+    multiply-adds differs between the compilers, so a tie may flip)."""
+    g = torch.Generator().manual_seed(0)
+    values = _samples(40 * BLOCK + 13, g)
+    out = {}
+    for device in ("cpu", "cuda"):
+        codes = torch.empty(values.shape, dtype=torch.uint8, device=device)
+        absmax = torch.empty(-(-values.numel() // BLOCK), device=device)
+        kernels.blockwise_quantize(values.to(device), codes, absmax)
+        out[device] = codes.cpu(), absmax.cpu()
+    assert torch.equal(out["cpu"][0], out["cuda"][0]) and torch.equal(out["cpu"][1], out["cuda"][1])
+    steps_on_cpu_and_cuda(5000, exp_avg_dtype=Q8, exp_avg_sq_dtype=Q8)
+
+
+@pytest.mark.cuda
+def test_a_captured_step_equals_the_eager_one():
+    """capturable=True: graph replays step the blockwise states exactly as eager steps."""
+    def make():
+        p = nn.Parameter(torch.randn(3000, generator=torch.Generator().manual_seed(0)).cuda())
+        p.grad = torch.randn(3000, generator=torch.Generator().manual_seed(1)).cuda()
+        return p, shardadam.FusedAdam([p], lr=1e-2, capturable=True, exp_avg_dtype=Q8, exp_avg_sq_dtype=Q8)
+    (eager_p, eager), (p, opt) = captured_against_eager(make)
+    assert torch.equal(p.detach(), eager_p.detach())
+    for name, value in eager.state[eager_p].items():
+        assert torch.equal(opt.state[p][name], value), name
+
+
+# ------------------------------------------------------------ DistributedFusedAdam
+
+WIDTH = 300  # the first layer's 300 x 16 weight: several blocks
+
+
+def test_distributed_blockwise_states_are_fused_adams_where_fragments_are_whole(one_rank):
+    """One rank, one bucket: every shard fragment is a whole parameter, so its
+    blocks are FusedAdam's and the runs agree bit for bit."""
+    dist_opt = distributed_equals_fused(dict(exp_avg_dtype=Q8, exp_avg_sq_dtype=Q8), width=WIDTH)
+    assert dist_opt.states["exp_avg"].dtype == torch.uint8 and set(dist_opt.state_blocks) == {"exp_avg", "exp_avg_sq"}
+
+
+def test_distributed_blockwise_checkpoint_loads_into_other_storage(one_rank):
+    """Small buckets (parameters split over fragments, blocks per fragment):
+    the portable state dict holds fp32 values that an fp32-state optimizer
+    loads and gives back unchanged, and blockwise storage loads back to the
+    same values."""
+    storage = dict(exp_avg_dtype=Q8, exp_avg_sq_dtype=Q8)
+    model, opt, saved, fp32 = distributed_reloaded_through_fp32(storage, 1e-3, width=WIDTH)
+    assert len(opt.state_blocks["exp_avg"]) > len(list(model.parameters()))
+    back = shardadam.DistributedFusedAdam(model.parameters(), lr=1e-2, bucket_cap_mb=1e-3, overlap_grad_sync=False,
+                                          **storage)
+    back.load_state_dict(fp32.state_dict())
+    for k, entry in back.state_dict()["state"].items():
+        for name, value in entry.items():
+            assert torch.equal(saved["state"][k][name], value), (k, name)
+
+
+def test_distributed_lion_blockwise(one_rank):
+    kw = dict(lr=1e-3, weight_decay=0.1, exp_avg_dtype=Q8)
+    fused_model, _ = small_model_run(lambda ps: shardadam.FusedLion(ps, **kw), width=WIDTH)
+    dist_model, opt = small_model_run(lambda ps: shardadam.DistributedFusedLion(
+        ps, bucket_cap_mb=100, overlap_grad_sync=False, **kw), width=WIDTH)
+    assert opt.states["exp_avg"].dtype == torch.uint8
+    for p, q in zip(fused_model.parameters(), dist_model.parameters()):
+        assert torch.equal(p, q)
