@@ -9,11 +9,19 @@ the states, read the gradient):
 - FP8 states: fp32 parameters and gradients, exp_avg and exp_avg_sq in FP8
   E4M3 with a scale per tensor: 16 B. The scales follow each step's new
   maxima, so the kernel runs twice (measure, then apply): it reads 26 B;
+- 8-bit blockwise states: fp32 parameters and gradients, exp_avg and
+  exp_avg_sq as 8-bit codes with an fp32 maximum per 256 elements: 16.06 B,
+  in one pass (a block's new maximum is one warp reduction);
 - bf16, to nearest / stochastic: bf16 parameters that are their own master,
   bf16 gradients, fp32 states: 22 B, rounding to nearest or stochastically
   (bf16_stochastic_round: a 32-bit hash per element);
 - torch fused AdamW on fp32 (28 B) and on the bf16 parameters (its states
-  are then bf16 too: 14 B).
+  are then bf16 too: 14 B);
+- FusedAdam (the optimizer, its per-step checks included) with 8-bit
+  blockwise and with FP8 states, as the optimizers below are timed;
+- where torchao is installed, its AdamW8bit (blocks of 256, 16.06 B) and
+  AdamWFp8 (FP8 E4M3 states scaled per block of 256, 16.06 B) on the same
+  fp32 tensors: one compiled kernel per parameter.
 
 Effective bandwidth = those bytes / time, next to a large device-to-device
 copy (bytes read + written).
@@ -46,7 +54,10 @@ def _shardadam(sizes, dev, param_dtype, state_dtype, seed=None):
     grads = [torch.randn(n, device=dev).to(param_dtype) for n in sizes]
     states = [[torch.zeros(n, device=dev, dtype=state_dtype) for n in sizes] for _ in range(2)]
     scales = [torch.ones(len(sizes), device=dev) for _ in range(2)] if state_dtype == F8 else [None, None]
-    plan = kernels.AdamPlan(params, grads, *states, exp_avg_scales=scales[0], exp_avg_sq_scales=scales[1])
+    blocks = [[torch.zeros(-(-n // 256), device=dev) for n in sizes] for _ in range(2)] \
+        if state_dtype == torch.uint8 else [None, None]
+    plan = kernels.AdamPlan(params, grads, *states, exp_avg_scales=scales[0], exp_avg_sq_scales=scales[1],
+                            exp_avg_absmax=blocks[0], exp_avg_sq_absmax=blocks[1])
     step = iter(range(1, 1 << 30))
     return lambda: kernels.adam(plan, lr=1e-3, step=next(step), weight_decay=0.01, stochastic_rounding_seed=seed)
 
@@ -56,6 +67,37 @@ def _torch_fused(sizes, dev, dtype):
     for p in params:
         p.grad = torch.randn_like(p)
     return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, fused=True).step
+
+
+def _fused_adam(sizes, dev, **states):
+    """The optimizer (its per-step checks of parameters and gradients included),
+    as torchao's optimizers are timed."""
+    params = [torch.nn.Parameter(torch.randn(n, device=dev)) for n in sizes]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = shardadam.FusedAdam(params, lr=1e-3, weight_decay=0.01, **states)
+    opt.step()
+    return opt.step
+
+
+def _torchao(sizes, dev, optimizer):
+    """torchao's low-bit AdamW (compiled per parameter); its first steps compile."""
+    import torchao.optim
+    params = [torch.nn.Parameter(torch.randn(n, device=dev)) for n in sizes]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = getattr(torchao.optim, optimizer)(params, lr=1e-3, weight_decay=0.01)
+    for _ in range(3):
+        opt.step()
+    return opt.step
+
+
+def _has_torchao() -> bool:
+    try:
+        import torchao.optim  # noqa: F401  (only whether it imports)
+    except Exception:  # absent, or built for another torch
+        return False
+    return True
 
 
 def _copy_gbs(numel: int, dev: str, reps: int) -> float:
@@ -70,10 +112,16 @@ def _copy_gbs(numel: int, dev: str, reps: int) -> float:
 KINDS = {
     "shardadam fp32": (28, lambda s, d: _shardadam(s, d, torch.float32, torch.float32)),
     "shardadam FP8 states": (16, lambda s, d: _shardadam(s, d, torch.float32, F8)),
+    "shardadam 8-bit blockwise states": (16.06, lambda s, d: _shardadam(s, d, torch.float32, torch.uint8)),
     "shardadam bf16, to nearest": (22, lambda s, d: _shardadam(s, d, torch.bfloat16, torch.float32)),
     "shardadam bf16, stochastic": (22, lambda s, d: _shardadam(s, d, torch.bfloat16, torch.float32, seed=1234)),
     "torch fused fp32": (28, lambda s, d: _torch_fused(s, d, torch.float32)),
     "torch fused bf16 (bf16 states)": (14, lambda s, d: _torch_fused(s, d, torch.bfloat16)),
+    "FusedAdam 8-bit blockwise states": (16.06, lambda s, d: _fused_adam(
+        s, d, exp_avg_dtype=shardadam.BLOCKWISE8, exp_avg_sq_dtype=shardadam.BLOCKWISE8)),
+    "FusedAdam FP8 states": (16, lambda s, d: _fused_adam(s, d, exp_avg_dtype=F8, exp_avg_sq_dtype=F8)),
+    "torchao AdamW8bit": (16.06, lambda s, d: _torchao(s, d, "AdamW8bit")),
+    "torchao AdamWFp8": (16.06, lambda s, d: _torchao(s, d, "AdamWFp8")),
 }
 
 
@@ -83,22 +131,31 @@ def main() -> None:
     ap.add_argument("--numel", type=int, default=30, help="log2 of the element count (default 30)")
     ap.add_argument("--tensors", default="1,200,20000", help="tensor counts, comma-separated")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--kinds", default="", help="only the kinds whose names contain one of these (comma-separated)")
     ap.add_argument("--out")
     args = ap.parse_args()
     dev, numel = args.device, 1 << args.numel
     torch.manual_seed(0)
     copy_gbs = _copy_gbs(numel // 2, dev, args.reps)
     rows = []
+    print("| tensors | step | B/elem | ms | GB/s | of copy |")
+    print("|---:|---|---:|---:|---:|---:|")
     for n_tensors in map(int, args.tensors.split(",")):
         sizes = _split(numel, n_tensors)
         for name, (bytes_per_elem, build) in KINDS.items():
+            if args.kinds and not any(k in name for k in args.kinds.split(",")):
+                continue
             if name.startswith("torch") and dev == "cpu" and n_tensors > 1:
                 continue  # torch's CPU fused step is per tensor: the 1-tensor row says enough
+            if name.startswith("torchao") and not (_has_torchao() and dev == "cuda"):
+                continue
             fn = build(sizes, dev)
             ms = statistics.median(time_steps(fn, dev, args.reps, 3))
             gbs = bytes_per_elem * numel / ms / 1e6
             rows.append(dict(tensors=n_tensors, impl=name, bytes=bytes_per_elem, ms=ms, gbs=gbs,
                              of_copy=gbs / copy_gbs))
+            print(f"| {n_tensors} | {name} | {bytes_per_elem} | {ms:.2f} | {gbs:.0f} | {gbs / copy_gbs:.2f} |",
+                  flush=True)
             del fn
             if dev == "cuda":
                 torch.cuda.empty_cache()
@@ -106,10 +163,6 @@ def main() -> None:
                 torch=torch.__version__, shardadam=shardadam.__version__, numel=numel, copy_gbs=copy_gbs,
                 cpu_threads=torch.get_num_threads())
     print(f"{meta['device']}, 2^{args.numel} elements, copy {copy_gbs:.0f} GB/s")
-    print("| tensors | step | B/elem | ms | GB/s | of copy |")
-    print("|---:|---|---:|---:|---:|---:|")
-    for r in rows:
-        print(f"| {r['tensors']} | {r['impl']} | {r['bytes']} | {r['ms']:.2f} | {r['gbs']:.0f} | {r['of_copy']:.2f} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=2)

@@ -33,6 +33,12 @@ CONFIGS = {
     "fp32 params, contiguous buffers, FP8 states": dict(param_dtype=torch.float32, contiguous_param_buffer=True,
                                                        contiguous_grad_buffer=True, exp_avg_dtype=torch.uint8,
                                                        exp_avg_sq_dtype=torch.uint8),
+    "fp32 params, contiguous buffers, 8-bit blockwise states": dict(
+        param_dtype=torch.float32, contiguous_param_buffer=True, contiguous_grad_buffer=True,
+        exp_avg_dtype=shardadam.BLOCKWISE8, exp_avg_sq_dtype=shardadam.BLOCKWISE8),
+    "bf16 params, stochastic rounding, 8-bit blockwise states": dict(
+        param_dtype=torch.bfloat16, bf16_stochastic_round=True, contiguous_param_buffer=True,
+        contiguous_grad_buffer=True, exp_avg_dtype=shardadam.BLOCKWISE8, exp_avg_sq_dtype=shardadam.BLOCKWISE8),
     "bf16 params, stochastic rounding, FP8 states": dict(param_dtype=torch.bfloat16, bf16_stochastic_round=True,
                                                         contiguous_param_buffer=True, contiguous_grad_buffer=True,
                                                         exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8),
@@ -48,6 +54,7 @@ def _tensors(opt) -> list:
     held = [(k, v) for k, v in vars(opt).items() if torch.is_tensor(v)]
     held += [(k, t) for k, v in vars(opt).items() if isinstance(v, BucketRows) for t in v.tensors]
     held += [(f"state:{k}", v) for k, v in getattr(opt, "states", {}).items()]
+    held += [(f"blocks:{k}", t) for k, views in getattr(opt, "state_blocks", {}).items() for t in views]
     return held + [(f"scale:{k}", v) for k, v in getattr(opt, "state_scales", {}).items()]
 
 

@@ -3,8 +3,8 @@
 example GPT (examples/train.py: a small GPT learning Python source, character
 by character) trained from the same seed on the same batches with
 
-- fp32 parameters (the reference), with FP8 E4M3 exp_avg and exp_avg_sq, and
-  with FP8 exp_avg only,
+- fp32 parameters (the reference), with FP8 E4M3 exp_avg and exp_avg_sq,
+  with FP8 exp_avg only, and with 8-bit blockwise exp_avg and exp_avg_sq,
 - bf16 parameters with fp32 masters (master_weights=True),
 - bf16 parameters without a master, rounded stochastically (bf16_stochastic_round),
 - bf16 parameters without a master, rounded to nearest (what stochastic rounding fixes),
@@ -35,6 +35,8 @@ KINDS = {
     "fp32": (torch.float32, {}),
     "FP8 states": (torch.float32, dict(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8)),
     "FP8 exp_avg": (torch.float32, dict(exp_avg_dtype=torch.uint8)),
+    "8-bit blockwise states": (torch.float32, dict(exp_avg_dtype=shardadam.BLOCKWISE8,
+                                                   exp_avg_sq_dtype=shardadam.BLOCKWISE8)),
     "bf16 + fp32 masters": (torch.bfloat16, dict(master_weights=True)),
     "bf16 stochastic rounding": (torch.bfloat16, dict(bf16_stochastic_round=True, stochastic_round_seed=0)),
     "bf16 round to nearest": (torch.bfloat16, {}),
