@@ -17,7 +17,8 @@ scaled fp16/bf16 states), per-group hyperparameters and found_inf skip.
 Checkpoint conversions: ``split_remainders`` and ``join_remainders`` turn fp32
 masters into bf16 params + int16 remainders and back, bit for bit as the
 update stores them; ``pow2_scale_for`` is the scale the kernels choose for
-scaled fp16 states.
+scaled fp16 states; ``blockwise_quantize`` and ``blockwise_dequantize``
+convert to and from blockwise 8-bit states (``q8_map``: their dynamic maps).
 
 Safety at launch: a plan checks (check_addresses=True, the default) that its
 tensors were not re-pointed since it was built (``t.data = ...``, ``set_()``,
