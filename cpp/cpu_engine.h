@@ -119,12 +119,35 @@ class CpuIO {
       case DType::Q8S: case DType::Q8U: {  // the tile is one block
         uint8_t* d = reinterpret_cast<uint8_t*>(t_.ptr[l]) + index_;
         const Q8Map& map = q8_map_of(*t_.q8, t_.dtype[l]);
-        float absmax = 0.0f;
-        for (int k = 0; k < n; ++k) absmax = nan_max(absmax, fabsf(in[k]));
-        absmax = q8_block_max(absmax);
-        const float inv = q8_inverse(absmax);
         const bool is_signed = t_.dtype[l] == DType::Q8S;
-        for (int k = 0; k < n; ++k) d[k] = q8_encode(in[k] * inv, map, is_signed);
+        // The block maximum and q8_encode in steps, a loop each, over 32-bit
+        // cells and bits read through unions: so the compiler vectorises them
+        // (as one loop, or through byte tables, memcpy bit casts or a float
+        // max with NaN, it stays scalar).
+        union Lanes {
+          float f[K];
+          uint32_t u[K];
+        } y, mag;
+        // The maximum as the largest |x| bit pattern: non-negative floats
+        // order like their bits, NaN above infinity; q8_block_max then makes
+        // any non-finite maximum NaN, as the GPU's nan_max reduction gives.
+        for (int k = 0; k < n; ++k) mag.f[k] = in[k];
+        uint32_t top = 0;
+        for (int k = 0; k < n; ++k) {
+          const uint32_t a = mag.u[k] & 0x7fffffffu;
+          top = a > top ? a : top;
+        }
+        const float absmax = q8_block_max(bits_float(top));
+        const float inv = q8_inverse(absmax);
+        uint32_t code[K];
+        const int32_t* cells = q8_cells32(t_.dtype[l]);
+        for (int k = 0; k < n; ++k) {
+          y.f[k] = in[k] * inv;
+          mag.f[k] = q8_magnitude(y.f[k], is_signed);
+        }
+        for (int k = 0; k < n; ++k) code[k] = q8_cell_code(mag.u[k], cells);
+        for (int k = 0; k < n; ++k) code[k] = q8_settle(mag.f[k], code[k], map);
+        for (int k = 0; k < n; ++k) d[k] = q8_with_sign(code[k], y.u[k], is_signed);
         *block_max_ptr(l) = absmax;
         break;
       }

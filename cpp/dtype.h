@@ -246,26 +246,46 @@ static_assert(sizeof(Q8Maps) % 16 == 0, "Q8Maps is copied in 16-byte words");
 
 // The maps, built once on the host (cpp/q8_map.cpp).
 const Q8Maps& q8_maps();
+// Q8Map::cell widened to 32 bits, for the CPU engine: its compiler
+// vectorises table reads of 32-bit entries, not of bytes.
+const int32_t* q8_cells32(DType d);
 
 SHARDADAM_HD const Q8Map& q8_map_of(const Q8Maps& maps, DType d) { return maps.map[d == DType::Q8U ? 1 : 0]; }
 
 // The magnitude code of y >= 0 (y = value / absmax, at most 1 but for
 // rounding; NaN gives a code too, which its block's NaN maximum makes
 // decode to NaN).
-SHARDADAM_HD uint32_t q8_magnitude_code(float y, const Q8Map& q) {
-  const uint32_t bits = float_bits(y);
-  int o = 127 - int(bits >> 23);
+// In two steps (the CPU engine runs each as a loop of its own, which its
+// compiler vectorises): the cell's code from y's bits (in a table of any
+// integer type: Q8Map's bytes, or the CPU's 32-bit copy, q8_cells32), then
+// the comparison that settles it.
+template <class Cell>
+SHARDADAM_HD uint32_t q8_cell_code(uint32_t y_bits, const Cell* cells) {
+  int o = 127 - int(y_bits >> 23);
   o = o < 0 ? 0 : (o > kQ8Octaves - 1 ? kQ8Octaves - 1 : o);
-  const uint32_t c = q.cell[(o << 8) | ((bits >> 15) & 0xffu)];
-  return c + (y > q.mid[c] ? 1u : 0u);
+  return uint32_t(cells[(o << 8) | ((y_bits >> 15) & 0xffu)]);
+}
+SHARDADAM_HD uint32_t q8_settle(float y, uint32_t cell_code, const Q8Map& q) {
+  return cell_code + (y > q.mid[cell_code] ? 1u : 0u);
+}
+SHARDADAM_HD uint32_t q8_magnitude_code(float y, const Q8Map& q) {
+  return q8_settle(y, q8_cell_code(float_bits(y), q.cell), q);
+}
+
+// The magnitude q8_encode codes: |y| in the signed map, y (negative, -0 and NaN as +0) in the
+// unsigned one. A select, not fmaxf, whose result for -0 and +0 may be either zero.
+SHARDADAM_HD float q8_magnitude(float y, bool is_signed) { return is_signed ? fabsf(y) : (y > 0.0f ? y : 0.0f); }
+
+// A magnitude code with the sign of y (given as its bits): bit 7 in the
+// signed map (zero always as code 0).
+SHARDADAM_HD uint8_t q8_with_sign(uint32_t mag, uint32_t y_bits, bool is_signed) {
+  return uint8_t(!is_signed || mag == 0 ? mag : (mag | ((y_bits >> 24) & 0x80u)));
 }
 
 // The code of y = value / absmax: the signed map keeps the sign in bit 7
 // (zero always as code 0); the unsigned map takes negative values as 0.
 SHARDADAM_HD uint8_t q8_encode(float y, const Q8Map& q, bool is_signed) {
-  if (!is_signed) return uint8_t(q8_magnitude_code(fmaxf(y, 0.0f), q));
-  const uint32_t mag = q8_magnitude_code(fabsf(y), q);
-  return uint8_t(mag == 0 ? 0u : (mag | ((float_bits(y) >> 24) & 0x80u)));
+  return q8_with_sign(q8_magnitude_code(q8_magnitude(y, is_signed), q), float_bits(y), is_signed);
 }
 
 // The maximum a block stores: NaN when the block holds an infinity or a

@@ -2,6 +2,7 @@
 // in dtype.h), built once in double and rounded to float, so every engine
 // reads the same tables.
 #include <cmath>
+#include <iterator>
 #include <limits>
 #include <stdexcept>
 #include <vector>
@@ -46,6 +47,15 @@ Q8Map build(int top, bool is_signed) {
 const Q8Maps& q8_maps() {
   static const Q8Maps maps{{build(6, true), build(7, false)}};
   return maps;
+}
+
+const int32_t* q8_cells32(DType d) {
+  static const std::vector<std::vector<int32_t>> cells = [] {
+    std::vector<std::vector<int32_t>> out;
+    for (const Q8Map& q : q8_maps().map) out.emplace_back(std::begin(q.cell), std::end(q.cell));
+    return out;
+  }();
+  return cells[d == DType::Q8U ? 1 : 0].data();
 }
 
 }  // namespace shardadam
