@@ -68,7 +68,7 @@ class TensorPlan:
         options = {n: lists[n][3] if len(lists[n]) > 3 else {} for n in names}
         specs = [spec(n, lists[n][0], lists[n][1], ref, ref_name, self.device, lists[n][2],
                       codes=options[n].get("codes"),
-                      blocks_of=names.index(options[n]["blocks_of"]) if "blocks_of" in options[n] else -1)
+                      maxima_of=names.index(options[n]["blocks_of"]) if "blocks_of" in options[n] else -1)
                  for n in names]
         self.table = _core.TensorTable(specs, groups or [], num_groups, CHUNK_SIZE, alias_list)
         self.lists = dict(zip(names, tensor_lists))

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from . import kernels
-from ._torch import QUANT_BLOCK
+from ._torch import blocks_of
 
 # The storage dtypes that carry a scale (FP8 always; fp16 unless apex's plain fp16 states).
 SCALED_DTYPES = (torch.float16, torch.float8_e4m3fn)
@@ -42,11 +42,6 @@ SCALED_DTYPES = (torch.float16, torch.float8_e4m3fn)
 BLOCKWISE8 = "blockwise8"
 # States kept in the unsigned map (their values are never negative).
 UNSIGNED_STATES = ("exp_avg_sq",)
-
-
-def blocks_of(numel: int) -> int:
-    """How many block maxima a tensor of numel elements has."""
-    return -(-numel // QUANT_BLOCK)
 
 
 def codec(views: dict, name: str) -> dict:
@@ -125,8 +120,9 @@ def block_views(flat: torch.Tensor, numels: list[int]) -> list[torch.Tensor]:
     """Consecutive slices of a flat block-maxima buffer, one per tensor of numels elements."""
     views, start = [], 0
     for n in numels:
-        views.append(flat[start:start + blocks_of(n)])
-        start += blocks_of(n)
+        count = blocks_of(n)
+        views.append(flat[start:start + count])
+        start += count
     return views
 
 

@@ -23,6 +23,12 @@ DTYPE_CODES = {
 }
 # Elements per block of blockwise 8-bit states ([Note: blockwise 8-bit states] in cpp/dtype.h).
 QUANT_BLOCK = _core.q8_block()
+
+
+def blocks_of(numel: int) -> int:
+    """How many block maxima a tensor of numel elements has."""
+    return -(-numel // QUANT_BLOCK)
+
 SCALAR_CODES = {
     torch.float32: _core.DType.float32,
     torch.float64: _core.DType.float64,
@@ -89,24 +95,24 @@ def check_tensor(name: str, t: torch.Tensor, device: torch.device, allowed) -> N
 
 
 def spec(name: str, tensors: list[torch.Tensor] | None, written: bool, reference: list[torch.Tensor] | None,
-         ref_name: str, device: torch.device, allowed, codes: dict | None = None, blocks_of: int = -1):
+         ref_name: str, device: torch.device, allowed, codes: dict | None = None, maxima_of: int = -1):
     """One list as the core's TensorTable wants it. codes: dtype codes that
     replace DTYPE_CODES' for this list (uint8 states are blockwise 8-bit
-    codes). blocks_of >= 0: the list holds the block maxima of that list
+    codes). maxima_of >= 0: the list holds the block maxima of that list
     (one float32 per QUANT_BLOCK elements of the reference tensor)."""
     if tensors is None:
-        return (name, [], [], [], written, blocks_of)
+        return (name, [], [], [], written, maxima_of)
     for i, t in enumerate(tensors):
         check_tensor(f"{name}[{i}]", t, device, allowed)
-    if blocks_of >= 0:
+    if maxima_of >= 0:
         if reference is not None and len(tensors) == len(reference):
             for i, (t, r) in enumerate(zip(tensors, reference)):
-                blocks = -(-r.numel() // QUANT_BLOCK)
+                blocks = blocks_of(r.numel())
                 if t.numel() != blocks:
                     raise ValueError(f"{name}[{i}] has {t.numel()} elements; it holds one float32 maximum per "
                                      f"{QUANT_BLOCK} elements of {ref_name}[{i}] ({r.numel()}): {blocks}")
         return (name, [t.data_ptr() for t in tensors], [t.numel() for t in tensors],
-                [DTYPE_CODES[t.dtype].value for t in tensors], written, blocks_of)
+                [DTYPE_CODES[t.dtype].value for t in tensors], written, maxima_of)
     if reference is not None and reference is not tensors and len(tensors) == len(reference):
         for i, (t, r) in enumerate(zip(tensors, reference)):
             if t.numel() == r.numel() and t.numel() and not _same_element_order(t, r):
