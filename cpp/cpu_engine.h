@@ -34,21 +34,25 @@ struct CpuTensor {
 };
 
 // One tile. Full tiles (all K elements real) have compile-time trip counts;
-// the tail tile of a chunk runs the same code over count() lanes. With
+// the tail tile of a chunk runs the same code over count() lanes. Padded
+// tiles compute all K lanes whatever count() is (padding loads as zeros and is
+// never stored): blockwise tables walk every tile so, which compiles their
+// large tiles once instead of twice. With
 // F32Only (every list float32 or absent, the common case) loads and stores
 // need no dtype dispatch, so a small tile stays in vector registers instead
 // of making a round trip through the stack.
-template <int L, int K, bool Full, bool F32Only = false>
+template <int L, int K, bool Full, bool F32Only = false, bool Padded = false>
 class CpuIO {
  public:
   CpuIO(const CpuTensor<L>& t, int64_t index, int count) : t_(t), index_(index), count_(count) {}
   DType dtype(int l) const { return F32Only ? (t_.ptr[l] ? DType::F32 : DType::None) : t_.dtype[l]; }
   int count() const { return Full ? K : count_; }
-  int lanes() const { return Full ? K : count_; }
+  int lanes() const { return Full || Padded ? K : count_; }
   int64_t index() const { return index_; }  // of lane 0 in its tensor
 
   void load(int l, float (&out)[K]) const {
-    const int n = lanes();
+    const int n = count();
+    if (Padded) for (int k = n; k < K; ++k) out[k] = 0.0f;
     if (F32Only) {
       const float* __restrict__ s = reinterpret_cast<const float*>(t_.ptr[l]) + index_;
       if (t_.ptr[l]) for (int k = 0; k < n; ++k) out[k] = s[k];
@@ -89,7 +93,7 @@ class CpuIO {
   }
 
   void store(int l, const float (&in)[K]) const {
-    const int n = lanes();
+    const int n = count();
     if (F32Only) {
       float* __restrict__ d = reinterpret_cast<float*>(t_.ptr[l]) + index_;
       if (t_.ptr[l]) for (int k = 0; k < n; ++k) d[k] = in[k];
@@ -163,12 +167,13 @@ class CpuIO {
 
   void load_bits(int l, uint16_t (&out)[K]) const {
     const uint16_t* s = reinterpret_cast<const uint16_t*>(t_.ptr[l]) + index_;
-    for (int k = 0; k < lanes(); ++k) out[k] = s[k];
+    for (int k = 0; k < count(); ++k) out[k] = s[k];
+    if (Padded) for (int k = count(); k < K; ++k) out[k] = 0;
   }
 
   void store_bits(int l, const uint16_t (&in)[K]) const {
     uint16_t* d = reinterpret_cast<uint16_t*>(t_.ptr[l]) + index_;
-    for (int k = 0; k < lanes(); ++k) d[k] = in[k];
+    for (int k = 0; k < count(); ++k) d[k] = in[k];
   }
 
  private:
@@ -202,6 +207,16 @@ void cpu_run_tiles(const CpuTensor<Op::kLists>& tensor, const Chunk& ch, const O
   int64_t i = ch.start;
   for (; i + K <= end; i += K) op.template tile<K>(CpuIO<Op::kLists, K, true, F32Only>(tensor, i, K), state);
   if (i < end) op.template tile<K>(CpuIO<Op::kLists, K, false, F32Only>(tensor, i, int(end - i)), state);
+}
+
+// Walks one chunk of `tensor` in padded tiles of K (see CpuIO).
+template <int K, class Op, class State>
+void cpu_run_padded_tiles(const CpuTensor<Op::kLists>& tensor, const Chunk& ch, const Op& op,
+                          State& state) {
+  const int64_t end = ch.start + ch.len;
+  for (int64_t i = ch.start; i < end; i += K)
+    op.template tile<K>(CpuIO<Op::kLists, K, false, false, true>(tensor, i, int(std::min<int64_t>(K, end - i))),
+                        state);
 }
 
 // Small tensors are separate allocations: the hardware prefetchers, which stop
@@ -239,7 +254,7 @@ void cpu_run_chunks(const TableView& tv, int64_t chunk_begin, int64_t chunk_end,
     if constexpr (Op::kBlockwise) {
       if (tv.blockwise) {  // chunks start on block boundaries (the table's chunk size)
         auto state = op.template begin<kCpuBlockTile>(ctx, group_state);
-        cpu_run_tiles<kCpuBlockTile, false>(tensor, ch, op, state);
+        cpu_run_padded_tiles<kCpuBlockTile>(tensor, ch, op, state);
         CpuReducer red;
         op.template finish<kCpuBlockTile>(ctx, state, red);
         continue;

@@ -4,45 +4,10 @@
 #include <cmath>
 #include <cstring>
 
-#include "cpu_engine.h"
-#include "lion_math.h"
+#include "cpu_chunks.h"
 
 namespace shardadam {
 namespace {
-
-// The hot loops, compiled once per instruction set and chosen at load time by
-// the CPU's abilities (the widest vectors it has, as torch's CPU kernels do):
-// one build runs everywhere and still uses AVX2/AVX-512 where present.
-// `flatten` inlines the whole chunk loop into each clone, so no shared
-// out-of-line helper carries one instruction set's code into another's path.
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define SHARDADAM_CPU_CLONES \
-  __attribute__((target_clones("default", "arch=x86-64-v3", "arch=x86-64-v4"), flatten))
-#else
-#define SHARDADAM_CPU_CLONES
-#endif
-
-SHARDADAM_CPU_CLONES void run_chunks(const TableView& tv, int64_t b, int64_t e, const AdamOp& op) {
-  cpu_run_chunks(tv, b, e, op);
-}
-SHARDADAM_CPU_CLONES void run_chunks(const TableView& tv, int64_t b, int64_t e,
-                                     const UpdateOp<LionRule>& op) {
-  cpu_run_chunks(tv, b, e, op);
-}
-SHARDADAM_CPU_CLONES void run_chunks(const TableView& tv, int64_t b, int64_t e, const ScaleOp& op) {
-  cpu_run_chunks(tv, b, e, op);
-}
-SHARDADAM_CPU_CLONES void run_chunks(const TableView& tv, int64_t b, int64_t e,
-                                     const SplitRemaindersOp& op) {
-  cpu_run_chunks(tv, b, e, op);
-}
-SHARDADAM_CPU_CLONES void run_chunks(const TableView& tv, int64_t b, int64_t e,
-                                     const JoinRemaindersOp& op) {
-  cpu_run_chunks(tv, b, e, op);
-}
-SHARDADAM_CPU_CLONES void run_chunks(const TableView& tv, int64_t b, int64_t e, const SumSqOp& op) {
-  cpu_run_chunks(tv, b, e, op);
-}
 
 struct CpuEngine {
   TableView tv;
