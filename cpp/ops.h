@@ -6,9 +6,9 @@
 //     load_bits(l, uint16[K]), store_bits(l, const uint16[K])
 //     index() is lane 0's element index in its tensor.
 //     count() elements are real. Ops compute lanes() of them: the CPU engine
-//     gives count() (no work on padding), the GPU engine K (a constant trip
-//     count keeps tiles in registers); padding lanes load as zeros and are
-//     never stored. Absent lists load zeros and store nothing.
+//     gives count() (no work on padding) but in blockwise tables, the GPU
+//     engine K (a constant trip count keeps tiles in registers); padding
+//     lanes load as zeros and are never stored. Absent lists load zeros and store nothing.
 //   Reducer (once per chunk, all threads of a chunk call it together):
 //     max_to(float*, v), sum_to(float*, v), flag_if(float*, bool)
 //
