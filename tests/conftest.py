@@ -62,6 +62,7 @@ _INT_VIEW = {
     torch.int16: torch.int16,
     torch.float64: torch.int64,
     torch.int32: torch.int32,
+    torch.uint8: torch.uint8,
 }
 
 

@@ -49,6 +49,49 @@ def _dense_view(flat: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Te
     return torch.as_strided(flat, like.shape, like.stride(), offset)
 
 
+class GradFit:
+    """What a gradient must match of its parameter, and the check."""
+
+    def __init__(self, params: list, names: list[str]):
+        self.params = params
+        self.names = names
+        self.device = params[0].device
+        self._strides = [p.stride() for p in params]
+        self._numels = [p.numel() for p in params]
+        self._device_index = self.device.index if self.device.type == "cuda" else -1
+        self._all_contiguous = all(p.is_contiguous() for p in params)
+
+    def check(self, grads: list, idx: list[int] | None = None) -> list:
+        """Every gradient fits its parameter (parameter idx[k] for grads[k];
+        all parameters in order when idx is None): strided, on the
+        parameters' device, a float dtype, as many elements, the same element
+        order. torch's ``p.grad = t`` checks some of this, ``p.grad.data = t``
+        none of it. C-level passes for the common case; the checked path names
+        the first offender. Returns the gradients' dtypes."""
+        numels = self._numels if idx is None else [self._numels[i] for i in idx]
+        idx = range(len(self.params)) if idx is None else idx
+        dtypes = [g.dtype for g in grads]
+        try:
+            fast_ok = (list(map(torch.Tensor.numel, grads)) == numels
+                       and list(map(torch.Tensor.get_device, grads)) == [self._device_index] * len(grads)
+                       and all(d in kernels.FLOATS for d in set(dtypes))
+                       and self._all_contiguous and all(map(torch.Tensor.is_contiguous, grads)))
+        except RuntimeError:  # sparse gradients have no is_contiguous: the checks below say so
+            fast_ok = False
+        if not fast_ok:
+            for i, g in zip(idx, grads):
+                p = self.params[i]
+                where = f"the gradient of {self.names[i]}"
+                check_tensor(where, g, self.device, kernels.FLOATS)
+                if g.numel() != p.numel():
+                    raise ValueError(f"{where} has {g.numel()} elements (shape {tuple(g.shape)}), the parameter "
+                                     f"{p.numel()} (shape {tuple(p.shape)}): was it set with p.grad.data = ...?")
+                if g.stride() != self._strides[i] and not (g.is_contiguous() and p.is_contiguous()):
+                    raise ValueError(f"{where} has strides {g.stride()} but the parameter {p.stride()}: "
+                                     "element orders differ")
+        return dtypes
+
+
 class Bucket:
     """The parameters of one device and one storage kind, with their flat state."""
 
@@ -94,10 +137,7 @@ class Bucket:
         # parameters, checked every step (moved_params).
         self.param_ptrs = list(map(DATA_PTR, params))
         self.param_shapes = [p.shape for p in params]
-        self._strides = [p.stride() for p in params]
-        self._numels = [p.numel() for p in params]
-        self._device_index = self.device.index if self.device.type == "cuda" else -1
-        self._all_contiguous = all(p.is_contiguous() for p in params)
+        self.grad_fit = GradFit(params, names)
         self.flat_grads = None
         self._flat_views: list | None = None  # set by use_flat_grads
         self._plan = None
@@ -126,6 +166,10 @@ class Bucket:
         own = {f"{name}_scale" for name in self.scales} | {f"{name}_absmax" for name in self.blocks}
         owner = self.owners[i]
         return {name: view if name in own else self.shards.wrap(view, owner) for name, view in self.views[i].items()}
+
+    def after_load(self) -> None:
+        """A checkpoint was loaded into the views: nothing to follow up, the
+        views are the state (a host-state bucket copies its parameters up)."""
 
     def local_grads(self) -> list:
         """The gradients the kernels read (local tensors of DTensor gradients);
@@ -193,7 +237,7 @@ class Bucket:
             return grads
         if any(map(operator.is_, grads, [None] * len(grads))):
             return None
-        dtypes = self._check_grads(grads)
+        dtypes = self.grad_fit.check(grads)
         if self._plan is not None:
             if dtypes != self._grad_dtypes:  # the table's dtype codes are fixed: a new table
                 self._plan = None
@@ -201,35 +245,6 @@ class Bucket:
                 self._plan.refresh_read_list(GRAD_LIST, grads)
         self._grad_ptrs, self._grad_dtypes = ptrs, dtypes
         return grads
-
-    def _check_grads(self, grads: list, idx: list[int] | None = None) -> list:
-        """Every gradient fits its parameter: strided, on the bucket's device,
-        a float dtype, as many elements, the same element order. torch's
-        ``p.grad = t`` checks some of this, ``p.grad.data = t`` none of it.
-        C-level passes for the common case; the checked path names the first
-        offender. Returns the gradients' dtypes."""
-        numels = self._numels if idx is None else [self._numels[i] for i in idx]
-        idx = range(len(self.params)) if idx is None else idx
-        dtypes = [g.dtype for g in grads]
-        try:
-            fast_ok = (list(map(torch.Tensor.numel, grads)) == numels
-                       and list(map(torch.Tensor.get_device, grads)) == [self._device_index] * len(grads)
-                       and all(d in kernels.FLOATS for d in set(dtypes))
-                       and self._all_contiguous and all(map(torch.Tensor.is_contiguous, grads)))
-        except RuntimeError:  # sparse gradients have no is_contiguous: the checks below say so
-            fast_ok = False
-        if not fast_ok:
-            for i, g in zip(idx, grads):
-                p = self.params[i]
-                where = f"the gradient of {self.names[i]}"
-                check_tensor(where, g, self.device, kernels.FLOATS)
-                if g.numel() != p.numel():
-                    raise ValueError(f"{where} has {g.numel()} elements (shape {tuple(g.shape)}), the parameter "
-                                     f"{p.numel()} (shape {tuple(p.shape)}): was it set with p.grad.data = ...?")
-                if g.stride() != self._strides[i] and not (g.is_contiguous() and p.is_contiguous()):
-                    raise ValueError(f"{where} has strides {g.stride()} but the parameter {p.stride()}: "
-                                     "element orders differ")
-        return dtypes
 
     # ------------------------------------------------------------ the step
 
@@ -263,7 +278,7 @@ class Bucket:
         idx = [i for i, g in enumerate(grads) if g is not None]
         if not idx:
             return None
-        self._check_grads([grads[i] for i in idx], idx)
+        self.grad_fit.check([grads[i] for i in idx], idx)
         lists = self._lists(idx, grads)
         sizes = [0] * len(self.group_sizes)
         bounds = [sum(self.group_sizes[:g + 1]) for g in range(len(self.group_sizes))]

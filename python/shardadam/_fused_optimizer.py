@@ -15,6 +15,7 @@ import torch
 from . import kernels
 from ._dtensor import agree_on_flag, check_param, is_dtensor, shards_for
 from ._fused_buckets import Bucket, storage_kind
+from ._host_state import HostStateBucket
 from ._groups import check_step_groups, plain_value, run_closure
 from ._rounding import refuse_masters, rounding_seed
 from ._rules import UpdateRule
@@ -36,7 +37,7 @@ class FusedOptimizer(torch.optim.Optimizer):
     int16 remainders), state_dtypes (per state: fp32, bf16, fp16 or FP8 with
     per-tensor scales, or BLOCKWISE8, where the rule allows), bf16_stochastic_round /
     stochastic_round_seed (_rounding.py), capturable, flat_grads,
-    skip_nonfinite_grads: see FusedAdam's docstring. grad_of: how a
+    skip_nonfinite_grads, state_device: see FusedAdam's docstring. grad_of: how a
     parameter's gradient is read (``p.grad``; FusedAdam's use_decoupled_grad
     reads ``p.decoupled_grad``).
     """
@@ -44,7 +45,8 @@ class FusedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, defaults: dict, rule: UpdateRule, *, capturable=False, master_weights=False,
                  master_weight_dtype=torch.float32, state_dtypes: dict | None = None, store_param_remainders=False,
                  flat_grads=False, skip_nonfinite_grads=False, grad_of=GRAD, bf16_stochastic_round=False,
-                 stochastic_round_seed=None):
+                 stochastic_round_seed=None, state_device=None):
+        host_state = _host_state_wanted(state_device, capturable=capturable, flat_grads=flat_grads)
         refuse_masters(bf16_stochastic_round, master_weights=master_weights,
                        store_param_remainders=store_param_remainders)
         self.rounding_seed = rounding_seed(bf16_stochastic_round, stochastic_round_seed)
@@ -59,7 +61,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.rule = rule
         self._opts = dict(rule=rule, capturable=capturable, master_weights=master_weights,
                           master_weight_dtype=master_weight_dtype, state_dtypes=state_dtypes,
-                          store_param_remainders=store_param_remainders, flat_grads=flat_grads, grad_of=grad_of)
+                          store_param_remainders=store_param_remainders, flat_grads=flat_grads, grad_of=grad_of,
+                          host_state=host_state)
         self._buckets: list[Bucket] | None = None
         self._structure = None
         self._frozen: list = []
@@ -96,6 +99,9 @@ class FusedOptimizer(torch.optim.Optimizer):
                                  "give each parameter to one group once")
             seen.add(id(p))
             check_param(f"param_groups[{len(self.param_groups) - 1}]['params'][{i}]", p)
+            if self._opts["host_state"] and is_dtensor(p):
+                raise ValueError(f"param_groups[{len(self.param_groups) - 1}]['params'][{i}] is a DTensor: "
+                                 "state_device='cpu' takes plain parameters (keep DTensor state on the device)")
             devices.add(p.device)
         if len(devices) > 1:
             raise ValueError(f"parameters of one group are on several devices ({sorted(map(str, devices))}): "
@@ -144,8 +150,9 @@ class FusedOptimizer(torch.optim.Optimizer):
                 ps.append(p)
                 gs.append(gi)
                 names.append(f"param_groups[{gi}]['params'][{pi}]")
-        self._buckets = [Bucket(kind, ps, gs, len(self.param_groups), o, names, shards_for(ps, names))
-                         for (_, kind, _), (ps, gs, names) in members.items()]
+        self._buckets = [_bucket_class(o, device)(kind, ps, gs, len(self.param_groups), o, names,
+                                                  shards_for(ps, names))
+                         for (device, kind, _), (ps, gs, names) in members.items()]
         self._replaced.track(p for g in self.param_groups for p in g["params"])
         for b in self._buckets:
             for j, (p, views) in enumerate(zip(b.owners, b.views)):
@@ -253,13 +260,40 @@ class FusedOptimizer(torch.optim.Optimizer):
         for i, g in enumerate(self.param_groups):
             values = ", ".join(f"{k}={plain_value(g[k])}" for k in self.rule.group_keys + ("maximize", "step"))
             lines.append(f"  group {i}: {len(g['params'])} params, {values}")
-        shown = {k: v for k, v in self._opts.items() if k not in ("rule", "state_dtypes", "grad_of")}
+        shown = {k: v for k, v in self._opts.items() if k not in ("rule", "state_dtypes", "grad_of", "host_state")}
+        shown["state_device"] = "cpu" if self._opts["host_state"] else None
         options = dict(self.rule.options(), **shown,
                        **{f"{k}_dtype": v for k, v in self._opts["state_dtypes"].items()})
         opts = ", ".join(f"{k}={str(v).replace('torch.', '')}" for k, v in options.items())
         lines.append(f"  options: {opts}")
         lines.append(")")
         return "\n".join(lines)
+
+
+def _host_state_wanted(state_device, *, capturable: bool, flat_grads: bool) -> bool:
+    """Whether state_device asks for host state ([Note: host state] in
+    _host_state.py), refusing what cannot go with it."""
+    if state_device is None:
+        return False
+    try:
+        device = torch.device(state_device)
+    except (RuntimeError, TypeError):
+        device = None
+    if device is None or device.type != "cpu":
+        raise ValueError(f"state_device must be None (the state lives with its parameters) or 'cpu' (in host "
+                         f"memory), got {state_device!r}")
+    if capturable:
+        raise ValueError("state_device='cpu' with capturable=True: a host step cannot be captured in a CUDA graph; "
+                         "choose one")
+    if flat_grads:
+        raise ValueError("state_device='cpu' with flat_grads=True is not supported: the host step copies each "
+                         "gradient down itself; drop flat_grads")
+    return True
+
+
+def _bucket_class(opts: dict, device: torch.device):
+    """Host state for GPU parameters when asked; CPU parameters' state is in host memory anyway."""
+    return HostStateBucket if opts["host_state"] and device.type == "cuda" else Bucket
 
 
 def _nonfinite_grads(prepared: list) -> torch.Tensor | None:

@@ -76,6 +76,8 @@ def load_buckets_state(opt, layout, state_dict: dict) -> None:
                 split_master(master, p, views["param_remainder"])
             else:
                 p.copy_(master)
+        for b in buckets:
+            b.after_load()
 
 
 def torch_adam_state_dict(state_dict: dict) -> dict:

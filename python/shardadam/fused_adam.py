@@ -75,6 +75,16 @@ class FusedAdam(FusedOptimizer):
     skip_nonfinite_grads=True: a step whose gradients hold inf/NaN is skipped
     (nothing written, step counters unchanged) and counted in skipped_steps.
 
+    state_device="cpu": the optimizer state of GPU parameters (masters,
+    states, in every storage kind) lives in host memory and the CPU engine
+    steps it, pipelined with the transfers: gradients go down, new
+    parameters come up, nothing else crosses PCIe ([Note: host state] in
+    _host_state.py). The host copy of a parameter that is its own master is
+    authoritative between steps; writes to the parameter through torch
+    (p.copy_ under no_grad, load_state_dict, nn.init) are read back at the
+    next step. Not with capturable or flat_grads; plain parameters only. For
+    CPU parameters it changes nothing.
+
     TE's state accessors: get_unscaled_state, set_scaled_state and
     initialize_state read and write true fp32 values whatever the storage.
     """
@@ -84,7 +94,7 @@ class FusedAdam(FusedOptimizer):
                  master_weight_dtype=torch.float32, exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32,
                  use_decoupled_grad=False, store_param_remainders=False, set_grad_none=None, maximize=False,
                  flat_grads=False, skip_nonfinite_grads=False, bf16_stochastic_round=False,
-                 stochastic_round_seed=None):
+                 stochastic_round_seed=None, state_device=None):
         _te_apex.check_options(betas, exp_avg_dtype, exp_avg_sq_dtype, set_grad_none=set_grad_none,
                                use_decoupled_grad=use_decoupled_grad, flat_grads=flat_grads)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
@@ -96,7 +106,8 @@ class FusedAdam(FusedOptimizer):
                          store_param_remainders=store_param_remainders, flat_grads=flat_grads,
                          skip_nonfinite_grads=skip_nonfinite_grads,
                          grad_of=decoupled_grad if use_decoupled_grad else GRAD,
-                         bf16_stochastic_round=bf16_stochastic_round, stochastic_round_seed=stochastic_round_seed)
+                         bf16_stochastic_round=bf16_stochastic_round, stochastic_round_seed=stochastic_round_seed,
+                         state_device=state_device)
         self.use_decoupled_grad = bool(use_decoupled_grad)
         self.set_grad_none = set_grad_none
         self._state_access = _te_apex.StateAccess(self)

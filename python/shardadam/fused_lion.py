@@ -26,10 +26,10 @@ class FusedLion(FusedOptimizer):
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, maximize=False, capturable=False,
                  master_weights=False, master_weight_dtype=torch.float32, exp_avg_dtype=torch.float32,
                  store_param_remainders=False, flat_grads=False, skip_nonfinite_grads=False,
-                 bf16_stochastic_round=False, stochastic_round_seed=None):
+                 bf16_stochastic_round=False, stochastic_round_seed=None, state_device=None):
         defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, maximize=maximize)
         super().__init__(params, defaults, LionRule(), capturable=capturable, master_weights=master_weights,
                          master_weight_dtype=master_weight_dtype, state_dtypes=dict(exp_avg=exp_avg_dtype),
                          store_param_remainders=store_param_remainders, flat_grads=flat_grads,
                          skip_nonfinite_grads=skip_nonfinite_grads, bf16_stochastic_round=bf16_stochastic_round,
-                         stochastic_round_seed=stochastic_round_seed)
+                         stochastic_round_seed=stochastic_round_seed, state_device=state_device)

@@ -1,0 +1,156 @@
+#!/usr/bin/env python
+"""FusedAdam with its state in host memory (state_device="cpu") against the
+same optimizer with its state on the GPU, on one GPU, with the iteration's
+floors measured in the same run.
+
+The model is bench_distributed.py's GPT. Per storage kind (fp32 states, or
+8-bit blockwise states), one process:
+
+- iteration, state on the GPU: forward, backward, FusedAdam.step;
+- iteration, state on the host: the same with state_device="cpu";
+- compute floor: forward and backward alone;
+- host-step floor: FusedAdam.step on CPU copies of the parameters with the
+  same kind (the CPU engine alone, no transfers);
+- transfer floor: the gradients down plus the parameters up, each one large
+  page-locked copy of their bytes (measured both ways at once too: the link
+  is full duplex, the pipeline overlaps them).
+
+The iteration with host state is compared with the largest floor; the share
+of GPU time left idle is 1 - compute / iteration.
+
+    python benchmarks/bench_host_state.py --d-model 2048 --layers 24 --out host.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_distributed import GPT  # noqa: E402
+
+import shardadam  # noqa: E402
+
+
+def timed(fn, reps: int, warmup: int) -> float:
+    """Median wall milliseconds of fn, synchronised around each call."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def kind_options(kind: str) -> dict:
+    if kind == "fp32":
+        return {}
+    if kind == "8-bit":
+        return dict(exp_avg_dtype=shardadam.BLOCKWISE8, exp_avg_sq_dtype=shardadam.BLOCKWISE8)
+    raise ValueError(kind)
+
+
+def transfer_ms(nbytes: int, reps: int) -> dict:
+    """One page-locked copy of nbytes each way, alone and both at once."""
+    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    host2 = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dev2 = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    side = torch.cuda.Stream()
+
+    def both():
+        dev.copy_(host, non_blocking=True)
+        with torch.cuda.stream(side):
+            host2.copy_(dev2, non_blocking=True)
+        torch.cuda.current_stream().wait_stream(side)
+
+    return dict(down=timed(lambda: host2.copy_(dev2, non_blocking=True), reps, 2),
+                up=timed(lambda: dev.copy_(host, non_blocking=True), reps, 2),
+                both=timed(both, reps, 2))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--d-model", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--vocab", type=int, default=50304)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--kinds", default="fp32,8-bit")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+
+    torch.manual_seed(0)
+    model = GPT(args.d_model, args.layers, args.heads, args.vocab, args.seq).cuda()
+    params = list(model.parameters())
+    numel = sum(p.numel() for p in params)
+    tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), device="cuda")
+
+    def forward_backward():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(tokens[:, :-1])
+        F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
+
+    def iteration(opt):
+        def run():
+            opt.zero_grad(set_to_none=False)
+            forward_backward()
+            opt.step()
+        return run
+
+    result = dict(model=dict(d_model=args.d_model, layers=args.layers, params=numel, batch=args.batch,
+                             seq=args.seq), gpu=torch.cuda.get_device_name(), threads=torch.get_num_threads(),
+                  torch=torch.__version__, date=time.strftime("%Y-%m-%d"), kinds={})
+    result["compute_ms"] = timed(lambda: (model.zero_grad(set_to_none=False), forward_backward()), args.reps, 2)
+    result["transfer_ms"] = transfer_ms(4 * numel, args.reps)
+    print(json.dumps({k: v for k, v in result.items() if k != "kinds"}), flush=True)
+    for kind in args.kinds.split(","):
+        row = {}
+        for where, extra in (("gpu_state", {}), ("host_state", dict(state_device="cpu"))):
+            opt = shardadam.FusedAdam(params, lr=1e-5, **kind_options(kind), **extra)
+            row[where + "_ms"] = timed(iteration(opt), args.reps, 2)
+            if where == "host_state":
+                row["host_state_step_ms"] = timed(opt.step, args.reps, 1)
+            del opt
+            torch.cuda.empty_cache()
+        cpu_params = [torch.nn.Parameter(p.detach().cpu()) for p in params]
+        for p in cpu_params:
+            p.grad = torch.randn_like(p)
+        cpu_opt = shardadam.FusedAdam(cpu_params, lr=1e-5, **kind_options(kind))
+        t0 = time.perf_counter()
+        cpu_opt.step()  # first step: plans and state
+        row["host_step_first_ms"] = (time.perf_counter() - t0) * 1e3
+        times = []
+        for _ in range(args.reps):
+            t0 = time.perf_counter()
+            cpu_opt.step()
+            times.append((time.perf_counter() - t0) * 1e3)
+        row["host_step_floor_ms"] = statistics.median(times)
+        del cpu_opt, cpu_params
+        floors = dict(compute=result["compute_ms"], host_step=row["host_step_floor_ms"],
+                      transfers=result["transfer_ms"]["both"])
+        row["largest_floor"] = max(floors, key=floors.get)
+        row["iteration_over_largest_floor"] = row["host_state_ms"] / max(floors.values())
+        row["gpu_idle_share"] = 1 - result["compute_ms"] / row["host_state_ms"]
+        row["host_over_gpu_state"] = row["host_state_ms"] / row["gpu_state_ms"]
+        result["kinds"][kind] = row
+        print(kind, json.dumps(row), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,239 @@
+"""Optimizer state in host memory for GPU parameters (``state_device="cpu"``).
+
+[Note: host state] A HostStateBucket keeps, for a set of GPU parameters, a
+host copy of each parameter (its *shadow*, in the parameter's dtype) and a
+host Bucket (_fused_buckets.py) over the shadows: masters, states, scales
+and block maxima all live in host memory and the CPU engine steps them, with
+the same element math as the GPU kernels. Only two things cross PCIe per
+step: the gradients down and the new parameters up.
+
+A step walks the bucket in segments of about HOST_SEGMENT_ELEMS elements
+(whole tensors of one dtype) as a pipeline on the current stream: while the
+CPU steps segment k (the core releases the GIL), the GPU copies segment k+1's
+gradients down and segment k-1's parameters up. Many small tensors are
+gathered into one device staging buffer first (one multi-tensor copy, then
+one transfer); a segment of one tensor is copied directly. The shadows and
+the gradient staging are page-locked (_pinned.py), so the copies are
+asynchronous.
+
+The shadow is the master of a parameter that is its own (fp32 params, or
+16-bit params without master weights), as the parameter itself is on the
+GPU path. The parameter and its shadow are equal after every step. A write
+to the parameter through torch (``p.copy_(...)`` under no_grad,
+``model.load_state_dict``, ``torch.nn.init``: anything that bumps its version
+counter) is noticed at the next step, which reads the parameter back first;
+a write through ``p.data`` bypasses the version counter and is overwritten.
+When step() returns, no copy is in flight: host memory may be read and
+written freely (checkpoints, TE's accessors).
+"""
+from __future__ import annotations
+
+import torch
+
+from ._dtensor import PLAIN
+from ._fused_buckets import ALIGN_ELEMS, Bucket, GradFit
+from ._pinned import pinned_empty
+from ._tracked import DATA_PTR
+
+# Elements per pipeline segment: large enough that a transfer runs at PCIe
+# speed, small enough that the pipeline fills and drains quickly.
+HOST_SEGMENT_ELEMS = 1 << 24
+# Segments whose gradients are in flight ahead of the one being stepped.
+_LOOKAHEAD = 2
+
+VERSION = torch.Tensor._version.__get__
+
+
+def segment_bounds(params: list, limit: int) -> list[tuple[int, int]]:
+    """[start, end) runs of consecutive parameters of one dtype, each run
+    ending once it holds `limit` elements (a larger tensor is a run alone)."""
+    bounds, start, size = [], 0, 0
+    for i, p in enumerate(params):
+        if i > start and (p.dtype != params[start].dtype or size + p.numel() > limit):
+            bounds.append((start, i))
+            start, size = i, 0
+        size += p.numel()
+    bounds.append((start, len(params)))
+    return bounds
+
+
+def _flat_views(flat: torch.Tensor, offsets: list[int], numels: list[int]) -> list[torch.Tensor]:
+    return [flat[o:o + n] for o, n in zip(offsets, numels)]
+
+
+class _Segment:
+    """Consecutive parameters of one dtype: their shadows, their host Bucket
+    and the host end of their transfers."""
+
+    def __init__(self, kind: str, params: list, group_of: list[int], num_groups: int, opts: dict, names: list[str]):
+        self.params = params
+        self.device = params[0].device
+        self.numels = [p.numel() for p in params]
+        self.offsets, total = [], 0
+        for n in self.numels:
+            self.offsets.append(total)
+            total += -(-n // ALIGN_ELEMS) * ALIGN_ELEMS
+        self.total = total
+        self.dtype = params[0].dtype
+        self.shadow_flat = pinned_empty(total, self.dtype, self.device)
+        self.shadows = [v.view(p.shape) for v, p in zip(_flat_views(self.shadow_flat, self.offsets, self.numels),
+                                                        params)]
+        for s, p in zip(self.shadows, params):
+            s.copy_(p.detach())
+        self._staged: dict[int, torch.Tensor | None] = {}
+        self.bucket = Bucket(kind, self.shadows, group_of, num_groups,
+                             dict(opts, grad_of=lambda shadow: self._staged.get(id(shadow))), names)
+        self._grad_flat: torch.Tensor | None = None  # host gradient staging, by the gradients' dtype
+        self._grad_views: list[torch.Tensor] = []
+        self._pending: list = []  # this step's device gradients, present ones only
+        self.down = self.up = None  # events of the transfers in flight
+
+    def prepare(self, grads: list) -> tuple | None:
+        """Point the host bucket at the staging of this step's gradients (None
+        where a parameter has none) and prepare its plan; nothing moves yet."""
+        dtypes = {g.dtype for g in grads if g is not None}
+        dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32  # mixed: every float widens exactly
+        if self._grad_flat is None or self._grad_flat.dtype != dtype:
+            self._grad_flat = pinned_empty(self.total, dtype, self.device)
+            self._grad_views = [v.view(p.shape) for v, p in zip(
+                _flat_views(self._grad_flat, self.offsets, self.numels), self.params)]
+        self._staged = {id(s): (v if g is not None else None)
+                        for s, v, g in zip(self.shadows, self._grad_views, grads)}
+        self._pending = [(i, g) for i, g in enumerate(grads) if g is not None]
+        return self.bucket.prepare() if self._pending else None
+
+    def send_grads_down(self) -> None:
+        """Queue this step's gradients to the host staging (current stream)."""
+        if len(self._pending) == 1:
+            i, g = self._pending[0]
+            self._grad_views[i].copy_(g, non_blocking=True)
+        else:
+            staging = torch.empty(self.total, dtype=self._grad_flat.dtype, device=self.device)
+            views = _flat_views(staging, self.offsets, self.numels)
+            torch._foreach_copy_([views[i] for i, _ in self._pending], [g.reshape(-1) for _, g in self._pending])
+            self._grad_flat.copy_(staging, non_blocking=True)
+        self.down = _recorded(self.device)
+
+    def send_params_up(self) -> None:
+        """Queue the shadows' values into the parameters (current stream)."""
+        if len(self.params) == 1:
+            self.params[0].detach().copy_(self.shadows[0], non_blocking=True)
+        else:
+            staging = torch.empty(self.total, dtype=self.dtype, device=self.device)
+            staging.copy_(self.shadow_flat, non_blocking=True)
+            views = [v.view(p.shape) for v, p in zip(_flat_views(staging, self.offsets, self.numels), self.params)]
+            torch._foreach_copy_([p.detach() for p in self.params], views)
+        self.up = _recorded(self.device)
+
+
+def _recorded(device: torch.device):
+    """An event recorded on the current stream of a CUDA device (None on the CPU)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def _wait(event) -> None:
+    if event is not None:
+        event.synchronize()
+
+
+class HostStateBucket:
+    """A bucket of GPU parameters whose optimizer state lives in host memory
+    ([Note: host state]); what the fused optimizer and its checkpoints use of
+    a Bucket: owners, kind, states, views, params (the shadows), prepare,
+    launch."""
+
+    def __init__(self, kind: str, params: list, group_of: list[int], num_groups: int, opts: dict,
+                 names: list[str], shards=PLAIN):
+        if shards is not PLAIN:
+            raise ValueError("state_device='cpu' takes plain parameters, not DTensors")
+        self.kind = kind
+        self.owners = params
+        self.shards = PLAIN
+        self.names = names
+        self.device = params[0].device
+        self.grad_of = opts["grad_of"]
+        self.grad_fit = GradFit(params, names)
+        self.param_ptrs = list(map(DATA_PTR, params))
+        self.param_shapes = [p.shape for p in params]
+        self._bounds = segment_bounds(params, HOST_SEGMENT_ELEMS)
+        self.segments = [_Segment(kind, params[a:b], group_of[a:b], num_groups, opts, names[a:b])
+                         for a, b in self._bounds]
+        self.states = self.segments[0].bucket.states
+        self.views = [v for seg in self.segments for v in seg.bucket.views]
+        self._shadows = [s for seg in self.segments for s in seg.shadows]
+        self._versions = list(map(VERSION, params))
+
+    @property
+    def params(self) -> list:
+        """The shadows (what the host kernels step), up to date with the parameters."""
+        self._read_changed_params()
+        return self._shadows
+
+    def exposed_state(self, i: int) -> dict:
+        return self.views[i]
+
+    def _read_changed_params(self) -> None:
+        """Parameters written through torch since the last step (their version
+        moved) are read back into their shadows ([Note: host state])."""
+        versions = list(map(VERSION, self.owners))
+        if versions == self._versions:
+            return
+        for i, (now, before) in enumerate(zip(versions, self._versions)):
+            if now != before:
+                self._shadows[i].copy_(self.owners[i].detach())
+        self._versions = versions
+
+    def after_load(self) -> None:
+        """A checkpoint was loaded into the shadows: the parameters take their values."""
+        for seg in self.segments:
+            seg.send_params_up()
+        self._finish()
+
+    def prepare(self) -> tuple | None:
+        """Checks every gradient and prepares every segment's plan before
+        anything moves; None when no parameter has a gradient."""
+        self._read_changed_params()
+        grads = self.shards.grads(self.owners, self.grad_of)
+        present = [i for i, g in enumerate(grads) if g is not None]
+        if not present:
+            return None
+        self.grad_fit.check([grads[i] for i in present], present)
+        ready = [seg.prepare(grads[a:b]) for seg, (a, b) in zip(self.segments, self._bounds)]
+        return _Prepared(grads), ready
+
+    def launch(self, prepared: tuple, hyper: dict, grad_scale, found_inf, unscale_grads: bool = False,
+               rounding_seed=None) -> None:
+        """The pipelined step ([Note: host state]). grad_scale and found_inf
+        are host values here: a capturable step (device scalars) is refused
+        with host state."""
+        _, ready = prepared
+        active = [(seg, r) for seg, r in zip(self.segments, ready) if r is not None]
+        sent = 0
+        for k, (seg, r) in enumerate(active):
+            while sent < len(active) and sent <= k + _LOOKAHEAD:
+                active[sent][0].send_grads_down()
+                sent += 1
+            _wait(seg.down)
+            seg.bucket.launch(r, hyper, grad_scale, found_inf, unscale_grads=unscale_grads,
+                              rounding_seed=rounding_seed)
+            seg.send_params_up()
+        self._finish()
+
+    def _finish(self) -> None:
+        """Wait for the parameters' copies (host memory is free again) and
+        remember the parameters' versions."""
+        for seg in self.segments:
+            _wait(seg.up)
+        self._versions = list(map(VERSION, self.owners))
+
+
+class _Prepared:
+    """What the fused optimizer reads of a prepared plan: the gradients (the
+    device ones: the inf/NaN check runs where they are)."""
+
+    def __init__(self, grads: list):
+        self.lists = {"grads": [g for g in grads if g is not None]}

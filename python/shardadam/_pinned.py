@@ -1,0 +1,30 @@
+"""Page-locked host buffers of an exact size.
+
+``torch.empty(..., pin_memory=True)`` goes through torch's caching host
+allocator, which rounds every block up to a power of two: a 40 GiB state
+would take 64 GiB. The optimizers' host buffers are few, large and live as
+long as the optimizer, so they are ordinary host tensors registered with the
+CUDA driver (cudaHostRegister) instead: the GPU copies to and from them
+asynchronously, and no byte is added.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+
+def pinned_empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised 1-D host tensor that `device` (a CUDA device) copies
+    to and from asynchronously; a plain host tensor for a CPU device (there
+    is nothing to copy)."""
+    t = torch.empty(numel, dtype=dtype)
+    if device.type != "cuda" or numel == 0:
+        return t
+    cudart = torch.cuda.cudart()
+    ptr = t.data_ptr()
+    torch.cuda.check_error(cudart.cudaHostRegister(ptr, t.untyped_storage().nbytes(), 0))
+    # Unregistered when the tensor goes: views of it keep the memory alive, and
+    # a copy from memory no longer registered is merely synchronous.
+    weakref.finalize(t, cudart.cudaHostUnregister, ptr)
+    return t

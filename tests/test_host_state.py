@@ -1,0 +1,295 @@
+"""Optimizer state in host memory (state_device="cpu", [Note: host state]).
+
+The host bucket is exercised on the CPU too: forced onto CPU parameters it
+runs the whole pipeline (segments, staging, version checks) with plain
+copies, and must give the bits of the ordinary optimizer (the same CPU
+engine steps the same values). On a GPU it is compared with the GPU-state
+optimizer (fp32 rounding: the two engines may contract multiply-adds
+differently) and with torch.optim.AdamW.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shardadam
+from shardadam import _fused_optimizer, _host_state
+from shardadam._host_state import HostStateBucket, segment_bounds
+
+from conftest import assert_bits_equal
+
+
+def _model(device, dtype=torch.float32):
+    torch.manual_seed(1)
+    shapes = [(33, 7), (5,), (300,), (4, 4, 3), (1,), (129, 2), (0,), (70,)]
+    return [torch.nn.Parameter(torch.randn(s, device=device).to(dtype)) for s in shapes]
+
+
+def _grads(params, step, missing=()):
+    g = torch.Generator().manual_seed(100 + step)
+    for i, p in enumerate(params):
+        p.grad = None if i in missing else torch.randn(p.shape, generator=g).to(p.device, p.dtype)
+
+
+@pytest.fixture
+def forced_host_state(monkeypatch):
+    """Host buckets for CPU parameters too, in segments of at most 400 elements."""
+    monkeypatch.setattr(_fused_optimizer, "_bucket_class",
+                        lambda opts, device: HostStateBucket if opts["host_state"] else _fused_optimizer.Bucket)
+    monkeypatch.setattr(_host_state, "HOST_SEGMENT_ELEMS", 400)
+
+
+def test_segments_split_by_size_and_dtype():
+    ps = [torch.zeros(n, dtype=d) for n, d in [(300, torch.float32), (50, torch.float32), (60, torch.float32),
+                                               (10, torch.bfloat16), (1000, torch.bfloat16), (5, torch.bfloat16)]]
+    assert segment_bounds(ps, 400) == [(0, 2), (2, 3), (3, 4), (4, 5), (5, 6)]
+
+
+OPTIONS = [
+    dict(),
+    dict(weight_decay=0.1, amsgrad=True),
+    dict(exp_avg_dtype=shardadam.BLOCKWISE8, exp_avg_sq_dtype=shardadam.BLOCKWISE8),
+    dict(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.float16),
+]
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=["fp32", "amsgrad", "blockwise8", "bf16-fp16"])
+def test_forced_host_buckets_give_the_same_bits(forced_host_state, options):
+    ref_params, host_params = _model("cpu"), _model("cpu")
+    ref = shardadam.FusedAdam(ref_params, lr=1e-2, **options)
+    host = shardadam.FusedAdam(host_params, lr=1e-2, state_device="cpu", **options)
+    assert isinstance(host._layout()[0], HostStateBucket) and len(host._layout()[0].segments) > 2
+    for step in range(4):
+        missing = (1, 5) if step == 2 else ()  # a step where two parameters have no gradient
+        _grads(ref_params, step, missing)
+        _grads(host_params, step, missing)
+        ref.step()
+        host.step()
+    for a, b in zip(ref_params, host_params):
+        assert_bits_equal(a.detach(), b.detach())
+    for a, b in zip(ref_params, host_params):
+        for name, value in ref.state[a].items():
+            assert_bits_equal(value, host.state[b][name])
+
+
+@pytest.mark.parametrize("options", [dict(master_weights=True), dict(store_param_remainders=True),
+                                     dict(bf16_stochastic_round=True, stochastic_round_seed=3)],
+                         ids=["master", "remainders", "stochastic"])
+def test_forced_host_buckets_bf16_kinds(forced_host_state, options):
+    ref_params, host_params = _model("cpu", torch.bfloat16), _model("cpu", torch.bfloat16)
+    ref = shardadam.FusedAdam(ref_params, lr=1e-2, **options)
+    host = shardadam.FusedAdam(host_params, lr=1e-2, state_device="cpu", **options)
+    for step in range(3):
+        _grads(ref_params, step)
+        _grads(host_params, step)
+        ref.step()
+        host.step()
+    if "bf16_stochastic_round" in options:
+        # The rounding bits follow a tensor's place in its plan, which segments
+        # change: each of the three roundings may land one bf16 step apart.
+        for a, b in zip(ref_params, host_params):
+            torch.testing.assert_close(a.detach().float(), b.detach().float(), rtol=3 * 2 ** -7, atol=0)
+        return
+    for a, b in zip(ref_params, host_params):
+        assert_bits_equal(a.detach(), b.detach())
+    ref_sd, host_sd = ref.state_dict(), host.state_dict()
+    for key, entry in ref_sd["state"].items():
+        for name, value in entry.items():
+            assert_bits_equal(value, host_sd["state"][key][name])
+
+
+def test_forced_host_buckets_follow_writes_to_params(forced_host_state):
+    """A parameter written through torch between steps (its version moves) is
+    read back before the next step, as the GPU-state optimizer reads it."""
+    ref_params, host_params = _model("cpu"), _model("cpu")
+    ref = shardadam.FusedAdam(ref_params, lr=1e-2)
+    host = shardadam.FusedAdam(host_params, lr=1e-2, state_device="cpu")
+    for step in range(3):
+        _grads(ref_params, step)
+        _grads(host_params, step)
+        ref.step()
+        host.step()
+        with torch.no_grad():
+            for ps in (ref_params, host_params):
+                ps[2].mul_(0.5)
+                torch.nn.init.constant_(ps[5], 0.25)
+    for a, b in zip(ref_params, host_params):
+        assert_bits_equal(a.detach(), b.detach())
+
+
+def test_forced_host_buckets_checkpoint_round_trip(forced_host_state):
+    """A state dict saved from host state loads into host state (the
+    parameters take the loaded masters) and training goes on exactly."""
+    ref_params, host_params = _model("cpu", torch.bfloat16), _model("cpu", torch.bfloat16)
+    ref = shardadam.FusedAdam(ref_params, lr=1e-2, master_weights=True)
+    host = shardadam.FusedAdam(host_params, lr=1e-2, master_weights=True, state_device="cpu")
+    for step in range(2):
+        _grads(ref_params, step)
+        _grads(host_params, step)
+        ref.step()
+        host.step()
+    saved = host.state_dict()
+    fresh_params = _model("cpu", torch.bfloat16)  # other values: the load must set them
+    fresh = shardadam.FusedAdam(fresh_params, lr=1e-2, master_weights=True, state_device="cpu")
+    fresh.load_state_dict(saved)
+    for a, b in zip(ref_params, fresh_params):
+        assert_bits_equal(a.detach(), b.detach())
+    _grads(ref_params, 5)
+    _grads(fresh_params, 5)
+    ref.step()
+    fresh.step()
+    for a, b in zip(ref_params, fresh_params):
+        assert_bits_equal(a.detach(), b.detach())
+
+
+def test_state_device_cpu_on_cpu_params_changes_nothing():
+    ref_params, host_params = _model("cpu"), _model("cpu")
+    ref = shardadam.FusedLion(ref_params, lr=1e-3)
+    host = shardadam.FusedLion(host_params, lr=1e-3, state_device=torch.device("cpu"))
+    for step in range(3):
+        _grads(ref_params, step)
+        _grads(host_params, step)
+        ref.step()
+        host.step()
+    assert not isinstance(host._layout()[0], HostStateBucket)
+    for a, b in zip(ref_params, host_params):
+        assert_bits_equal(a.detach(), b.detach())
+    assert "state_device=cpu" in repr(host)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(state_device="cuda"), "state_device must be None"),
+    (dict(state_device="disk"), "state_device must be None"),
+    (dict(state_device="cpu", capturable=True), "cannot be captured"),
+    (dict(state_device="cpu", flat_grads=True), "flat_grads"),
+])
+def test_refusals(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        shardadam.FusedAdam(_model("cpu"), **kwargs)
+
+
+# ---------------------------------------------------------------- GPU
+
+
+def _gpu_model(dtype=torch.float32, count=40):
+    torch.manual_seed(2)
+    layers = [torch.nn.Linear(64, 64) for _ in range(count // 2)]
+    model = torch.nn.Sequential(torch.nn.Embedding(3000, 64), *layers).cuda().to(dtype)
+    return model
+
+
+def _train(model, opt, steps, scaler=None, scheduler=None, clip=None):
+    g = torch.Generator(device="cuda").manual_seed(9)
+    losses = []
+    for _ in range(steps):
+        x = torch.randint(0, 3000, (8, 16), device="cuda", generator=g)
+        with torch.autocast("cuda", dtype=torch.float16, enabled=scaler is not None):
+            loss = model(x).float().pow(2).mean()
+        opt.zero_grad()
+        (scaler.scale(loss) if scaler else loss).backward()
+        if scaler:
+            scaler.unscale_(opt)
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        if scheduler:
+            scheduler.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("segment_elems", [1 << 24, 3000], ids=["one-segment", "many-segments"])
+def test_gpu_host_state_matches_gpu_state_and_torch(monkeypatch, segment_elems):
+    monkeypatch.setattr(_host_state, "HOST_SEGMENT_ELEMS", segment_elems)
+    ref, host, torch_model = _gpu_model(), _gpu_model(), _gpu_model()
+    opts = [shardadam.FusedAdam(ref.parameters(), lr=1e-3, weight_decay=0.01),
+            shardadam.FusedAdam(host.parameters(), lr=1e-3, weight_decay=0.01, state_device="cpu"),
+            torch.optim.AdamW(torch_model.parameters(), lr=1e-3, weight_decay=0.01)]
+    scheds = [torch.optim.lr_scheduler.StepLR(o, 2, 0.5) for o in opts]
+    for model, opt, sched in zip((ref, host, torch_model), opts, scheds):
+        _train(model, opt, 5, scheduler=sched, clip=0.5)
+    for a, b, c in zip(ref.parameters(), host.parameters(), torch_model.parameters()):
+        torch.testing.assert_close(b, a, rtol=2e-6, atol=2e-7)
+        torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-6)
+    p = next(host.parameters())
+    assert opts[1].state[p]["exp_avg"].device.type == "cpu"
+
+
+@pytest.mark.cuda
+def test_gpu_host_state_keeps_no_gpu_memory():
+    model = _gpu_model()
+    opt = shardadam.FusedAdam(model.parameters(), lr=1e-3, state_device="cpu")
+    _train(model, opt, 1)
+    opt.zero_grad()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    _train(model, opt, 2)
+    opt.zero_grad()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    host_bytes = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values())
+    assert host_bytes == 2 * params  # exp_avg and exp_avg_sq, fp32, all on the host
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("options", [dict(master_weights=True), dict(store_param_remainders=True),
+                                     dict(exp_avg_dtype=shardadam.BLOCKWISE8,
+                                          exp_avg_sq_dtype=shardadam.BLOCKWISE8)],
+                         ids=["master", "remainders", "blockwise8"])
+def test_gpu_host_state_bf16_and_low_bit(monkeypatch, options):
+    monkeypatch.setattr(_host_state, "HOST_SEGMENT_ELEMS", 5000)
+    dtype = torch.float32 if "exp_avg_dtype" in options else torch.bfloat16
+    ref, host = _gpu_model(dtype), _gpu_model(dtype)
+    opt_ref = shardadam.FusedAdam(ref.parameters(), lr=1e-3, **options)
+    opt_host = shardadam.FusedAdam(host.parameters(), lr=1e-3, state_device="cpu", **options)
+    _train(ref, opt_ref, 4)
+    _train(host, opt_host, 4)
+    for a, b in zip(ref.parameters(), host.parameters()):
+        # One fp32 rounding apart can flip a bf16 rounding or an 8-bit code: a step's worth at most.
+        torch.testing.assert_close(b.float(), a.float(), rtol=0, atol=2e-3)
+    sd_ref, sd_host = opt_ref.state_dict(), opt_host.state_dict()
+    for key, entry in sd_ref["state"].items():
+        for name, value in entry.items():
+            torch.testing.assert_close(sd_host["state"][key][name].float().cpu(), value.float().cpu(),
+                                       rtol=0.02, atol=1e-6)
+
+
+@pytest.mark.cuda
+def test_gpu_host_state_grad_scaler_skips_exactly():
+    model = _gpu_model()
+    opt = shardadam.FusedAdam(model.parameters(), lr=1e-3, state_device="cpu")
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 16)
+    _train(model, opt, 2, scaler=scaler)
+    before = [p.detach().clone() for p in model.parameters()]
+    state_before = {k: v.clone() for k, v in opt.state[next(model.parameters())].items()}
+    for p in model.parameters():
+        p.grad = torch.full_like(p, float("inf"))
+    scaler.step(opt)
+    scaler.update()
+    for a, p in zip(before, model.parameters()):
+        assert_bits_equal(a, p.detach())
+    for name, value in opt.state[next(model.parameters())].items():
+        assert_bits_equal(state_before[name], value)
+
+
+@pytest.mark.cuda
+def test_gpu_host_state_decoupled_fp32_grads_of_bf16_params():
+    """TE's decoupled fp32 gradients of bf16 parameters: staged as fp32."""
+    ref, host = _gpu_model(torch.bfloat16), _gpu_model(torch.bfloat16)
+    opts = [shardadam.FusedAdam(m.parameters(), lr=1e-3, master_weights=True, use_decoupled_grad=True, **kw)
+            for m, kw in ((ref, {}), (host, dict(state_device="cpu")))]
+    for step in range(3):
+        for model in (ref, host):
+            g = torch.Generator(device="cuda").manual_seed(step)
+            for p in model.parameters():
+                p.decoupled_grad = torch.randn(p.shape, device="cuda", generator=g)
+        for opt in opts:
+            opt.step()
+    for a, b in zip(ref.parameters(), host.parameters()):
+        torch.testing.assert_close(b.float(), a.float(), rtol=0, atol=2 ** -7 * a.float().abs().max().item())
