@@ -31,6 +31,21 @@ def _grads(params, step, missing=()):
         p.grad = None if i in missing else torch.randn(p.shape, generator=g).to(p.device, p.dtype)
 
 
+def _step_alike(ref, host, ref_params, host_params, missing_per_step):
+    """Both optimizers step on the same gradients; missing_per_step[k]: the
+    parameters without one at step k."""
+    for step, missing in enumerate(missing_per_step):
+        _grads(ref_params, step, missing)
+        _grads(host_params, step, missing)
+        ref.step()
+        host.step()
+
+
+def _assert_same_params(ref_params, host_params):
+    for a, b in zip(ref_params, host_params):
+        assert_bits_equal(a.detach(), b.detach())
+
+
 @pytest.fixture
 def forced_host_state(monkeypatch):
     """Host buckets for CPU parameters too, in segments of at most 400 elements."""
@@ -59,17 +74,28 @@ def test_forced_host_buckets_give_the_same_bits(forced_host_state, options):
     ref = shardadam.FusedAdam(ref_params, lr=1e-2, **options)
     host = shardadam.FusedAdam(host_params, lr=1e-2, state_device="cpu", **options)
     assert isinstance(host._layout()[0], HostStateBucket) and len(host._layout()[0].segments) > 2
-    for step in range(4):
-        missing = (1, 5) if step == 2 else ()  # a step where two parameters have no gradient
-        _grads(ref_params, step, missing)
-        _grads(host_params, step, missing)
-        ref.step()
-        host.step()
-    for a, b in zip(ref_params, host_params):
-        assert_bits_equal(a.detach(), b.detach())
+    _step_alike(ref, host, ref_params, host_params, [(), (), (1, 5), ()])  # step 2: two without a gradient
+    _assert_same_params(ref_params, host_params)
     for a, b in zip(ref_params, host_params):
         for name, value in ref.state[a].items():
             assert_bits_equal(value, host.state[b][name])
+
+
+def test_forced_host_buckets_share_gradient_slots_safely(forced_host_state, monkeypatch):
+    """Segments share _SLOTS staging slots; with whole segments lacking
+    gradients, consecutive stepping segments map to one slot, which must wait
+    for its segment's step (on the CPU the copies are immediate, so a slot
+    overwritten too early shows in the bits)."""
+    monkeypatch.setattr(_host_state, "HOST_SEGMENT_ELEMS", 100)
+    sizes = [100, 60, 100, 100, 100, 80, 100, 100]
+    ref_params = [torch.nn.Parameter(torch.randn(n)) for n in sizes]
+    host_params = [torch.nn.Parameter(p.detach().clone()) for p in ref_params]
+    ref = shardadam.FusedAdam(ref_params, lr=1e-2)
+    host = shardadam.FusedAdam(host_params, lr=1e-2, state_device="cpu")
+    bucket = host._layout()[0]
+    assert len(bucket.segments) == 8 and len(bucket._slots) == _host_state._SLOTS
+    _step_alike(ref, host, ref_params, host_params, [(), (1, 2, 4, 5), (0, 3, 4, 6), ()])
+    _assert_same_params(ref_params, host_params)
 
 
 @pytest.mark.parametrize("options", [dict(master_weights=True), dict(store_param_remainders=True),
@@ -79,19 +105,14 @@ def test_forced_host_buckets_bf16_kinds(forced_host_state, options):
     ref_params, host_params = _model("cpu", torch.bfloat16), _model("cpu", torch.bfloat16)
     ref = shardadam.FusedAdam(ref_params, lr=1e-2, **options)
     host = shardadam.FusedAdam(host_params, lr=1e-2, state_device="cpu", **options)
-    for step in range(3):
-        _grads(ref_params, step)
-        _grads(host_params, step)
-        ref.step()
-        host.step()
+    _step_alike(ref, host, ref_params, host_params, [()] * 3)
     if "bf16_stochastic_round" in options:
         # The rounding bits follow a tensor's place in its plan, which segments
         # change: each of the three roundings may land one bf16 step apart.
         for a, b in zip(ref_params, host_params):
             torch.testing.assert_close(a.detach().float(), b.detach().float(), rtol=3 * 2 ** -7, atol=0)
         return
-    for a, b in zip(ref_params, host_params):
-        assert_bits_equal(a.detach(), b.detach())
+    _assert_same_params(ref_params, host_params)
     ref_sd, host_sd = ref.state_dict(), host.state_dict()
     for key, entry in ref_sd["state"].items():
         for name, value in entry.items():
@@ -104,17 +125,13 @@ def test_forced_host_buckets_follow_writes_to_params(forced_host_state):
     ref_params, host_params = _model("cpu"), _model("cpu")
     ref = shardadam.FusedAdam(ref_params, lr=1e-2)
     host = shardadam.FusedAdam(host_params, lr=1e-2, state_device="cpu")
-    for step in range(3):
-        _grads(ref_params, step)
-        _grads(host_params, step)
-        ref.step()
-        host.step()
+    for _ in range(3):
+        _step_alike(ref, host, ref_params, host_params, [()])
         with torch.no_grad():
             for ps in (ref_params, host_params):
                 ps[2].mul_(0.5)
                 torch.nn.init.constant_(ps[5], 0.25)
-    for a, b in zip(ref_params, host_params):
-        assert_bits_equal(a.detach(), b.detach())
+    _assert_same_params(ref_params, host_params)
 
 
 def test_forced_host_buckets_checkpoint_round_trip(forced_host_state):
@@ -123,37 +140,23 @@ def test_forced_host_buckets_checkpoint_round_trip(forced_host_state):
     ref_params, host_params = _model("cpu", torch.bfloat16), _model("cpu", torch.bfloat16)
     ref = shardadam.FusedAdam(ref_params, lr=1e-2, master_weights=True)
     host = shardadam.FusedAdam(host_params, lr=1e-2, master_weights=True, state_device="cpu")
-    for step in range(2):
-        _grads(ref_params, step)
-        _grads(host_params, step)
-        ref.step()
-        host.step()
+    _step_alike(ref, host, ref_params, host_params, [()] * 2)
     saved = host.state_dict()
     fresh_params = _model("cpu", torch.bfloat16)  # other values: the load must set them
     fresh = shardadam.FusedAdam(fresh_params, lr=1e-2, master_weights=True, state_device="cpu")
     fresh.load_state_dict(saved)
-    for a, b in zip(ref_params, fresh_params):
-        assert_bits_equal(a.detach(), b.detach())
-    _grads(ref_params, 5)
-    _grads(fresh_params, 5)
-    ref.step()
-    fresh.step()
-    for a, b in zip(ref_params, fresh_params):
-        assert_bits_equal(a.detach(), b.detach())
+    _assert_same_params(ref_params, fresh_params)
+    _step_alike(ref, fresh, ref_params, fresh_params, [()])
+    _assert_same_params(ref_params, fresh_params)
 
 
 def test_state_device_cpu_on_cpu_params_changes_nothing():
     ref_params, host_params = _model("cpu"), _model("cpu")
     ref = shardadam.FusedLion(ref_params, lr=1e-3)
     host = shardadam.FusedLion(host_params, lr=1e-3, state_device=torch.device("cpu"))
-    for step in range(3):
-        _grads(ref_params, step)
-        _grads(host_params, step)
-        ref.step()
-        host.step()
+    _step_alike(ref, host, ref_params, host_params, [()] * 3)
     assert not isinstance(host._layout()[0], HostStateBucket)
-    for a, b in zip(ref_params, host_params):
-        assert_bits_equal(a.detach(), b.detach())
+    _assert_same_params(ref_params, host_params)
     assert "state_device=cpu" in repr(host)
 
 

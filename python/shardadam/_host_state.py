@@ -8,12 +8,18 @@ the same element math as the GPU kernels. Only two things cross PCIe per
 step: the gradients down and the new parameters up.
 
 A step walks the bucket in segments of about HOST_SEGMENT_ELEMS elements
-(whole tensors of one dtype) as a pipeline on the current stream: while the
-CPU steps segment k (the core releases the GIL), the GPU copies segment k+1's
-gradients down and segment k-1's parameters up. Many small tensors are
+(whole tensors of one dtype) as a pipeline: while the CPU steps segment k
+(the core releases the GIL), the GPU copies segment k+1's gradients down and
+segment k-1's parameters up, on two streams of their own (the link carries
+both directions at once). Both start after the work queued before the step
+(backward wrote the gradients and read the parameters); the current stream
+waits for the last parameter copy, so the next forward sees the new values. Many small tensors are
 gathered into one device staging buffer first (one multi-tensor copy, then
-one transfer); a segment of one tensor is copied directly. The shadows and
-the gradient staging are page-locked (_pinned.py), so the copies are
+one transfer); a segment of one tensor is copied directly. Gradients land in
+_LOOKAHEAD + 1 host staging slots that the segments share (segment k in slot
+k mod the slot count, a slot reused only once its segment was stepped), so
+the host holds a few segments of gradients, not a copy of them all. The
+shadows and the slots are page-locked (_pinned.py), so the copies are
 asynchronous.
 
 The shadow is the master of a parameter that is its own (fp32 params, or
@@ -28,18 +34,27 @@ written freely (checkpoints, TE's accessors).
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
+from . import kernels
 from ._dtensor import PLAIN
 from ._fused_buckets import ALIGN_ELEMS, Bucket, GradFit
 from ._pinned import pinned_empty
 from ._tracked import DATA_PTR
 
 # Elements per pipeline segment: large enough that a transfer runs at PCIe
-# speed, small enough that the pipeline fills and drains quickly.
-HOST_SEGMENT_ELEMS = 1 << 24
-# Segments whose gradients are in flight ahead of the one being stepped.
+# speed and the CPU engine's launches are few, small enough that the pipeline
+# fills and drains quickly and the device staging stays small (up to
+# _LOOKAHEAD + 2 segments of gradients and parameters at once). GPT-1.4B on an
+# H200 (benchmarks/RESULTS.md, "Optimizer state in host memory"): 2^22, 2^24,
+# 2^26 and 2^28 elements gave 610, 640, 560 and 556 ms per iteration.
+HOST_SEGMENT_ELEMS = 1 << 26
+# Segments whose gradients are in flight ahead of the one being stepped, and
+# the host gradient staging slots that this takes.
 _LOOKAHEAD = 2
+_SLOTS = _LOOKAHEAD + 1
 
 VERSION = torch.Tensor._version.__get__
 
@@ -65,8 +80,11 @@ class _Segment:
     """Consecutive parameters of one dtype: their shadows, their host Bucket
     and the host end of their transfers."""
 
-    def __init__(self, kind: str, params: list, group_of: list[int], num_groups: int, opts: dict, names: list[str]):
+    def __init__(self, kind: str, params: list, group_of: list[int], num_groups: int, opts: dict, names: list[str],
+                 streams: tuple, slot: int):
         self.params = params
+        self.slot = slot  # the gradient staging slot this segment uses
+        self.streams = streams  # (down, up): CUDA streams, or None on the CPU
         self.device = params[0].device
         self.numels = [p.numel() for p in params]
         self.offsets, total = [], 0
@@ -83,18 +101,19 @@ class _Segment:
         self._staged: dict[int, torch.Tensor | None] = {}
         self.bucket = Bucket(kind, self.shadows, group_of, num_groups,
                              dict(opts, grad_of=lambda shadow: self._staged.get(id(shadow))), names)
-        self._grad_flat: torch.Tensor | None = None  # host gradient staging, by the gradients' dtype
+        self._grad_flat: torch.Tensor | None = None  # this segment's part of its slot, in the gradients' dtype
         self._grad_views: list[torch.Tensor] = []
         self._pending: list = []  # this step's device gradients, present ones only
         self.down = self.up = None  # events of the transfers in flight
 
-    def prepare(self, grads: list) -> tuple | None:
-        """Point the host bucket at the staging of this step's gradients (None
-        where a parameter has none) and prepare its plan; nothing moves yet."""
+    def prepare(self, grads: list, slot_bytes: torch.Tensor) -> tuple | None:
+        """Point the host bucket at this step's gradients in the staging slot
+        (`slot_bytes`, uint8; None where a parameter has no gradient) and
+        prepare its plan; nothing moves yet."""
         dtypes = {g.dtype for g in grads if g is not None}
         dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32  # mixed: every float widens exactly
         if self._grad_flat is None or self._grad_flat.dtype != dtype:
-            self._grad_flat = pinned_empty(self.total, dtype, self.device)
+            self._grad_flat = slot_bytes[:self.total * dtype.itemsize].view(dtype)
             self._grad_views = [v.view(p.shape) for v, p in zip(
                 _flat_views(self._grad_flat, self.offsets, self.numels), self.params)]
         self._staged = {id(s): (v if g is not None else None)
@@ -103,7 +122,12 @@ class _Segment:
         return self.bucket.prepare() if self._pending else None
 
     def send_grads_down(self) -> None:
-        """Queue this step's gradients to the host staging (current stream)."""
+        """Queue this step's gradients to the host staging."""
+        with _on(self.streams[0]):
+            self._send_grads_down()
+            self.down = _recorded(self.device)
+
+    def _send_grads_down(self) -> None:
         if len(self._pending) == 1:
             i, g = self._pending[0]
             self._grad_views[i].copy_(g, non_blocking=True)
@@ -112,10 +136,14 @@ class _Segment:
             views = _flat_views(staging, self.offsets, self.numels)
             torch._foreach_copy_([views[i] for i, _ in self._pending], [g.reshape(-1) for _, g in self._pending])
             self._grad_flat.copy_(staging, non_blocking=True)
-        self.down = _recorded(self.device)
 
     def send_params_up(self) -> None:
-        """Queue the shadows' values into the parameters (current stream)."""
+        """Queue the shadows' values into the parameters."""
+        with _on(self.streams[1]):
+            self._send_params_up()
+            self.up = _recorded(self.device)
+
+    def _send_params_up(self) -> None:
         if len(self.params) == 1:
             self.params[0].detach().copy_(self.shadows[0], non_blocking=True)
         else:
@@ -123,7 +151,10 @@ class _Segment:
             staging.copy_(self.shadow_flat, non_blocking=True)
             views = [v.view(p.shape) for v, p in zip(_flat_views(staging, self.offsets, self.numels), self.params)]
             torch._foreach_copy_([p.detach() for p in self.params], views)
-        self.up = _recorded(self.device)
+
+
+def _on(stream):
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 def _recorded(device: torch.device):
@@ -160,8 +191,14 @@ class HostStateBucket:
         self.param_ptrs = list(map(DATA_PTR, params))
         self.param_shapes = [p.shape for p in params]
         self._bounds = segment_bounds(params, HOST_SEGMENT_ELEMS)
-        self.segments = [_Segment(kind, params[a:b], group_of[a:b], num_groups, opts, names[a:b])
-                         for a, b in self._bounds]
+        self._streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)) \
+            if self.device.type == "cuda" else (None, None)
+        self.segments = [_Segment(kind, params[a:b], group_of[a:b], num_groups, opts, names[a:b], self._streams,
+                                  k % _SLOTS) for k, (a, b) in enumerate(self._bounds)]
+        widest = max(dtype.itemsize for dtype in kernels.FLOATS)
+        slot_bytes = max(seg.total for seg in self.segments) * widest
+        self._slots = [pinned_empty(slot_bytes, torch.uint8, self.device)
+                       for _ in range(min(_SLOTS, len(self.segments)))]
         self.states = self.segments[0].bucket.states
         self.views = [v for seg in self.segments for v in seg.bucket.views]
         self._shadows = [s for seg in self.segments for s in seg.shadows]
@@ -189,6 +226,7 @@ class HostStateBucket:
 
     def after_load(self) -> None:
         """A checkpoint was loaded into the shadows: the parameters take their values."""
+        self._start()
         for seg in self.segments:
             seg.send_params_up()
         self._finish()
@@ -202,7 +240,7 @@ class HostStateBucket:
         if not present:
             return None
         self.grad_fit.check([grads[i] for i in present], present)
-        ready = [seg.prepare(grads[a:b]) for seg, (a, b) in zip(self.segments, self._bounds)]
+        ready = [seg.prepare(grads[a:b], self._slots[seg.slot]) for seg, (a, b) in zip(self.segments, self._bounds)]
         return _Prepared(grads), ready
 
     def launch(self, prepared: tuple, hyper: dict, grad_scale, found_inf, unscale_grads: bool = False,
@@ -211,21 +249,35 @@ class HostStateBucket:
         are host values here: a capturable step (device scalars) is refused
         with host state."""
         _, ready = prepared
+        self._start()
         active = [(seg, r) for seg, r in zip(self.segments, ready) if r is not None]
-        sent = 0
+        sent, filled = 0, set()  # slots holding gradients not yet stepped
         for k, (seg, r) in enumerate(active):
-            while sent < len(active) and sent <= k + _LOOKAHEAD:
+            # active[k] can always go: the slots are filled in order and freed as stepped.
+            while sent < len(active) and sent <= k + _LOOKAHEAD and active[sent][0].slot not in filled:
                 active[sent][0].send_grads_down()
+                filled.add(active[sent][0].slot)
                 sent += 1
             _wait(seg.down)
             seg.bucket.launch(r, hyper, grad_scale, found_inf, unscale_grads=unscale_grads,
                               rounding_seed=rounding_seed)
+            filled.discard(seg.slot)
             seg.send_params_up()
         self._finish()
 
+    def _start(self) -> None:
+        """The copy streams start after the work queued so far."""
+        if self.device.type == "cuda":
+            queued = _recorded(self.device)
+            for stream in self._streams:
+                stream.wait_event(queued)
+
     def _finish(self) -> None:
-        """Wait for the parameters' copies (host memory is free again) and
-        remember the parameters' versions."""
+        """The current stream goes on after the parameters' copies; the host
+        waits for them too (its memory is free again). The parameters'
+        versions are remembered."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).wait_stream(self._streams[1])
         for seg in self.segments:
             _wait(seg.up)
         self._versions = list(map(VERSION, self.owners))
