@@ -110,6 +110,24 @@ def test_blocks_follow_each_tensors_memory_order(device):
     assert torch.equal(absmax.cpu().double(), _blocks(in_memory.cpu()).abs().amax(dim=1))
 
 
+def test_unsigned_map_takes_zero_and_negatives_as_zero(device):
+    """-0.0 and negative values store as code 0 in the unsigned map (its
+    value 0), on every engine alike; the block maximum is the largest
+    magnitude, so a block of negatives keeps it."""
+    x = torch.zeros(2 * BLOCK, device=device)
+    x[0], x[1], x[2], x[BLOCK] = -0.0, -3.0, 2.0, -1.0
+    x[3:BLOCK] = torch.linspace(-1.0, 1.0, BLOCK - 3, device=device)
+    codes = torch.empty_like(x, dtype=torch.uint8)
+    absmax = torch.empty(2, device=device)
+    kernels.blockwise_quantize(x, codes, absmax, signed=False)
+    negative_or_zero = (x <= 0).cpu()
+    assert (codes.cpu()[negative_or_zero] == 0).all()
+    assert absmax.cpu().tolist() == [3.0, 1.0]
+    out = torch.empty_like(x)
+    kernels.blockwise_dequantize(codes, absmax, out, signed=False)
+    assert (out.cpu()[negative_or_zero] == 0).all() and not out.cpu()[negative_or_zero].signbit().any()
+
+
 def test_non_finite_values_make_their_block_nan(device):
     x = torch.randn(3 * BLOCK, device=device)
     x[5], x[BLOCK + 9] = math.inf, math.nan
