@@ -757,51 +757,63 @@ def test_checkpoints_move_between_fused_and_distributed(direction):
                                    msg=lambda m: f"param {i}: {m}")
 
 
+CHECKPOINT_FORMATS = ("dcp", "portable")
+
+
 def _dcp_worker(rank: int, world: int, port: int, path: str, cfg: dict, out) -> None:
-    """With nothing at `path`: train steps 0-2 and save model + optimizer, with
-    DCP (cfg["format"] "dcp") or as one portable file written by rank 0
-    ("portable"). Otherwise: load them from `path`, train steps 3-4, return the params.
-    cfg["device"] "cuda": NCCL with one GPU per rank (capturable optimizers need it).
-    "warned": the deprecation warnings of dcp.save/load (none: the pieces are DTensors)."""
+    """With nothing at `path`: train steps 0-2 and save model + optimizer in
+    both formats: with DCP (under path/dcp) and as one portable file written
+    by rank 0 (path/portable). Otherwise, per format: a fresh model and
+    optimizer load from it, train steps 3-4; returns each format's params and
+    step counters. cfg["device"] "cuda": NCCL with one GPU per rank
+    (capturable optimizers need it). "warned": the deprecation warnings of
+    dcp.save/load (none: the pieces are DTensors)."""
     import torch.distributed.checkpoint as dcp
     cuda = cfg["device"] == "cuda"
     if cuda:
         torch.cuda.set_device(rank)
-    with _rank_group(rank, world, port, out, "nccl" if cuda else "gloo"):
+
+    def build():
         model = _model().to(f"cuda:{rank}" if cuda else "cpu", dtype=cfg["dtype"])
         frozen = _frozen(model)
         frozen.requires_grad_(False)
-        opt = _distributed(cfg, _groups(model, frozen), bucket_cap_mb=cfg["bucket_cap_mb"],
-                           store_param_remainders=cfg["remainders"], with_scaled_states=cfg["scaled_states"],
-                           capturable=cfg["capturable"])
+        return model, _distributed(cfg, _groups(model, frozen), bucket_cap_mb=cfg["bucket_cap_mb"],
+                                   store_param_remainders=cfg["remainders"],
+                                   with_scaled_states=cfg["scaled_states"], capturable=cfg["capturable"])
+
+    with _rank_group(rank, world, port, out, "nccl" if cuda else "gloo"):
         warned = []
         if not os.path.exists(path):
+            model, opt = build()
             _train(model, opt, rank, world, range(3))
-            if cfg["format"] == "dcp":
-                with _deprecations() as warned:
-                    dcp.save({"model": model.state_dict(), "optim": opt.sharded_state_dict()}, checkpoint_id=path)
-            else:
-                sd = opt.state_dict(gather_on_root=True)
-                if rank == 0:
-                    shardadam.checkpoint.save({"model": model.state_dict(), "optim": sd}, path)
+            with _deprecations() as warned:
+                dcp.save({"model": model.state_dict(), "optim": opt.sharded_state_dict()},
+                         checkpoint_id=os.path.join(path, "dcp"))
+            sd = opt.state_dict(gather_on_root=True)
+            if rank == 0:
+                shardadam.checkpoint.save({"model": model.state_dict(), "optim": sd}, os.path.join(path, "portable"))
             result = dict(saved=True, warned=warned)
         else:
-            with torch.no_grad():  # start from different values: everything must come from the checkpoint
-                for p in model.parameters():
-                    p.add_(1.0)
-            if cfg["format"] == "dcp":
-                with _deprecations() as warned:
-                    state = {"model": model.state_dict(), "optim": opt.sharded_state_dict()}
-                    dcp.load(state, checkpoint_id=path)
-                    model.load_state_dict(state["model"])
-                    opt.load_sharded_state_dict(state["optim"])
-            else:
-                ckpt = shardadam.checkpoint.load(path)
-                model.load_state_dict(ckpt["model"])
-                opt.load_state_dict(ckpt["optim"])
-            _train(model, opt, rank, world, range(3, STEPS))
-            result = dict(params=[p.detach().float().cpu().numpy().copy() for p in model.parameters()],
-                          steps=[int(g["step"]) for g in opt.param_groups], warned=warned)
+            result = dict(params={}, steps={}, warned=[])
+            for fmt in CHECKPOINT_FORMATS:
+                model, opt = build()
+                with torch.no_grad():  # start from different values: everything must come from the checkpoint
+                    for p in model.parameters():
+                        p.add_(1.0)
+                if fmt == "dcp":
+                    with _deprecations() as warned:
+                        state = {"model": model.state_dict(), "optim": opt.sharded_state_dict()}
+                        dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
+                        model.load_state_dict(state["model"])
+                        opt.load_sharded_state_dict(state["optim"])
+                    result["warned"] += warned
+                else:
+                    ckpt = shardadam.checkpoint.load(os.path.join(path, "portable"))
+                    model.load_state_dict(ckpt["model"])
+                    opt.load_state_dict(ckpt["optim"])
+                _train(model, opt, rank, world, range(3, STEPS))
+                result["params"][fmt] = [p.detach().float().cpu().numpy().copy() for p in model.parameters()]
+                result["steps"][fmt] = [int(g["step"]) for g in opt.param_groups]
         if rank == 0:
             out.put(result)
     _exit()
@@ -817,7 +829,6 @@ def _deprecations():
     messages.extend(str(w.message) for w in caught if issubclass(w.category, (FutureWarning, DeprecationWarning)))
 
 
-@pytest.mark.parametrize("fmt", ["dcp", "portable"])
 @pytest.mark.parametrize("save_world,load_world,kw", [
     (2, 3, {}),
     (3, 2, dict(load_cap=100.0)),
@@ -829,21 +840,22 @@ def _deprecations():
     pytest.param(1, 2, dict(device="cuda", capturable=True, load_cap=100.0), marks=pytest.mark.multigpu),
 ], ids=["2-to-3", "3-to-2-other-buckets", "4-to-1", "bf16-remainders-2-to-3", "scaled-states-3-to-2",
         "bf16-remainders-2-to-2", "nccl-capturable-2-to-1", "nccl-capturable-1-to-2-other-buckets"])
-def test_checkpoint_formats_reshard_every_storage_mode(save_world, load_world, kw, fmt, tmp_path):
-    """Saved on N ranks (DCP: each rank writes only its pieces; portable: one
-    file from rank 0), loaded on M ranks with another layout: the continued run
-    ends where the run without a checkpoint ends (same world size as the save,
-    fp32 rounding apart). bf16 runs compare with their own uninterrupted run."""
+def test_checkpoint_formats_reshard_every_storage_mode(save_world, load_world, kw, tmp_path):
+    """Saved on N ranks in both formats (DCP: each rank writes only its
+    pieces; portable: one file from rank 0), each loaded on M ranks with
+    another layout: the continued run ends where the run without a checkpoint
+    ends (same world size as the save, fp32 rounding apart). bf16 runs
+    compare with their own uninterrupted run."""
     kw = dict(kw)
     load_cap = kw.pop("load_cap", 1e-4)
-    cfg = dict(dtype=torch.float32, remainders=False, scaled_states=False, bucket_cap_mb=1e-4, format=fmt,
+    cfg = dict(dtype=torch.float32, remainders=False, scaled_states=False, bucket_cap_mb=1e-4,
                optimizer="adam", device="cpu", capturable=False)
     cfg.update(kw)
     path = str(tmp_path / "ckpt")
     saved = _spawn(_dcp_worker, save_world, path, cfg)
     assert saved["saved"]
     result = _spawn(_dcp_worker, load_world, path, dict(cfg, bucket_cap_mb=load_cap))
-    assert result["steps"] == [STEPS] * 4
+    assert result["steps"] == {fmt: [STEPS] * 4 for fmt in CHECKPOINT_FORMATS}
     assert saved["warned"] == [] and result["warned"] == [], "dcp.save/load must not warn"
     if cfg["dtype"] == torch.float32:
         want = [p.contiguous() for p in _reference(save_world)[0]]
@@ -857,8 +869,9 @@ def test_checkpoint_formats_reshard_every_storage_mode(save_world, load_world, k
         # reloaded parameter is that master rounded, where the uninterrupted
         # run's came from the unrounded fp32 value inside the kernel.)
         tol = dict(rtol=0, atol=0) if load_world == save_world else dict(rtol=0, atol=1e-2)
-    for i, (got, w) in enumerate(zip(result["params"], want)):
-        torch.testing.assert_close(torch.from_numpy(got), w, **tol, msg=lambda m: f"param {i}: {m}")
+    for fmt in CHECKPOINT_FORMATS:
+        for i, (got, w) in enumerate(zip(result["params"][fmt], want)):
+            torch.testing.assert_close(torch.from_numpy(got), w, **tol, msg=lambda m: f"{fmt}, param {i}: {m}")
 
 
 def _tiny_dcp_worker(rank: int, world: int, port: int, path: str, out) -> None:
