@@ -16,9 +16,12 @@ The model is bench_distributed.py's GPT. Per storage kind (fp32 states, or
   is full duplex, the pipeline overlaps them).
 
 The iteration with host state is compared with the largest floor; the share
-of GPU time left idle is 1 - compute / iteration.
+of GPU time left idle is 1 - compute / iteration. With --timeline, one
+iteration with host state (the first kind) is recorded: forward and backward,
+each segment's gradient copy, CPU step and parameter copy, in milliseconds
+from the iteration's start (plot_host_timeline.py draws it).
 
-    python benchmarks/bench_host_state.py --d-model 2048 --layers 24 --out host.json
+    python benchmarks/bench_host_state.py --d-model 2048 --layers 24 --out host.json --timeline tl.json
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_distributed import GPT  # noqa: E402
 
 import shardadam  # noqa: E402
+from shardadam import _fused_buckets, _host_state  # noqa: E402
 
 
 def timed(fn, reps: int, warmup: int) -> float:
@@ -79,6 +83,54 @@ def transfer_ms(nbytes: int, reps: int) -> dict:
                 both=timed(both, reps, 2))
 
 
+def record_timeline(run) -> dict:
+    """Spans (start, end) in ms from the start of one call of run: "compute"
+    on the current stream, "down" and "up" on the copy streams (CUDA
+    events), "cpu" on the host clock (the CPU engine's launches)."""
+    spans = {"compute": [], "down": [], "cpu": [], "up": []}
+    events = []
+
+    def timing_event(stream=None):
+        e = torch.cuda.Event(enable_timing=True)
+        e.record(stream)
+        return e
+
+    def around_copy(name, original, stream_index):
+        def wrapped(seg):
+            start = timing_event(seg.streams[stream_index])
+            original(seg)
+            events.append((name, start, timing_event(seg.streams[stream_index])))
+        return wrapped
+
+    def around_launch(original):
+        def wrapped(*a, **k):
+            t = time.perf_counter()
+            original(*a, **k)
+            spans["cpu"].append(((t - t0) * 1e3, (time.perf_counter() - t0) * 1e3))
+        return wrapped
+
+    segment = _host_state._Segment
+    patches = [(segment, "send_grads_down", around_copy("down", segment.send_grads_down, 0)),
+               (segment, "send_params_up", around_copy("up", segment.send_params_up, 1)),
+               (_fused_buckets.Bucket, "launch", around_launch(_fused_buckets.Bucket.launch))]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, fn in patches:
+        setattr(owner, name, fn)
+    try:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        origin = timing_event()
+        run(lambda name, start, end: events.append((name, start, end)), timing_event)
+        torch.cuda.synchronize()
+        total = (time.perf_counter() - t0) * 1e3
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+    for name, start, end in events:
+        spans[name].append((origin.elapsed_time(start), origin.elapsed_time(end)))
+    return dict(spans=spans, total_ms=total)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--d-model", type=int, default=2048)
@@ -90,6 +142,10 @@ def main() -> None:
     ap.add_argument("--kinds", default="fp32,8-bit")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out")
+    ap.add_argument("--timeline", help="write one host-state iteration's timeline here (JSON)")
+    ap.add_argument("--segment-elems", default="",
+                    help="also time the host-state iteration of the first kind at these pipeline segment sizes "
+                         "(elements, comma-separated; the default is _host_state.HOST_SEGMENT_ELEMS)")
     args = ap.parse_args()
 
     torch.manual_seed(0)
@@ -123,6 +179,17 @@ def main() -> None:
             row[where + "_ms"] = timed(iteration(opt), args.reps, 2)
             if where == "host_state":
                 row["host_state_step_ms"] = timed(opt.step, args.reps, 1)
+                if args.timeline and kind == args.kinds.split(",")[0]:
+                    def one_iteration(note, timing_event, opt=opt):
+                        opt.zero_grad(set_to_none=False)
+                        start = timing_event()
+                        forward_backward()
+                        note("compute", start, timing_event())
+                        opt.step()
+                    timeline = record_timeline(one_iteration)
+                    timeline.update(model=result["model"], kind=kind, gpu=result["gpu"], date=result["date"])
+                    with open(args.timeline, "w") as f:
+                        json.dump(timeline, f)
             del opt
             torch.cuda.empty_cache()
         cpu_params = [torch.nn.Parameter(p.detach().cpu()) for p in params]
@@ -147,6 +214,17 @@ def main() -> None:
         row["host_over_gpu_state"] = row["host_state_ms"] / row["gpu_state_ms"]
         result["kinds"][kind] = row
         print(kind, json.dumps(row), flush=True)
+        if args.segment_elems and kind == args.kinds.split(",")[0]:
+            default = _host_state.HOST_SEGMENT_ELEMS
+            sweep = {}
+            for elems in map(int, args.segment_elems.split(",")):
+                _host_state.HOST_SEGMENT_ELEMS = elems
+                opt = shardadam.FusedAdam(params, lr=1e-5, **kind_options(kind), state_device="cpu")
+                sweep[elems] = timed(iteration(opt), args.reps, 2)
+                del opt
+                print("segment elements", elems, "iteration ms", round(sweep[elems], 1), flush=True)
+            _host_state.HOST_SEGMENT_ELEMS = default
+            row["host_state_ms_by_segment_elems"] = sweep
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
