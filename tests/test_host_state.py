@@ -98,6 +98,23 @@ def test_forced_host_buckets_share_gradient_slots_safely(forced_host_state, monk
     _assert_same_params(ref_params, host_params)
 
 
+def test_forced_host_buckets_follow_a_change_of_gradient_dtype(forced_host_state):
+    """A segment's gradients in another dtype land at the same staging
+    address: the host plan must take their new dtype, not read them as the
+    old one. (TE's decoupled gradients take any dtype.)"""
+    ref_params, host_params = _model("cpu"), _model("cpu")
+    ref = shardadam.FusedAdam(ref_params, lr=1e-2, use_decoupled_grad=True)
+    host = shardadam.FusedAdam(host_params, lr=1e-2, use_decoupled_grad=True, state_device="cpu")
+    for step, dtype in enumerate([torch.float32, torch.bfloat16, torch.float16, torch.float32]):
+        for params in (ref_params, host_params):
+            _grads(params, step)
+            for p in params:
+                p.decoupled_grad, p.grad = p.grad.to(dtype), None
+        ref.step()
+        host.step()
+    _assert_same_params(ref_params, host_params)
+
+
 @pytest.mark.parametrize("options", [dict(master_weights=True), dict(store_param_remainders=True),
                                      dict(bf16_stochastic_round=True, stochastic_round_seed=3)],
                          ids=["master", "remainders", "stochastic"])

@@ -224,6 +224,12 @@ class Bucket:
                     "longer writes into the optimizer's gradient buffer. With flat_grads, reset gradients with "
                     "optimizer.zero_grad() only")
 
+    def forget_grad_addresses(self) -> None:
+        """The gradients will be other tensors at the same addresses (a
+        host-state staging slot seen in another dtype): check them afresh at
+        the next prepare instead of trusting unchanged addresses."""
+        self._grad_ptrs = None
+
     def _current_grads(self) -> list | None:
         """The parameters' gradients, re-pointing the plan when they moved
         (new gradient tensors, or ``p.grad.data = t``); None when some

@@ -114,6 +114,7 @@ class _Segment:
         dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32  # mixed: every float widens exactly
         if self._grad_flat is None or self._grad_flat.dtype != dtype:
             self._grad_flat = slot_bytes[:self.total * dtype.itemsize].view(dtype)
+            self.bucket.forget_grad_addresses()  # same addresses, new dtype: the plan must hear of it
             self._grad_views = [v.view(p.shape) for v, p in zip(
                 _flat_views(self._grad_flat, self.offsets, self.numels), self.params)]
         self._staged = {id(s): (v if g is not None else None)
