@@ -9,6 +9,8 @@ differently) and with torch.optim.AdamW.
 """
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -113,6 +115,18 @@ def test_forced_host_buckets_follow_a_change_of_gradient_dtype(forced_host_state
         ref.step()
         host.step()
     _assert_same_params(ref_params, host_params)
+
+
+def test_forced_host_buckets_keep_no_gradient_alive(forced_host_state):
+    """After step(), zero_grad(set_to_none=True) frees the gradients: the
+    host state keeps no reference to them."""
+    params = _model("cpu")
+    opt = shardadam.FusedAdam(params, lr=1e-2, state_device="cpu")
+    _grads(params, 0)
+    opt.step()
+    refs = [weakref.ref(p.grad) for p in params]
+    opt.zero_grad(set_to_none=True)
+    assert all(r() is None for r in refs)
 
 
 @pytest.mark.parametrize("options", [dict(master_weights=True), dict(store_param_remainders=True),

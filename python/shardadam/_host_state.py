@@ -103,7 +103,7 @@ class _Segment:
                              dict(opts, grad_of=lambda shadow: self._staged.get(id(shadow))), names)
         self._grad_flat: torch.Tensor | None = None  # this segment's part of its slot, in the gradients' dtype
         self._grad_views: list[torch.Tensor] = []
-        self._pending: list = []  # this step's device gradients, present ones only
+        self._pending: list = []  # this step's device gradients, present ones only, until they are down
         self.down = self.up = None  # events of the transfers in flight
 
     def prepare(self, grads: list, slot_bytes: torch.Tensor) -> tuple | None:
@@ -137,6 +137,12 @@ class _Segment:
             views = _flat_views(staging, self.offsets, self.numels)
             torch._foreach_copy_([views[i] for i, _ in self._pending], [g.reshape(-1) for _, g in self._pending])
             self._grad_flat.copy_(staging, non_blocking=True)
+
+    def release_grads(self) -> None:
+        """Let go of the device gradients once they are down, so that
+        zero_grad(set_to_none=True) frees them as it would without the
+        optimizer."""
+        self._pending = []
 
     def send_params_up(self) -> None:
         """Queue the shadows' values into the parameters."""
@@ -281,6 +287,7 @@ class HostStateBucket:
             torch.cuda.current_stream(self.device).wait_stream(self._streams[1])
         for seg in self.segments:
             _wait(seg.up)
+            seg.release_grads()
         self._versions = list(map(VERSION, self.owners))
 
 
