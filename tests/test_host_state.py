@@ -83,6 +83,37 @@ def test_forced_host_buckets_give_the_same_bits(forced_host_state, options):
             assert_bits_equal(value, host.state[b][name])
 
 
+def test_forced_host_buckets_with_groups_across_segments(forced_host_state):
+    """Segments cut across parameter groups (an empty one among them): each
+    tensor still steps with its own group's hyperparameters."""
+    def groups(params):
+        return [dict(params=params[:3], lr=1e-2), dict(params=[], lr=5.0),
+                dict(params=params[3:], lr=3e-3, weight_decay=0.1, betas=(0.8, 0.99))]
+    ref_params, host_params = _model("cpu"), _model("cpu")
+    ref = shardadam.FusedAdam(groups(ref_params), lr=1e-2)
+    host = shardadam.FusedAdam(groups(host_params), lr=1e-2, state_device="cpu")
+    _step_alike(ref, host, ref_params, host_params, [(), (4,), ()])
+    _assert_same_params(ref_params, host_params)
+    assert [g["step"] for g in host.param_groups] == [3, 3, 3]
+
+
+def test_forced_host_buckets_skip_nonfinite_grads(forced_host_state):
+    params = _model("cpu")
+    opt = shardadam.FusedAdam(params, lr=1e-2, state_device="cpu", skip_nonfinite_grads=True)
+    _grads(params, 0)
+    opt.step()
+    before = [p.detach().clone() for p in params]
+    state_before = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+    _grads(params, 1)
+    params[5].grad[3] = float("inf")
+    opt.step()
+    assert opt.skipped_steps == 1 and opt.param_groups[0]["step"] == 1
+    for a, p, state in zip(before, params, state_before):
+        assert_bits_equal(p.detach(), a)
+        for name, value in state.items():
+            assert_bits_equal(opt.state[p][name], value)
+
+
 def test_forced_host_buckets_share_gradient_slots_safely(forced_host_state, monkeypatch):
     """Segments share _SLOTS staging slots; with whole segments lacking
     gradients, consecutive stepping segments map to one slot, which must wait
