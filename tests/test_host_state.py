@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import shardadam
-from shardadam import _fused_optimizer, _host_state
+from shardadam import _fused_optimizer, _host_state, _pinned
 from shardadam._host_state import HostStateBucket, segment_bounds
 
 from conftest import assert_bits_equal
@@ -220,6 +220,16 @@ def test_state_device_cpu_on_cpu_params_changes_nothing():
     assert not isinstance(host._layout()[0], HostStateBucket)
     _assert_same_params(ref_params, host_params)
     assert "state_device=cpu" in repr(host)
+
+
+def test_page_locking_failure_is_named(monkeypatch):
+    class FailingRuntime:
+        @staticmethod
+        def cudaHostRegister(ptr, nbytes, flags):
+            return 2  # cudaErrorMemoryAllocation
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FailingRuntime)
+    with pytest.raises(RuntimeError, match=r"page-locking 0\.00 GiB of host memory failed .*error 2.*ulimit -l"):
+        _pinned.pinned_empty(1024, torch.float32, torch.device("cuda", 0))
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -22,8 +22,12 @@ def pinned_empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.
     if device.type != "cuda" or numel == 0:
         return t
     cudart = torch.cuda.cudart()
-    ptr = t.data_ptr()
-    torch.cuda.check_error(cudart.cudaHostRegister(ptr, t.untyped_storage().nbytes(), 0))
+    ptr, nbytes = t.data_ptr(), t.untyped_storage().nbytes()
+    status = int(cudart.cudaHostRegister(ptr, nbytes, 0))
+    if status != 0:  # cudaSuccess
+        raise RuntimeError(f"state_device='cpu': page-locking {nbytes / 2 ** 30:.2f} GiB of host memory failed "
+                           f"(cudaHostRegister returned CUDA error {status}); the host may be short of memory, or "
+                           "the locked-memory limit (ulimit -l) too low for the optimizer's host buffers")
     # Unregistered when the tensor goes: views of it keep the memory alive, and
     # a copy from memory no longer registered is merely synchronous.
     weakref.finalize(t, cudart.cudaHostUnregister, ptr)
