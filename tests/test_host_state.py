@@ -148,6 +148,22 @@ def test_forced_host_buckets_follow_a_change_of_gradient_dtype(forced_host_state
     _assert_same_params(ref_params, host_params)
 
 
+def test_forced_host_buckets_take_gradients_of_another_shape(forced_host_state):
+    """A contiguous gradient with the parameter's elements in another shape
+    (TE's decoupled gradients may be flat) is staged as the parameter's."""
+    ref_params, host_params = _model("cpu"), _model("cpu")
+    ref = shardadam.FusedAdam(ref_params, lr=1e-2, use_decoupled_grad=True)
+    host = shardadam.FusedAdam(host_params, lr=1e-2, use_decoupled_grad=True, state_device="cpu")
+    for step in range(2):
+        for params in (ref_params, host_params):
+            _grads(params, step)
+            for p in params:
+                p.decoupled_grad, p.grad = p.grad.reshape(-1), None
+        ref.step()
+        host.step()
+    _assert_same_params(ref_params, host_params)
+
+
 def test_forced_host_buckets_keep_no_gradient_alive(forced_host_state):
     """After step(), zero_grad(set_to_none=True) frees the gradients: the
     host state keeps no reference to them."""

@@ -294,6 +294,11 @@ class Bucket:
         plan.subset_scales = lists["scales"]
         return plan, idx
 
+    @staticmethod
+    def grads_read(prepared: tuple) -> list:
+        """The gradients a prepared step reads."""
+        return prepared[0].lists["grads"]
+
     def _rule_plan(self, lists: dict, group_sizes: list[int]):
         """The rule's plan. The bucket checks its parameters and gradients every
         step (Bucket.prepare, the optimizer's _params_moved) and owns the rest."""

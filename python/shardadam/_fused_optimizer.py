@@ -207,7 +207,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         if found_inf is not None and not self._opts["capturable"] and found_inf.item():
             return loss  # host step counters: a skipped step must not advance them
         if self.skip_nonfinite_grads:
-            nonfinite = agree_on_flag(_nonfinite_grads(prepared), buckets)  # every rank skips alike
+            nonfinite = agree_on_flag(_nonfinite_grads(buckets, prepared), buckets)  # every rank skips alike
             if nonfinite is not None and not self._opts["capturable"]:
                 if nonfinite.item():  # the host's step counters must know
                     self.skipped_steps += 1
@@ -296,11 +296,12 @@ def _bucket_class(opts: dict, device: torch.device):
     return HostStateBucket if opts["host_state"] and device.type == "cuda" else Bucket
 
 
-def _nonfinite_grads(prepared: list) -> torch.Tensor | None:
+def _nonfinite_grads(buckets: list, prepared: list) -> torch.Tensor | None:
     """1.0 in a 0-d float32 tensor (on the first bucket's device) when any
-    gradient a prepared plan reads holds inf or NaN, else 0.0; None when no
+    gradient a prepared step reads holds inf or NaN, else 0.0; None when no
     bucket steps. One norm launch per bucket, no host sync."""
-    flags = [kernels.l2_norm(ready[0].lists["grads"]).nonfinite for ready in prepared if ready is not None]
+    flags = [kernels.l2_norm(b.grads_read(ready)).nonfinite for b, ready in zip(buckets, prepared)
+             if ready is not None]
     if not flags:
         return None
     total = flags[0]

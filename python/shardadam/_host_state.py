@@ -72,10 +72,6 @@ def segment_bounds(params: list, limit: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def _flat_views(flat: torch.Tensor, offsets: list[int], numels: list[int]) -> list[torch.Tensor]:
-    return [flat[o:o + n] for o, n in zip(offsets, numels)]
-
-
 class _Segment:
     """Consecutive parameters of one dtype: their shadows, their host Bucket
     and the host end of their transfers."""
@@ -94,8 +90,7 @@ class _Segment:
         self.total = total
         self.dtype = params[0].dtype
         self.shadow_flat = pinned_empty(total, self.dtype, self.device)
-        self.shadows = [v.view(p.shape) for v, p in zip(_flat_views(self.shadow_flat, self.offsets, self.numels),
-                                                        params)]
+        self.shadows = self._shaped(self.shadow_flat)
         for s, p in zip(self.shadows, params):
             s.copy_(p.detach())
         self._staged: dict[int, torch.Tensor | None] = {}
@@ -104,7 +99,7 @@ class _Segment:
         self._grad_flat: torch.Tensor | None = None  # this segment's part of its slot, in the gradients' dtype
         self._grad_views: list[torch.Tensor] = []
         self._pending: list = []  # this step's device gradients, present ones only, until they are down
-        self.down = self.up = None  # events of the transfers in flight
+        self.down = None  # the event of the gradients' copy in flight
 
     def prepare(self, grads: list, slot_bytes: torch.Tensor) -> tuple | None:
         """Point the host bucket at this step's gradients in the staging slot
@@ -115,28 +110,30 @@ class _Segment:
         if self._grad_flat is None or self._grad_flat.dtype != dtype:
             self._grad_flat = slot_bytes[:self.total * dtype.itemsize].view(dtype)
             self.bucket.forget_grad_addresses()  # same addresses, new dtype: the plan must hear of it
-            self._grad_views = [v.view(p.shape) for v, p in zip(
-                _flat_views(self._grad_flat, self.offsets, self.numels), self.params)]
+            self._grad_views = self._shaped(self._grad_flat)
         self._staged = {id(s): (v if g is not None else None)
                         for s, v, g in zip(self.shadows, self._grad_views, grads)}
-        self._pending = [(i, g) for i, g in enumerate(grads) if g is not None]
+        # A gradient of another shape but the same elements in order (GradFit allows it) copies as the parameter's.
+        self._pending = [(i, g if g.shape == p.shape else g.view(p.shape))
+                         for i, (g, p) in enumerate(zip(grads, self.params)) if g is not None]
         return self.bucket.prepare() if self._pending else None
 
-    def send_grads_down(self) -> None:
-        """Queue this step's gradients to the host staging."""
-        with _on(self.streams[0]):
-            self._send_grads_down()
-            self.down = _recorded(self.device)
+    def _shaped(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Views of a flat buffer in this segment's layout, one per parameter, of its shape."""
+        return [flat[o:o + n].view(p.shape) for o, n, p in zip(self.offsets, self.numels, self.params)]
 
-    def _send_grads_down(self) -> None:
-        if len(self._pending) == 1:
-            i, g = self._pending[0]
-            self._grad_views[i].copy_(g, non_blocking=True)
-        else:
-            staging = torch.empty(self.total, dtype=self._grad_flat.dtype, device=self.device)
-            views = _flat_views(staging, self.offsets, self.numels)
-            torch._foreach_copy_([views[i] for i, _ in self._pending], [g.reshape(-1) for _, g in self._pending])
-            self._grad_flat.copy_(staging, non_blocking=True)
+    def send_grads_down(self) -> None:
+        """Queue this step's gradients to the host staging (the down stream)."""
+        with _on(self.streams[0]):
+            if len(self._pending) == 1:
+                i, g = self._pending[0]
+                self._grad_views[i].copy_(g, non_blocking=True)
+            else:
+                staging = torch.empty(self.total, dtype=self._grad_flat.dtype, device=self.device)
+                views = self._shaped(staging)
+                torch._foreach_copy_([views[i] for i, _ in self._pending], [g for _, g in self._pending])
+                self._grad_flat.copy_(staging, non_blocking=True)
+            self.down = _recorded(self.device)
 
     def release_grads(self) -> None:
         """Let go of the device gradients once they are down, so that
@@ -145,19 +142,14 @@ class _Segment:
         self._pending = []
 
     def send_params_up(self) -> None:
-        """Queue the shadows' values into the parameters."""
+        """Queue the shadows' values into the parameters (the up stream)."""
         with _on(self.streams[1]):
-            self._send_params_up()
-            self.up = _recorded(self.device)
-
-    def _send_params_up(self) -> None:
-        if len(self.params) == 1:
-            self.params[0].detach().copy_(self.shadows[0], non_blocking=True)
-        else:
-            staging = torch.empty(self.total, dtype=self.dtype, device=self.device)
-            staging.copy_(self.shadow_flat, non_blocking=True)
-            views = [v.view(p.shape) for v, p in zip(_flat_views(staging, self.offsets, self.numels), self.params)]
-            torch._foreach_copy_([p.detach() for p in self.params], views)
+            if len(self.params) == 1:
+                self.params[0].detach().copy_(self.shadows[0], non_blocking=True)
+            else:
+                staging = torch.empty(self.total, dtype=self.dtype, device=self.device)
+                staging.copy_(self.shadow_flat, non_blocking=True)
+                torch._foreach_copy_([p.detach() for p in self.params], self._shaped(staging))
 
 
 def _on(stream):
@@ -182,7 +174,7 @@ class HostStateBucket:
     """A bucket of GPU parameters whose optimizer state lives in host memory
     ([Note: host state]); what the fused optimizer and its checkpoints use of
     a Bucket: owners, kind, states, views, params (the shadows), prepare,
-    launch."""
+    grads_read, launch."""
 
     def __init__(self, kind: str, params: list, group_of: list[int], num_groups: int, opts: dict,
                  names: list[str], shards=PLAIN):
@@ -248,7 +240,12 @@ class HostStateBucket:
             return None
         self.grad_fit.check([grads[i] for i in present], present)
         ready = [seg.prepare(grads[a:b], self._slots[seg.slot]) for seg, (a, b) in zip(self.segments, self._bounds)]
-        return _Prepared(grads), ready
+        return [grads[i] for i in present], ready
+
+    @staticmethod
+    def grads_read(prepared: tuple) -> list:
+        """The device gradients a prepared step reads (the inf/NaN check runs where they are)."""
+        return prepared[0]
 
     def launch(self, prepared: tuple, hyper: dict, grad_scale, found_inf, unscale_grads: bool = False,
                rounding_seed=None) -> None:
@@ -285,15 +282,8 @@ class HostStateBucket:
         versions are remembered."""
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).wait_stream(self._streams[1])
+            self._streams[1].synchronize()
         for seg in self.segments:
-            _wait(seg.up)
             seg.release_grads()
         self._versions = list(map(VERSION, self.owners))
 
-
-class _Prepared:
-    """What the fused optimizer reads of a prepared plan: the gradients (the
-    device ones: the inf/NaN check runs where they are)."""
-
-    def __init__(self, grads: list):
-        self.lists = {"grads": [g for g in grads if g is not None]}
