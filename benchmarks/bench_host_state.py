@@ -1,7 +1,9 @@
 #!/usr/bin/env python
 """FusedAdam with its state in host memory (state_device="cpu") against the
 same optimizer with its state on the GPU, on one GPU, with the iteration's
-floors measured in the same run.
+floors measured in the same run. --optimizer distributed times
+DistributedFusedAdam instead (one rank per GPU under torchrun, else a
+one-rank NCCL group): its gradient shards go down while backward runs.
 
 The model is bench_distributed.py's GPT. Per storage kind (fp32 states, or
 8-bit blockwise states), one process:
@@ -22,6 +24,7 @@ each segment's gradient copy, CPU step and parameter copy, in milliseconds
 from the iteration's start (plot_host_timeline.py draws it).
 
     python benchmarks/bench_host_state.py --d-model 2048 --layers 24 --out host.json --timeline tl.json
+    python benchmarks/bench_host_state.py --optimizer distributed --kinds fp32 --out host_dist.json
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -140,6 +144,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--kinds", default="fp32,8-bit")
+    ap.add_argument("--optimizer", choices=("fused", "distributed"), default="fused")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out")
     ap.add_argument("--timeline", help="write one host-state iteration's timeline here (JSON)")
@@ -148,6 +153,13 @@ def main() -> None:
                          "(elements, comma-separated; the default is _host_state.HOST_SEGMENT_ELEMS)")
     args = ap.parse_args()
 
+    distributed = args.optimizer == "distributed"
+    if distributed:
+        if "WORLD_SIZE" in os.environ:  # torchrun
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+            dist.init_process_group("nccl")
+        else:
+            dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
     torch.manual_seed(0)
     model = GPT(args.d_model, args.layers, args.heads, args.vocab, args.seq).cuda()
     params = list(model.parameters())
@@ -166,18 +178,25 @@ def main() -> None:
             opt.step()
         return run
 
+    def make(kind: str, **extra):
+        if distributed:
+            return shardadam.DistributedFusedAdam(params, lr=1e-5, **kind_options(kind), **extra)
+        return shardadam.FusedAdam(params, lr=1e-5, **kind_options(kind), **extra)
+
+    ranks = dist.get_world_size() if distributed else 1
     result = dict(model=dict(d_model=args.d_model, layers=args.layers, params=numel, batch=args.batch,
                              seq=args.seq), gpu=torch.cuda.get_device_name(), threads=torch.get_num_threads(),
-                  torch=torch.__version__, date=time.strftime("%Y-%m-%d"), kinds={})
+                  torch=torch.__version__, date=time.strftime("%Y-%m-%d"), optimizer=args.optimizer, ranks=ranks,
+                  kinds={})
     result["compute_ms"] = timed(lambda: (model.zero_grad(set_to_none=False), forward_backward()), args.reps, 2)
-    result["transfer_ms"] = transfer_ms(4 * numel, args.reps)
+    result["transfer_ms"] = transfer_ms(4 * numel // ranks, args.reps)  # this rank's shard each way
     print(json.dumps({k: v for k, v in result.items() if k != "kinds"}), flush=True)
     for kind in args.kinds.split(","):
         row = {}
         for where, extra in (("gpu_state", {}), ("host_state", dict(state_device="cpu"))):
-            opt = shardadam.FusedAdam(params, lr=1e-5, **kind_options(kind), **extra)
+            opt = make(kind, **extra)
             row[where + "_ms"] = timed(iteration(opt), args.reps, 2)
-            if where == "host_state":
+            if where == "host_state" and not distributed:
                 row["host_state_step_ms"] = timed(opt.step, args.reps, 1)
                 if args.timeline and kind == args.kinds.split(",")[0]:
                     def one_iteration(note, timing_event, opt=opt):
@@ -192,7 +211,9 @@ def main() -> None:
                         json.dump(timeline, f)
             del opt
             torch.cuda.empty_cache()
-        cpu_params = [torch.nn.Parameter(p.detach().cpu()) for p in params]
+        # The CPU engine alone on this rank's share of the elements.
+        cpu_params = [torch.nn.Parameter(torch.zeros(numel // ranks))] if distributed else \
+            [torch.nn.Parameter(p.detach().cpu()) for p in params]
         for p in cpu_params:
             p.grad = torch.randn_like(p)
         cpu_opt = shardadam.FusedAdam(cpu_params, lr=1e-5, **kind_options(kind))
@@ -214,7 +235,7 @@ def main() -> None:
         row["host_over_gpu_state"] = row["host_state_ms"] / row["gpu_state_ms"]
         result["kinds"][kind] = row
         print(kind, json.dumps(row), flush=True)
-        if args.segment_elems and kind == args.kinds.split(",")[0]:
+        if args.segment_elems and kind == args.kinds.split(",")[0] and not distributed:
             default = _host_state.HOST_SEGMENT_ELEMS
             sweep = {}
             for elems in map(int, args.segment_elems.split(",")):
@@ -225,9 +246,11 @@ def main() -> None:
                 print("segment elements", elems, "iteration ms", round(sweep[elems], 1), flush=True)
             _host_state.HOST_SEGMENT_ELEMS = default
             row["host_state_ms_by_segment_elems"] = sweep
-    if args.out:
+    if args.out and (not distributed or dist.get_rank() == 0):
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
+    if distributed:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

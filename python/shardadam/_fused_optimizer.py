@@ -15,7 +15,7 @@ import torch
 from . import kernels
 from ._dtensor import agree_on_flag, check_param, is_dtensor, shards_for
 from ._fused_buckets import Bucket, storage_kind
-from ._host_state import HostStateBucket
+from ._host_state import HostStateBucket, host_state_wanted
 from ._groups import check_step_groups, plain_value, run_closure
 from ._rounding import refuse_masters, rounding_seed
 from ._rules import UpdateRule
@@ -46,7 +46,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                  master_weight_dtype=torch.float32, state_dtypes: dict | None = None, store_param_remainders=False,
                  flat_grads=False, skip_nonfinite_grads=False, grad_of=GRAD, bf16_stochastic_round=False,
                  stochastic_round_seed=None, state_device=None):
-        host_state = _host_state_wanted(state_device, capturable=capturable, flat_grads=flat_grads)
+        host_state = host_state_wanted(state_device, capturable=capturable, flat_grads=flat_grads)
         refuse_masters(bf16_stochastic_round, master_weights=master_weights,
                        store_param_remainders=store_param_remainders)
         self.rounding_seed = rounding_seed(bf16_stochastic_round, stochastic_round_seed)
@@ -268,27 +268,6 @@ class FusedOptimizer(torch.optim.Optimizer):
         lines.append(f"  options: {opts}")
         lines.append(")")
         return "\n".join(lines)
-
-
-def _host_state_wanted(state_device, *, capturable: bool, flat_grads: bool) -> bool:
-    """Whether state_device asks for host state ([Note: host state] in
-    _host_state.py), refusing what cannot go with it."""
-    if state_device is None:
-        return False
-    try:
-        device = torch.device(state_device)
-    except (RuntimeError, TypeError):
-        device = None
-    if device is None or device.type != "cpu":
-        raise ValueError(f"state_device must be None (the state lives with its parameters) or 'cpu' (in host "
-                         f"memory), got {state_device!r}")
-    if capturable:
-        raise ValueError("state_device='cpu' with capturable=True: a host step cannot be captured in a CUDA graph; "
-                         "choose one")
-    if flat_grads:
-        raise ValueError("state_device='cpu' with flat_grads=True is not supported: the host step copies each "
-                         "gradient down itself; drop flat_grads")
-    return True
 
 
 def _bucket_class(opts: dict, device: torch.device):

@@ -72,6 +72,27 @@ def segment_bounds(params: list, limit: int) -> list[tuple[int, int]]:
     return bounds
 
 
+def host_state_wanted(state_device, *, capturable: bool, flat_grads: bool = False) -> bool:
+    """Whether state_device asks for host state ([Note: host state]; [Note:
+    host shards] in distributed/_host_shards.py), refusing what cannot go with it."""
+    if state_device is None:
+        return False
+    try:
+        device = torch.device(state_device)
+    except (RuntimeError, TypeError):
+        device = None
+    if device is None or device.type != "cpu":
+        raise ValueError(f"state_device must be None (the state lives with its parameters) or 'cpu' (in host "
+                         f"memory), got {state_device!r}")
+    if capturable:
+        raise ValueError("state_device='cpu' with capturable=True: a host step cannot be captured in a CUDA graph; "
+                         "choose one")
+    if flat_grads:
+        raise ValueError("state_device='cpu' with flat_grads=True is not supported: the host step copies each "
+                         "gradient down itself; drop flat_grads")
+    return True
+
+
 class _Segment:
     """Consecutive parameters of one dtype: their shadows, their host Bucket
     and the host end of their transfers."""

@@ -18,11 +18,16 @@ def pinned_empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.
     """An uninitialised 1-D host tensor that `device` (a CUDA device) copies
     to and from asynchronously; a plain host tensor for a CPU device (there
     is nothing to copy)."""
-    t = torch.empty(numel, dtype=dtype)
-    if device.type != "cuda" or numel == 0:
+    return pin(torch.empty(numel, dtype=dtype), device)
+
+
+def pin(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Page-lock the memory of host tensor `t` (the whole of it, and which it
+    owns) for `device`'s copies; nothing for a CPU device. Returns t."""
+    if device.type != "cuda" or t.numel() == 0:
         return t
     cudart = torch.cuda.cudart()
-    ptr, nbytes = t.data_ptr(), t.untyped_storage().nbytes()
+    ptr, nbytes = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
     status = int(cudart.cudaHostRegister(ptr, nbytes, 0))
     if status != 0:  # cudaSuccess
         raise RuntimeError(f"state_device='cpu': page-locking {nbytes / 2 ** 30:.2f} GiB of host memory failed "

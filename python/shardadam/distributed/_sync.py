@@ -22,7 +22,9 @@ bounds the all-gather's temporary buckets the same way.
 """
 from __future__ import annotations
 
+import functools
 from collections import deque
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -54,10 +56,13 @@ class GradSync:
 
     def __init__(self, params: list, layout, shards, group, pipeline_size: int, redundant_group=None,
                  buffer: torch.Tensor | None = None, views: list | None = None, peer=None, *,
-                 transport: ReduceScatter | None = None):
+                 transport: ReduceScatter | None = None, on_reduced: Callable[[int], None] | None = None):
         """buffer, views and peer choose the transport (choose_reduce_scatter
-        in _transport.py); transport: one to use instead."""
+        in _transport.py); transport: one to use instead. on_reduced(b): run
+        once the current stream is ordered after every change to bucket b's
+        shard so far (host state: [Note: host shards] in _host_shards.py)."""
         self.params = params
+        self.on_reduced = on_reduced
         self.shards = shards
         self.redundant_group = redundant_group
         self.transport = transport or choose_reduce_scatter(params, layout, shards, group, peer, buffer, views)
@@ -111,6 +116,9 @@ class GradSync:
         if self.redundant_group is not None:  # replicas of a shard add their sums
             for t in self.shards.blocks:
                 dist.all_reduce(t, group=self.redundant_group)
+            if self.on_reduced is not None:
+                for b in range(len(self.shards)):
+                    self.on_reduced(b)
 
     def close(self) -> None:
         """Before the buffers go (a layout rebuild): wait for what is in flight, let go of the peers."""
@@ -124,14 +132,23 @@ class GradSync:
     def _start(self, b: int) -> None:
         absent = [f for f in self.frags_of_bucket[b] if not self.arrived[f.param]] if self.missing[b] else []
         self.next_bucket = b + 1
+        # The redundant group's all-reduce changes every shard after the last round.
+        reduced = self.on_reduced if self.redundant_group is None else None
         if self.round == 0:
-            self.pipeline.push(self.transport.reduce(b, self.shards[b], absent))
+            record = self.transport.reduce(b, self.shards[b], absent)
+            self.pipeline.push(record._replace(then=reduced and functools.partial(reduced, b)))
             return
         # Later rounds: reduce into a scratch shard, then add (after the wait,
         # in the caller's stream order, after the earlier rounds' results).
         scratch = torch.empty_like(self.shards[b])
         record = self.transport.reduce(b, scratch, absent)
-        self.pipeline.push(record._replace(then=lambda: self.shards[b].add_(scratch)))
+
+        def add() -> None:
+            self.shards[b].add_(scratch)
+            if reduced is not None:
+                reduced(b)
+
+        self.pipeline.push(record._replace(then=add))
 
 
 class ParamSync:

@@ -46,10 +46,12 @@ from .._rounding import refuse_masters, rounding_seed
 from .._rules import UpdateRule
 from .. import _storage
 from .._dtensor import refuse_sharded_params
+from .._host_state import host_state_wanted
+from .._pinned import pin
 from .._torch import check_tensor
 from .._tracked import DATA_PTR, ReplacedParams, moved_indices
 from .._state_dict_check import check_state_dict
-from . import _amp, _apex_format, _watchdog, sharded_checkpoint
+from . import _amp, _apex_format, _host_shards, _watchdog, sharded_checkpoint
 from ._apex_methods import ApexMethods
 from ._agreement import check_same_setup, validate_then_agree
 from ._first_use import FirstUseGuard
@@ -154,7 +156,7 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
                  with_scaled_states=False, nccl_ub=False, capturable=False, grad_sync_copy_engine=None,
                  param_sync_copy_engine=None, skip_nonfinite_grads=False,
                  copy_engine_timeout=_watchdog.DEFAULT_TIMEOUT_S, bf16_stochastic_round=False,
-                 stochastic_round_seed=None, exp_avg_dtype=None, exp_avg_sq_dtype=None):
+                 stochastic_round_seed=None, exp_avg_dtype=None, exp_avg_sq_dtype=None, state_device=None):
         name = type(self).__name__
         self.rule = rule
 
@@ -177,6 +179,7 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
             if not bucket_cap_mb > 0:
                 raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
             rule.check_group(name, defaults)
+            self.state_device = "cpu" if host_state_wanted(state_device, capturable=capturable) else None
             torch.optim.Optimizer.__init__(self, params, defaults)
             _watchdog.validate_timeout(copy_engine_timeout)
 
@@ -274,6 +277,8 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
             check_nccl_ub(self.dist_group, self.device)
         if any(p.device != self.device for p in params):
             raise ValueError(f"every parameter must be on {self.device}")
+        # [Note: host shards] (_host_shards.py): on a CPU device the state is in host memory anyway.
+        self._host_pipeline = self.state_device == "cpu" and _host_shards.runs_pipeline(self.device)
         self.params = params
         # Each parameter's (grad_sync_dtype, param_sync_dtype): [Note: sync classes] (_rows.py).
         self._sync_class = {id(p): sync_class(p.dtype, grad_sync_dtype, param_sync_dtype) for p in params}
@@ -358,7 +363,7 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
         for sync in (getattr(self, "_grad_sync", None), getattr(self, "_param_sync", None)):
             if sync is not None:
                 sync.close()
-        self.plan = self._grad_sync = self._param_sync = None
+        self.plan = self._grad_sync = self._param_sync = self._host = None
         self.grad_shards = self.master = self.remainders = self.states = self.state_blocks = None
         self.param_shards = self.param_buffer = self.grad_buffer = None
         self.params = params
@@ -416,8 +421,12 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
         else:
             with self._nccl_pool.allocate() if self.nccl_ub else contextlib.nullcontext():
                 self.grad_shards = BucketRows.allocate(self.layout.buckets, self.shard_size, grad_dtypes, dev)
-        # This rank's pieces, ordered by group so that one launch covers them all.
-        shard = sorted(self.layout.shard_fragments(self.rank), key=lambda f: self.param_groups_of[f.param])
+        # This rank's pieces, ordered by group so that one launch covers them
+        # all; with host state by bucket first, a plan per bucket ([Note: host shards]).
+        host = self._host_pipeline
+        state_dev = torch.device("cpu") if host else dev
+        shard = sorted(self.layout.shard_fragments(self.rank),
+                       key=lambda f: (f.bucket if host else 0, self.param_groups_of[f.param]))
         # The master and the rule's states in dtype; with_scaled_states and
         # fp16: each fragment with its own power-of-two scale, rescaled
         # inside the kernel (_options.py). With remainders the
@@ -429,8 +438,9 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
         spec = storage_spec(self.rule, self.dtype, self.store_params, self.store_param_remainders,
                             self.with_scaled_states, self.state_dtypes)
         fragment_sizes = [f.shard_end - f.shard_start for f in shard]
-        stored = spec.allocate(self.rule, (n_buckets, self.shard_size), len(shard), dev,
+        stored = spec.allocate(self.rule, (n_buckets, self.shard_size), len(shard), state_dev,
                                sum(map(_storage.blocks_of, fragment_sizes)))
+        self.shard_state_device = state_dev  # where this rank's shard of the state lives
         self.states, self.master, self.remainders = stored.states, stored.master, stored.remainders
         self.state_scales = stored.scales
         # Blockwise states: each fragment's block maxima, a slice of one flat buffer per state.
@@ -439,13 +449,21 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
         # the master itself when every bucket's param_sync_dtype is the
         # master's (fp32 model: no separate copy), or shards the kernel writes
         # (params_out) besides the master.
-        if self.param_buffer is not None:
+        # With host state, these are the host rows the step writes, and the
+        # all-gather sends device rows of their own (sent_shards).
+        if self.param_buffer is not None and not host:
             self.param_shards = self.param_buffer.columns(own)
         elif (self.master is not None and set(param_dtypes.values()) == {self.master.dtype}
               and "master" not in self.state_scales):
             self.param_shards = BucketRows.of(self.master)
         else:
-            self.param_shards = BucketRows.allocate(self.layout.buckets, self.shard_size, param_dtypes, dev)
+            self.param_shards = BucketRows.allocate(self.layout.buckets, self.shard_size, param_dtypes, state_dev)
+        sent_shards = self.param_shards
+        if host:
+            for t in self.param_shards.tensors:  # what goes up to the GPU
+                pin(t, dev)
+            sent_shards = (self.param_buffer.columns(own) if self.param_buffer is not None
+                           else BucketRows.allocate(self.layout.buckets, self.shard_size, param_dtypes, dev))
         self.separate_param_shards = self.master is not None and self.param_shards.single is not self.master
         self._state_names = ("master",) + self.rule.states
         self._shard_fragments = shard
@@ -456,24 +474,18 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
         # init_params()), so model weights loaded after construction count.
         self._initialized = [False] * len(self.params)
         self._fragment_index = {(f.bucket, f.shard_start): j for j, f in enumerate(shard)}
-        sizes = [0] * len(self.param_groups)
-        for f in shard:
-            sizes[self.param_groups_of[f.param]] += 1
-        pieces = [(f.bucket, f.shard_start, f.shard_end) for f in shard]
-        rem = self.store_param_remainders
-        updated = self.master if self.master is not None else self.param_shards
-        # Views of this optimizer's own buffers, which never move: the rule's
-        # plan does not re-check their addresses.
-        self.plan = self.rule.plan(
-            [updated[b, s:e] for b, s, e in pieces], [self.grad_shards[b, s:e] for b, s, e in pieces],
-            {name: [t[b, s:e] for b, s, e in pieces] for name, t in self.states.items()},
-            params_out=[self.param_shards[b, s:e] for b, s, e in pieces] if self.separate_param_shards else None,
-            param_remainders=[self.remainders[b, s:e] for b, s, e in pieces] if rem else None,
-            scales=self.state_scales, absmax=self.state_blocks, group_sizes=sizes, device=dev)
+        if host:
+            host_grads = _host_shards.host_rows(self.layout.buckets, self.shard_size, grad_dtypes, dev)
+            self._host = _host_shards.HostShards(dev, self.grad_shards, host_grads, self.param_shards, sent_shards)
+            self.plan = [self._plan_over(frags, host_grads, state_dev) if frags else None
+                         for frags in self._shard_fragments_by_bucket]
+        else:
+            self.plan = self._plan_over(shard, self.grad_shards, dev)
         self._norm_plan, self._subset_norm_plans = None, {}
         self._grad_sync = GradSync(self.params, self.layout, self.grad_shards, self.dist_group, self.pipeline_size,
-                                   self.redundant_group, self.grad_buffer, self._grad_views, reduce)
-        self._param_sync = ParamSync(self.params, self.layout, self.param_shards, self.param_buffer, self.dist_group,
+                                   self.redundant_group, self.grad_buffer, self._grad_views, reduce,
+                                   on_reduced=self._host.grads_reduced if host else None)
+        self._param_sync = ParamSync(self.params, self.layout, sent_shards, self.param_buffer, self.dist_group,
                                      gather)
         # The hooks hold the optimizer weakly: no reference cycle through the
         # model's parameters, so an optimizer that goes out of scope is freed
@@ -487,6 +499,27 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
         self._param_ptrs = list(map(DATA_PTR, self.params))
         self._param_shapes = [p.shape for p in self.params]
         self._replaced.track(p for g in self.param_groups for p in g["params"])
+
+    def _plan_over(self, frags: list, grads: BucketRows, device: torch.device) -> kernels.TensorPlan:
+        """The rule's plan over consecutive fragments of this rank's shard
+        (in shard order), reading the gradients from `grads`. Views of this
+        optimizer's own buffers, which never move: the plan does not re-check
+        their addresses."""
+        first = self._fragment_index[(frags[0].bucket, frags[0].shard_start)] if frags else 0
+        chosen = slice(first, first + len(frags))
+        sizes = [0] * len(self.param_groups)
+        for f in frags:
+            sizes[self.param_groups_of[f.param]] += 1
+        pieces = [(f.bucket, f.shard_start, f.shard_end) for f in frags]
+        updated = self.master if self.master is not None else self.param_shards
+        return self.rule.plan(
+            [updated[b, s:e] for b, s, e in pieces], [grads[b, s:e] for b, s, e in pieces],
+            {name: [t[b, s:e] for b, s, e in pieces] for name, t in self.states.items()},
+            params_out=[self.param_shards[b, s:e] for b, s, e in pieces] if self.separate_param_shards else None,
+            param_remainders=[self.remainders[b, s:e] for b, s, e in pieces] if self.store_param_remainders else None,
+            scales={name: t[chosen] for name, t in self.state_scales.items()},
+            absmax={name: views[chosen] for name, views in self.state_blocks.items()}, group_sizes=sizes,
+            device=device)
 
     def _adopt_backward_order(self) -> None:
         """Rebuild the layout in the order the first backward produced gradients
@@ -551,6 +584,20 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
             _storage.store(self.state_buffer(name)[where], values, **self._fragment_codec(name, j))
         else:
             _storage.store(self.state_buffer(name)[where], values)
+        if name == "master":
+            self._master_written(f)
+
+    def _master_written(self, f) -> None:
+        """A master written outside a step (init_params, a checkpoint): the
+        parameter shard follows it, so that the next all-gather sends it
+        (with host state, once it is up: [Note: host shards])."""
+        if self.separate_param_shards:
+            where = (f.bucket, slice(f.shard_start, f.shard_end))
+            j = self._fragment_index[(f.bucket, f.shard_start)]
+            self.param_shards[where].copy_(_storage.true_values(self.master[where],
+                                                                **self._fragment_codec("master", j)))
+        if self._host is not None:
+            self._host.stale = True
 
     def state_buffer(self, name: str) -> torch.Tensor | None:
         """This rank's [buckets, shard] buffer of a state ("master": the
@@ -686,8 +733,14 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
         advance = 1 if found_inf is None or not self.capturable else (found_inf == 0).to(torch.int64).reshape(())
         for g in self.param_groups:
             g["step"] += advance
-        self.rule.launch(self.plan, self.rule.hyper(self.param_groups), grad_scale=grad_scale,
-                         found_inf=found_inf if self.capturable else None, rounding_seed=self.rounding_seed)
+        hyper = self.rule.hyper(self.param_groups)
+        if self._host is not None:  # [Note: host shards]: the gradient scale comes down as a number
+            host_scale = grad_scale.cpu()
+            self._host.step(self.plan, lambda plan: self.rule.launch(
+                plan, hyper, grad_scale=host_scale, found_inf=None, rounding_seed=self.rounding_seed))
+        else:
+            self.rule.launch(self.plan, hyper, grad_scale=grad_scale, found_inf=found_inf if self.capturable else None,
+                             rounding_seed=self.rounding_seed)
         # The all-gathers write the parameters behind autograd's back: tell
         # it, so a graph that saved a parameter before this step refuses to
         # run backward through the new values (as after torch.optim's step).
@@ -696,7 +749,7 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
             self.iteration.move_params(Params.DEFERRED)  # started by the next forward
         elif self.overlap_param_sync:
             self.iteration.move_params(Params.GATHERING)
-            self._param_sync.start()  # each module's forward waits for its own buckets
+            self._start_param_sync()  # each module's forward waits for its own buckets
         else:
             self.param_sync()
         if self.overlap_param_sync:  # any other read waits on first use
@@ -742,6 +795,8 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
 
     def _end_iteration(self, stepped: bool = False) -> None:
         self._grad_sync.reset()
+        if self._host is not None:
+            self._host.settle()
         self.iteration.end(consumed=stepped and self.grads_in_buffer)
 
     def _leave_consumed(self, params) -> None:
@@ -928,8 +983,13 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
         those a capturable step left to the next forward (started now)."""
         if self.iteration.params is Params.DEFERRED:
             self.iteration.move_params(Params.GATHERING)
-            self._param_sync.start(depth=self.pipeline_size)
+            self._start_param_sync(depth=self.pipeline_size)
         self._land_param_sync()
+
+    def _start_param_sync(self, depth: int | None = None) -> None:
+        if self._host is not None:  # [Note: host shards]: the all-gather sends the device rows
+            self._host.refresh()
+        self._param_sync.start(depth)
 
     def _land_param_sync(self) -> None:
         """Wait for the all-gathers in flight (none: nothing to do)."""
@@ -946,7 +1006,7 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
         capturable step left them to the next forward."""
         if self.iteration.params is Params.DEFERRED:
             self.iteration.move_params(Params.GATHERING)
-            self._param_sync.start()
+            self._start_param_sync()
         if self.iteration.params is Params.GATHERING:
             with torch._C.DisableTorchFunctionSubclass():
                 self._param_sync.wait_for(params)
@@ -1011,7 +1071,7 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
         full = {name: [_unflatten(p) for p in self.params] if keep else None for name in self._state_names}
         for b in range(len(self.layout.buckets)):
             for name in self._state_names:
-                row = self._state_row(name, b).contiguous()
+                row = self._state_row(name, b).to(self.device).contiguous()  # host state: the collective's device
                 if gather_on_root:
                     dist.gather(row, gather_list=parts, dst=root, group=self.dist_group)
                 else:
@@ -1063,10 +1123,10 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
                 if name not in flat:  # a copy only where the saved layout differs from the parameter's
                     flat[name] = flat_like(entry[name].float(), self.params[f.param])
                 self._write_state(name, f, flat[name][f.param_start:f.param_end])
-        for k, p in enumerate(self.params):  # the model's values are the loaded masters
+        for k, p in enumerate(self.params):  # the model's values: the loaded masters, as the all-gather sends them
             entry = by_param.get(id(p))
             if entry is not None:
-                p.copy_(entry["master"])
+                p.copy_(entry["master"].to(self._sync_class[id(p)][1]))
                 self._initialized[k] = True
 
     @property
@@ -1089,7 +1149,7 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
                        store_param_remainders=self.store_param_remainders,
                        with_scaled_states=self.with_scaled_states, nccl_ub=self.nccl_ub, capturable=self.capturable,
                        grad_sync_copy_engine=self.grad_sync_copy_engine,
-                       param_sync_copy_engine=self.param_sync_copy_engine)
+                       param_sync_copy_engine=self.param_sync_copy_engine, state_device=self.state_device)
         lines = [f"{type(self).__name__} (world_size={self.world_size}, shard_rank={self.rank}, "
                  f"process_group={group_name(self.group)}, "
                  f"distributed_process_group={group_name(self.dist_group)}, "

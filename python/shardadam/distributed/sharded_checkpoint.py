@@ -129,13 +129,14 @@ def sharded_state_dict(opt) -> dict:
     state = {}
     if space.total > 0:
         group = opt.dist_group if opt.dist_group is not None else dist.group.WORLD
-        mesh = DeviceMesh.from_group(group, opt.device.type)
+        where = opt.shard_state_device  # host memory with state_device="cpu": the pieces are loaded in place there
+        mesh = DeviceMesh.from_group(group, where.type)
         for name in opt._state_names:
             rows: dict[int, torch.Tensor] = {}
             pieces = [_piece(opt, name, f, rows) for f in space.frags]
             offsets = [(space.start(f),) for f in space.frags]
             if not pieces:  # [Note: ragged DTensor pieces]
-                pieces, offsets = [torch.empty(0, device=opt.device)], [(space.total,)]
+                pieces, offsets = [torch.empty(0, device=where)], [(space.total,)]
             state[_saved_name(name)] = DTensor.from_local(LocalShardsWrapper(pieces, offsets), mesh, [Shard(0)],
                                                           run_check=False, shape=torch.Size([space.total]),
                                                           stride=(1,))
@@ -186,11 +187,13 @@ def load_sharded_state_dict(opt, sharded: dict) -> None:
         set_group_values(group, values)
     for name, f, tensor in pieces:
         live = _live_view(opt, name, f)
-        if live is None or live.data_ptr() != tensor.data_ptr():  # else dcp.load already wrote it there
+        if live is None or live.data_ptr() != tensor.data_ptr():
             opt._write_state(name, f, tensor.float())
+        elif name == "master":  # dcp.load wrote it there already
+            opt._master_written(f)
     for k in range(len(opt.params)):
         opt._initialized[k] = True
-    _masters_into_params(opt)
+    opt.param_sync()  # the parameter shards followed the masters (_write_state): every rank's go to every rank
 
 
 def _json(sharded: Mapping, key: str, what: str) -> list:
@@ -348,17 +351,3 @@ def _mismatch(saved: str, space: _FlatSpace, given: list, mine: list) -> str:
             return f"{what}: the sharded state dict holds {len(g)} pieces on this rank, the optimizer {len(m)}: {hint}"
         return f"{what}: the sharded state dict holds the ranges {g} on this rank, the optimizer {m}: {hint}"
     return f"state '{saved}': the sharded state dict holds other pieces on this rank than the optimizer"
-
-
-def _masters_into_params(opt) -> None:
-    """Each rank writes its loaded master pieces into its parameter shards
-    (where those are a separate copy) and the parameter all-gather brings
-    every parameter up to date."""
-    if opt.separate_param_shards:
-        for b, frags in enumerate(opt._shard_fragments_by_bucket):
-            if not frags:
-                continue
-            row = opt._state_row("master", b)
-            for f in frags:
-                opt.param_shards[f.bucket, f.shard_start:f.shard_end].copy_(row[f.shard_start:f.shard_end])
-    opt.param_sync()

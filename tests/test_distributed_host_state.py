@@ -1,0 +1,210 @@
+"""DistributedFusedAdam / DistributedFusedLion with state_device="cpu"
+([Note: host shards] in distributed/_host_shards.py).
+
+On the CPU the state is in host memory anyway, so state_device="cpu" changes
+nothing there; these tests force the host pipeline on gloo (host rows of their
+own, a plan per bucket, gradients copied down and parameters copied up) and
+compare it with the ordinary optimizer, bit for bit: the same kernels over the
+same values. On a GPU (NCCL, one rank) the host step is compared with the
+GPU-state optimizer (the same element math, compiled for two processors).
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import shardadam
+from shardadam.distributed import _host_shards
+from test_distributed import (STEPS, _distributed, _exit, _frozen, _groups, _lr_schedule, _model, _rank_group,
+                              _spawn, _train)
+
+# name -> (optimizer options, training options, model dtype)
+CASES = {
+    "fp32-clip-scaler-skip": (dict(), dict(clip=0.02, scaler=True, inf_step=2), torch.float32),
+    "fp32-rounds": (dict(pipeline_size=1), dict(micro=2, accumulate="every"), torch.float32),
+    "fp32-no_sync": (dict(), dict(micro=2), torch.float32),
+    "store-params": (dict(store_params=True), dict(), torch.float32),
+    "contiguous-both-overlap": (dict(contiguous_param_buffer=True, contiguous_grad_buffer=True,
+                                     overlap_param_sync=True), dict(model="reordered"), torch.float32),
+    "bf16-sync": (dict(grad_sync_dtype=torch.bfloat16, param_sync_dtype=torch.bfloat16), dict(), torch.float32),
+    "bf16-master": (dict(), dict(), torch.bfloat16),
+    "bf16-remainders": (dict(store_params=False, store_param_remainders=True), dict(), torch.bfloat16),
+    "scaled-fp16": (dict(dtype=torch.float16, with_scaled_states=True), dict(), torch.float32),
+    "8-bit-amsgrad": (dict(exp_avg_dtype="blockwise8", exp_avg_sq_dtype="blockwise8", amsgrad=True), dict(),
+                      torch.float32),
+    "fp8": (dict(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8), dict(), torch.float32),
+    "lion-8-bit": (dict(optimizer="lion", exp_avg_dtype="blockwise8"), dict(), torch.float32),
+}
+
+
+def _build(case: str, state_device, device: str, rank: int):
+    options, training, dtype = CASES[case]
+    options = dict(options)
+    cfg = dict(optimizer=options.pop("optimizer", "adam"), amsgrad=options.pop("amsgrad", False))
+    model = _model(training.get("model", "sequential")).to(device if device == "cpu" else f"cuda:{rank}",
+                                                           dtype=dtype)
+    frozen = _frozen(model)
+    frozen.requires_grad_(False)
+    return model, _distributed(cfg, _groups(model, frozen), bucket_cap_mb=1e-4, state_device=state_device,
+                               **options)
+
+
+def _run(case: str, model, opt, rank: int, world: int, steps) -> None:
+    training = dict(CASES[case][1])
+    training.pop("model", None)
+    scaler = torch.amp.GradScaler(opt.device.type, init_scale=2.0 ** 10) if training.pop("scaler", False) else None
+    _train(model, opt, rank, world, steps, scaler=scaler, schedule=_lr_schedule(opt), **training)
+    opt.param_sync()
+
+
+def _snapshot(model, opt) -> dict:
+    """The parameters and the portable state (true fp32 values), as numpy arrays (a collective)."""
+    state = opt.state_dict()["state"]
+    return dict(params=[p.detach().float().cpu().numpy().copy() for p in model.parameters()],
+                state={(k, name): v.float().cpu().numpy().copy() for k, entry in state.items()
+                       for name, v in entry.items() if isinstance(v, torch.Tensor)},
+                steps=[int(g["step"]) for g in opt.param_groups])
+
+
+def _same_param(case: str, loaded: torch.Tensor, saved: torch.Tensor) -> bool:
+    """A loaded parameter is its saved value: the master as the all-gather
+    sends it. A scaled fp16 master is lossy: the step sent the fp32 value it
+    rounded, the checkpoint holds the rounded one."""
+    if case == "scaled-fp16":
+        return torch.allclose(loaded, saved, rtol=2 ** -10, atol=0)
+    return torch.equal(loaded, saved)
+
+
+def _differences(got: dict, want: dict, exact: bool) -> list[str]:
+    """What differs between two snapshots: bit patterns when exact, else
+    more than fp32 rounding over a few steps."""
+    problems = []
+    if got["steps"] != want["steps"]:
+        problems.append(f"steps {got['steps']} != {want['steps']}")
+    pairs = [(f"param {i}", a, b) for i, (a, b) in enumerate(zip(got["params"], want["params"]))]
+    pairs += [(f"state {key}", got["state"][key], want["state"][key]) for key in sorted(want["state"])]
+    if sorted(got["state"]) != sorted(want["state"]):
+        problems.append(f"state keys {sorted(got['state'])} != {sorted(want['state'])}")
+    for what, a, b in pairs:
+        same = np.array_equal(a.view(np.int32), b.view(np.int32)) if exact else \
+            np.allclose(a, b, rtol=1e-5, atol=1e-6)
+        if not same:
+            problems.append(f"{what}: largest difference {np.abs(a - b).max()}")
+    return problems
+
+
+def _pair_worker(rank: int, world: int, port: int, cases: list, device: str, path: str, out) -> None:
+    """Each case trained twice on the same batches, with the state on the
+    device and with state_device="cpu" (forced through the host pipeline on
+    the CPU); then the host-state optimizer's two checkpoint formats, each
+    loaded into a fresh optimizer of both kinds that trains on. Loading must
+    give the model the parameters it had when saved."""
+    import torch.distributed.checkpoint as dcp
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    with _rank_group(rank, world, port, out, "nccl" if device == "cuda" else "gloo"):
+        if device == "cpu":
+            _host_shards.runs_pipeline = lambda where: True  # this process only: force the pipeline
+        exact = device == "cpu"
+        report = {}
+        for case in cases:
+            problems = []
+            model, opt = _build(case, None, device, rank)
+            _run(case, model, opt, rank, world, range(3))
+            host_model, host_opt = _build(case, "cpu", device, rank)
+            if host_opt._host is None or host_opt.shard_state_device.type != "cpu":
+                problems.append("the host pipeline did not run")
+            _run(case, host_model, host_opt, rank, world, range(3))
+            problems += _differences(_snapshot(host_model, host_opt), _snapshot(model, opt), exact)
+            # Both formats, saved by the host-state optimizer, loaded into fresh
+            # optimizers of both kinds (loading starts a new layout: the
+            # optimizer that trains on is not the reference), which then train on.
+            where = os.path.join(path, case)
+            saved_params = [p.detach().clone() for p in host_model.parameters()]
+            portable = host_opt.state_dict()
+            dcp.save({"optim": host_opt.sharded_state_dict()}, checkpoint_id=where)
+            for fmt in ("portable", "dcp"):
+                runs = {}
+                for state_device in (None, "cpu"):
+                    loaded_model, loaded = _build(case, state_device, device, rank)
+                    if fmt == "dcp":
+                        state = {"optim": loaded.sharded_state_dict()}
+                        dcp.load(state, checkpoint_id=where)
+                        loaded.load_sharded_state_dict(state["optim"])
+                    else:
+                        loaded.load_state_dict(portable)
+                    loaded.param_sync()
+                    problems += [f"{fmt} load ({state_device}): param {i} differs from the saved model's"
+                                 for i, (a, b) in enumerate(zip(loaded_model.parameters(), saved_params))
+                                 if not _same_param(case, a.detach(), b)]
+                    _run(case, loaded_model, loaded, rank, world, range(3, STEPS))
+                    runs[state_device] = _snapshot(loaded_model, loaded)
+                problems += [f"{fmt} checkpoint: {p}" for p in _differences(runs["cpu"], runs[None], exact)]
+            report[case] = problems
+        if rank == 0:
+            out.put(report)
+    _exit()
+
+
+@pytest.mark.parametrize("cases", [
+    ["fp32-clip-scaler-skip", "fp32-rounds", "fp32-no_sync", "store-params", "contiguous-both-overlap",
+     "bf16-sync"],
+    ["bf16-master", "bf16-remainders", "scaled-fp16", "8-bit-amsgrad", "fp8", "lion-8-bit"],
+], ids=["fp32-and-sync-options", "storage-kinds"])
+def test_forced_host_shards_give_the_same_bits(cases, tmp_path):
+    report = _spawn(_pair_worker, 2, cases, "cpu", str(tmp_path))
+    assert report == {case: [] for case in cases}
+
+
+def _redundant_worker(rank: int, world: int, port: int, out) -> None:
+    """4 ranks: shards over {0, 1} and {2, 3}, each repeated over {0, 2} / {1, 3}."""
+    import torch.distributed as dist
+    with _rank_group(rank, world, port, out):
+        _host_shards.runs_pipeline = lambda where: True
+        shard_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        replica_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        groups = dict(distributed_process_group=shard_groups[rank // 2],
+                      redundant_process_group=replica_groups[rank % 2])
+        snapshots = []
+        for state_device in (None, "cpu"):
+            model = _model()
+            frozen = _frozen(model)
+            frozen.requires_grad_(False)
+            opt = shardadam.DistributedFusedAdam(_groups(model, frozen), lr=1e-2, bucket_cap_mb=1e-4,
+                                                 state_device=state_device, **groups)
+            _train(model, opt, rank, world, range(STEPS), micro=2, accumulate="every")
+            opt.param_sync()
+            snapshots.append(_snapshot(model, opt))
+        if rank == 0:
+            out.put(_differences(snapshots[1], snapshots[0], exact=True))
+    _exit()
+
+
+def test_forced_host_shards_with_a_redundant_group():
+    assert _spawn(_redundant_worker, 4) == []
+
+
+def test_state_device_on_cpu_params_is_a_no_op_placement(one_rank):
+    model = _model()
+    opt = shardadam.DistributedFusedAdam(model.parameters(), state_device="cpu")
+    assert opt._host is None and opt.shard_state_device.type == "cpu"
+    assert "state_device=cpu" in repr(opt)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(state_device="cuda"), "state_device must be None .* or 'cpu'"),
+    (dict(state_device="cpu", capturable=True), "capturable=True"),
+])
+def test_refusals(one_rank, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        shardadam.DistributedFusedAdam(_model().parameters(), **kwargs)
+
+
+@pytest.mark.cuda
+def test_gpu_host_shards_match_gpu_state(tmp_path):
+    """One rank on NCCL: the CUDA streams, page-locked rows and both checkpoint formats."""
+    report = _spawn(_pair_worker, 1, list(CASES), "cuda", str(tmp_path))
+    assert report == {case: [] for case in CASES}
