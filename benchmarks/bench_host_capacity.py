@@ -5,7 +5,8 @@ torch's caches in an unknown state).
 
 bench_distributed.py's GPT architecture, built directly on the GPU in the
 parameter dtype, batch --batch x --seq tokens, bf16 autocast, --iters
-iterations of forward, backward and FusedAdam.step. Prints one JSON line: the
+iterations of forward, backward and FusedAdam.step (--optimizer torchao:
+torchao's CPUOffloadOptimizer with fused CPU AdamW, fp32 states, instead). Prints one JSON line: the
 parameter count, each iteration's loss and seconds, the GPU's peak memory and
 the process's resident host memory; "error" instead when it does not fit.
 
@@ -58,9 +59,12 @@ def main() -> None:
     ap.add_argument("--param-dtype", choices=sorted(DTYPES), default="fp32")
     ap.add_argument("--states", choices=["fp32", "8-bit"], default="fp32")
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--optimizer", choices=("shardadam", "torchao"), default="shardadam")
     args = ap.parse_args()
     result = dict(d_model=args.d_model, layers=args.layers, param_dtype=args.param_dtype, states=args.states,
-                  batch=args.batch, seq=args.seq, options={k: str(v) for k, v in optimizer_options(args).items()})
+                  batch=args.batch, seq=args.seq, optimizer=args.optimizer,
+                  options={k: str(v) for k, v in optimizer_options(args).items()} if args.optimizer == "shardadam"
+                  else dict(optimizer_class="torch.optim.AdamW", fused=True))
     try:
         torch.manual_seed(0)
         torch.set_default_dtype(DTYPES[args.param_dtype])
@@ -68,7 +72,11 @@ def main() -> None:
             model = GPT(args.d_model, args.layers, args.heads, args.vocab, args.seq)
         torch.set_default_dtype(torch.float32)
         result["params"] = sum(p.numel() for p in model.parameters())
-        opt = shardadam.FusedAdam(model.parameters(), lr=1e-4, **optimizer_options(args))
+        if args.optimizer == "torchao":
+            from torchao.optim import CPUOffloadOptimizer
+            opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-4, fused=True)
+        else:
+            opt = shardadam.FusedAdam(model.parameters(), lr=1e-4, **optimizer_options(args))
         tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), device="cuda")
         losses, seconds = [], []
         for _ in range(args.iters):

@@ -4,6 +4,9 @@ same optimizer with its state on the GPU, on one GPU, with the iteration's
 floors measured in the same run. --optimizer distributed times
 DistributedFusedAdam instead (one rank per GPU under torchrun, else a
 one-rank NCCL group): its gradient shards go down while backward runs.
+--torchao also times torchao's CPUOffloadOptimizer (fused CPU AdamW, one
+optimizer per parameter, gradients copied down by backward hooks) on the
+same model, for the fp32 kind.
 
 The model is bench_distributed.py's GPT. Per storage kind (fp32 states, or
 8-bit blockwise states), one process:
@@ -145,6 +148,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--kinds", default="fp32,8-bit")
     ap.add_argument("--optimizer", choices=("fused", "distributed"), default="fused")
+    ap.add_argument("--torchao", action="store_true", help="also time torchao's CPUOffloadOptimizer (fp32)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out")
     ap.add_argument("--timeline", help="write one host-state iteration's timeline here (JSON)")
@@ -171,9 +175,9 @@ def main() -> None:
             logits = model(tokens[:, :-1])
         F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
 
-    def iteration(opt):
+    def iteration(opt, set_to_none=False):
         def run():
-            opt.zero_grad(set_to_none=False)
+            opt.zero_grad(set_to_none=set_to_none)
             forward_backward()
             opt.step()
         return run
@@ -212,6 +216,13 @@ def main() -> None:
             del opt
             torch.cuda.empty_cache()
         # The CPU engine alone on this rank's share of the elements.
+        if args.torchao and kind == "fp32":
+            from torchao.optim import CPUOffloadOptimizer
+            opt = CPUOffloadOptimizer(params, torch.optim.AdamW, lr=1e-5, fused=True)
+            row["torchao_cpu_offload_ms"] = timed(iteration(opt, set_to_none=True), args.reps, 2)  # it asks for None
+            row["torchao_over_host_state"] = row["torchao_cpu_offload_ms"] / row["host_state_ms"]
+            del opt
+            torch.cuda.empty_cache()
         cpu_params = [torch.nn.Parameter(torch.zeros(numel // ranks))] if distributed else \
             [torch.nn.Parameter(p.detach().cpu()) for p in params]
         for p in cpu_params:
