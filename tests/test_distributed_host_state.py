@@ -194,6 +194,36 @@ def test_state_device_on_cpu_params_is_a_no_op_placement(one_rank):
     assert "state_device=cpu" in repr(opt)
 
 
+def test_forced_host_shards_step_on_the_host_step_threads(one_rank, monkeypatch):
+    """[Note: host step threads]: the host step's launches run on
+    SHARDADAM_HOST_THREADS (or the host's cores shared among its ranks), not
+    on torch's count, which torchrun sets to 1."""
+    from shardadam import _plan
+    monkeypatch.setattr(_host_shards, "runs_pipeline", lambda where: True)
+    monkeypatch.setenv("SHARDADAM_HOST_THREADS", "3")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    seen = []
+    target = _plan.TensorPlan.target
+    monkeypatch.setattr(_plan.TensorPlan, "target", lambda plan: seen.append(target(plan)[3]) or target(plan))
+    try:
+        model = _model()
+        opt = shardadam.DistributedFusedAdam(model.parameters(), lr=1e-2, bucket_cap_mb=1e-4, state_device="cpu")
+        model(torch.randn(4, 3, 6, 6)).sum().backward()
+        opt.grad_sync()
+        seen.clear()
+        opt.step()
+    finally:
+        torch.set_num_threads(threads)
+    assert seen and set(seen) == {3}, seen
+
+
+def test_a_bad_host_threads_setting_is_refused(one_rank, monkeypatch):
+    monkeypatch.setenv("SHARDADAM_HOST_THREADS", "many")
+    with pytest.raises(ValueError, match="SHARDADAM_HOST_THREADS must be a positive integer"):
+        shardadam.DistributedFusedAdam(_model().parameters(), state_device="cpu")
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(state_device="cuda"), "state_device must be None .* or 'cpu'"),
     (dict(state_device="cpu", capturable=True), "capturable=True"),

@@ -9,13 +9,14 @@ differently) and with torch.optim.AdamW.
 """
 from __future__ import annotations
 
+import os
 import weakref
 
 import pytest
 import torch
 
 import shardadam
-from shardadam import _fused_optimizer, _host_state, _pinned
+from shardadam import _fused_optimizer, _host_state, _pinned, _plan
 from shardadam._host_state import HostStateBucket, segment_bounds
 
 from conftest import assert_bits_equal
@@ -236,6 +237,42 @@ def test_state_device_cpu_on_cpu_params_changes_nothing():
     assert not isinstance(host._layout()[0], HostStateBucket)
     _assert_same_params(ref_params, host_params)
     assert "state_device=cpu" in repr(host)
+
+
+def test_host_step_threads(monkeypatch):
+    """[Note: host step threads]: the cores this process may use, shared among
+    the ranks of its host, whatever torch's own count (torchrun sets it to 1)."""
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("SHARDADAM_HOST_THREADS", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert _host_state.host_step_threads() == cores
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert _host_state.host_step_threads() == max(1, cores // 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(4 * cores))
+    assert _host_state.host_step_threads() == 1
+    monkeypatch.setenv("SHARDADAM_HOST_THREADS", "3")
+    assert _host_state.host_step_threads() == 3
+    for bad in ("0", "-2", "two", ""):
+        monkeypatch.setenv("SHARDADAM_HOST_THREADS", bad)
+        with pytest.raises(ValueError, match="SHARDADAM_HOST_THREADS must be a positive integer"):
+            shardadam.FusedAdam(_model("cpu"), state_device="cpu")
+
+
+def test_forced_host_buckets_step_on_the_host_step_threads(forced_host_state, monkeypatch):
+    """Every launch of the host step runs on host_step_threads(), not torch's count."""
+    monkeypatch.setenv("SHARDADAM_HOST_THREADS", "3")
+    torch.set_num_threads(1)  # as torchrun leaves it
+    seen = []
+    target = _plan.TensorPlan.target
+    monkeypatch.setattr(_plan.TensorPlan, "target", lambda plan: seen.append(target(plan)[3]) or target(plan))
+    params = _model("cpu")
+    opt = shardadam.FusedAdam(params, lr=1e-3, state_device="cpu")
+    _grads(params, 0)
+    opt.step()
+    assert seen and set(seen) == {3}, seen
+    seen.clear()
+    shardadam.kernels.l2_norm([torch.ones(4)])  # outside the host step: torch's count
+    assert seen == [1]
 
 
 def test_page_locking_failure_is_named(monkeypatch):

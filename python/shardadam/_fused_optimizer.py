@@ -15,7 +15,7 @@ import torch
 from . import kernels
 from ._dtensor import agree_on_flag, check_param, is_dtensor, shards_for
 from ._fused_buckets import Bucket, storage_kind
-from ._host_state import HostStateBucket, host_state_wanted
+from ._host_state import HostStateBucket, host_state_wanted, host_step_threads
 from ._groups import check_step_groups, plain_value, run_closure
 from ._rounding import refuse_masters, rounding_seed
 from ._rules import UpdateRule
@@ -62,7 +62,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._opts = dict(rule=rule, capturable=capturable, master_weights=master_weights,
                           master_weight_dtype=master_weight_dtype, state_dtypes=state_dtypes,
                           store_param_remainders=store_param_remainders, flat_grads=flat_grads, grad_of=grad_of,
-                          host_state=host_state)
+                          host_state=host_state,
+                          host_threads=host_step_threads() if host_state else None)  # [Note: host step threads]
         self._buckets: list[Bucket] | None = None
         self._structure = None
         self._frozen: list = []
@@ -260,7 +261,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         for i, g in enumerate(self.param_groups):
             values = ", ".join(f"{k}={plain_value(g[k])}" for k in self.rule.group_keys + ("maximize", "step"))
             lines.append(f"  group {i}: {len(g['params'])} params, {values}")
-        shown = {k: v for k, v in self._opts.items() if k not in ("rule", "state_dtypes", "grad_of", "host_state")}
+        shown = {k: v for k, v in self._opts.items()
+                 if k not in ("rule", "state_dtypes", "grad_of", "host_state", "host_threads")}
         shown["state_device"] = "cpu" if self._opts["host_state"] else None
         options = dict(self.rule.options(), **shown,
                        **{f"{k}_dtype": v for k, v in self._opts["state_dtypes"].items()})

@@ -35,6 +35,7 @@ written freely (checkpoints, TE's accessors).
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 
@@ -42,6 +43,7 @@ from . import kernels
 from ._dtensor import PLAIN
 from ._fused_buckets import ALIGN_ELEMS, Bucket, GradFit
 from ._pinned import pinned_empty
+from ._plan import cpu_threads
 from ._tracked import DATA_PTR
 
 # Elements per pipeline segment: large enough that a transfer runs at PCIe
@@ -70,6 +72,26 @@ def segment_bounds(params: list, limit: int) -> list[tuple[int, int]]:
         size += p.numel()
     bounds.append((start, len(params)))
     return bounds
+
+
+def host_step_threads() -> int:
+    """[Note: host step threads] The CPU threads a host-state step runs on.
+    torchrun sets OMP_NUM_THREADS=1 in every rank when it starts several
+    per host, so torch.get_num_threads() would put the whole host step on
+    one core. The host step instead shares the cores this process may run
+    on (its CPU affinity) among the ranks of its host (LOCAL_WORLD_SIZE, as
+    torchrun sets it; 1 otherwise); SHARDADAM_HOST_THREADS, when set, is
+    the count."""
+    given = os.environ.get("SHARDADAM_HOST_THREADS")
+    if given is not None:
+        if not given.strip().isdigit() or int(given) < 1:
+            raise ValueError(f"SHARDADAM_HOST_THREADS must be a positive integer (the host step's CPU threads), "
+                             f"got {given!r}")
+        return int(given)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    local = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    ranks = int(local) if local.strip().isdigit() and int(local) > 0 else 1
+    return max(1, cores // ranks)
 
 
 def host_state_wanted(state_device, *, capturable: bool, flat_grads: bool = False) -> bool:
@@ -223,6 +245,7 @@ class HostStateBucket:
         self.views = [v for seg in self.segments for v in seg.bucket.views]
         self._shadows = [s for seg in self.segments for s in seg.shadows]
         self._versions = list(map(VERSION, params))
+        self.threads = opts["host_threads"]  # [Note: host step threads]
 
     @property
     def params(self) -> list:
@@ -274,6 +297,10 @@ class HostStateBucket:
         are host values here: a capturable step (device scalars) is refused
         with host state."""
         _, ready = prepared
+        with cpu_threads(self.threads):
+            self._pipeline(ready, hyper, grad_scale, found_inf, unscale_grads, rounding_seed)
+
+    def _pipeline(self, ready: list, hyper: dict, grad_scale, found_inf, unscale_grads: bool, rounding_seed) -> None:
         self._start()
         active = [(seg, r) for seg, r in zip(self.segments, ready) if r is not None]
         sent, filled = 0, set()  # slots holding gradients not yet stepped

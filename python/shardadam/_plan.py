@@ -4,6 +4,8 @@ cost does not depend on the number of tensors, bar two O(n) C-level parts:
 the optional address check and the version-counter bump (see TensorPlan)."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import operator
 
 import torch
@@ -18,6 +20,21 @@ is_contiguous = torch.Tensor.is_contiguous
 
 # Elements per chunk: one CUDA block (or one CPU work item) handles a chunk.
 CHUNK_SIZE = 65536
+
+# CPU threads for the launches made inside cpu_threads(); torch's own count elsewhere.
+_CPU_THREADS: contextvars.ContextVar[int | None] = contextvars.ContextVar("shardadam_cpu_threads", default=None)
+
+
+@contextlib.contextmanager
+def cpu_threads(count: int):
+    """CPU launches in this context (this thread) run on `count` threads
+    instead of torch.get_num_threads() (the host step of host state:
+    [Note: host step threads] in _host_state.py)."""
+    token = _CPU_THREADS.set(count)
+    try:
+        yield
+    finally:
+        _CPU_THREADS.reset(token)
 
 
 class TensorPlan:
@@ -233,7 +250,8 @@ class TensorPlan:
 
     def target(self) -> tuple[int, int, int, int]:
         """(device, stream, blob, threads) for a core call, on the current stream."""
-        return (self._device_index, stream_of(self.device), self._blob_ptr, torch.get_num_threads())
+        return (self._device_index, stream_of(self.device), self._blob_ptr,
+                _CPU_THREADS.get() or torch.get_num_threads())
 
     def __repr__(self) -> str:
         present = [n for n, t in self.lists.items() if t is not None]

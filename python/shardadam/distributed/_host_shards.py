@@ -44,6 +44,7 @@ from typing import Callable
 import torch
 
 from .._pinned import pin
+from .._plan import cpu_threads
 from ._rows import BucketRows
 
 
@@ -66,10 +67,11 @@ class HostShards:
 
     device_grads, host_grads: the reduced gradient shards on the GPU and
     their host rows; host_params, device_params: the parameter rows the host
-    step writes and the device rows the all-gather sends (BucketRows)."""
+    step writes and the device rows the all-gather sends (BucketRows);
+    threads: the CPU engine's for the step."""
 
     def __init__(self, device: torch.device, device_grads: BucketRows, host_grads: BucketRows,
-                 host_params: BucketRows, device_params: BucketRows):
+                 host_params: BucketRows, device_params: BucketRows, threads: int):
         self.device = device
         self.device_grads, self.host_grads = device_grads, host_grads
         self.host_params, self.device_params = host_params, device_params
@@ -78,6 +80,7 @@ class HostShards:
         self._up = torch.cuda.Stream(device) if cuda else None
         self._landed = [None] * len(host_grads)  # bucket -> the event of its last copy down
         self.stale = False  # host parameter rows written outside a step, not yet sent up
+        self.threads = threads  # [Note: host step threads] in ../_host_state.py
 
     def grads_reduced(self, b: int) -> None:
         """Bucket b's reduced shard is final as far as the current stream
@@ -94,13 +97,14 @@ class HostShards:
         """launch(plan) for each bucket's plan (None: the bucket holds none of
         this rank's elements), each after its gradients are down, each
         bucket's parameters sent up after it."""
-        for b, plan in enumerate(plans):
-            if plan is None:
-                continue
-            if self._landed[b] is not None:
-                self._landed[b].synchronize()
-            launch(plan)
-            self._copy(self._up, self.device_params[b], self.host_params[b])
+        with cpu_threads(self.threads):
+            for b, plan in enumerate(plans):
+                if plan is None:
+                    continue
+                if self._landed[b] is not None:
+                    self._landed[b].synchronize()
+                launch(plan)
+                self._copy(self._up, self.device_params[b], self.host_params[b])
         self._up_done()
         self.stale = False  # every bucket holding this rank's elements went up
 

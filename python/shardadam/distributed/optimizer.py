@@ -46,7 +46,7 @@ from .._rounding import refuse_masters, rounding_seed
 from .._rules import UpdateRule
 from .. import _storage
 from .._dtensor import refuse_sharded_params
-from .._host_state import host_state_wanted
+from .._host_state import host_state_wanted, host_step_threads
 from .._pinned import pin
 from .._torch import check_tensor
 from .._tracked import DATA_PTR, ReplacedParams, moved_indices
@@ -180,6 +180,8 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
                 raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
             rule.check_group(name, defaults)
             self.state_device = "cpu" if host_state_wanted(state_device, capturable=capturable) else None
+            # [Note: host step threads] (read here: a bad SHARDADAM_HOST_THREADS refuses on every rank alike)
+            self._host_threads = host_step_threads() if self.state_device else None
             torch.optim.Optimizer.__init__(self, params, defaults)
             _watchdog.validate_timeout(copy_engine_timeout)
 
@@ -476,7 +478,8 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
         self._fragment_index = {(f.bucket, f.shard_start): j for j, f in enumerate(shard)}
         if host:
             host_grads = _host_shards.host_rows(self.layout.buckets, self.shard_size, grad_dtypes, dev)
-            self._host = _host_shards.HostShards(dev, self.grad_shards, host_grads, self.param_shards, sent_shards)
+            self._host = _host_shards.HostShards(dev, self.grad_shards, host_grads, self.param_shards, sent_shards,
+                                                 self._host_threads)
             self.plan = [self._plan_over(frags, host_grads, state_dev) if frags else None
                          for frags in self._shard_fragments_by_bucket]
         else:
