@@ -22,8 +22,8 @@ def pinned_empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.
 
 
 def pin(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Page-lock the memory of host tensor `t` (the whole of it, and which it
-    owns) for `device`'s copies; nothing for a CPU device. Returns t."""
+    """Page-lock the whole storage of host tensor `t` (a tensor that owns
+    it) for `device`'s copies; nothing for a CPU device. Returns t."""
     if device.type != "cuda" or t.numel() == 0:
         return t
     cudart = torch.cuda.cudart()
