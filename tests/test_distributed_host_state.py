@@ -218,6 +218,28 @@ def test_forced_host_shards_step_on_the_host_step_threads(one_rank, monkeypatch)
     assert seen and set(seen) == {3}, seen
 
 
+def test_forced_host_shards_follow_a_layout_rebuild(one_rank, monkeypatch):
+    """apex's late init_param_buffer() rebuilds the layout and carries the state
+    over: with host shards too (new host rows, plans and streams), bit for bit."""
+    monkeypatch.setattr(_host_shards, "runs_pipeline", lambda where: True)
+    batches = [torch.randn(4, 3, 6, 6, generator=torch.Generator().manual_seed(s)) for s in range(4)]
+    results = []
+    for state_device in (None, "cpu"):
+        model = _model()
+        opt = shardadam.DistributedFusedAdam(model.parameters(), lr=1e-2, bucket_cap_mb=1e-4,
+                                             state_device=state_device)
+        for s, x in enumerate(batches):
+            if s == 2:
+                opt.init_param_buffer()
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        assert (opt._host is not None) == (state_device == "cpu")
+        results.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*results):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
 def test_a_bad_host_threads_setting_is_refused(one_rank, monkeypatch):
     monkeypatch.setenv("SHARDADAM_HOST_THREADS", "many")
     with pytest.raises(ValueError, match="SHARDADAM_HOST_THREADS must be a positive integer"):
