@@ -167,7 +167,7 @@ class _Segment:
 
     def send_grads_down(self) -> None:
         """Queue this step's gradients to the host staging (the down stream)."""
-        with _on(self.streams[0]):
+        with on_stream(self.streams[0]):
             if len(self._pending) == 1:
                 i, g = self._pending[0]
                 self._grad_views[i].copy_(g, non_blocking=True)
@@ -176,7 +176,7 @@ class _Segment:
                 views = self._shaped(staging)
                 torch._foreach_copy_([views[i] for i, _ in self._pending], [g for _, g in self._pending])
                 self._grad_flat.copy_(staging, non_blocking=True)
-            self.down = _recorded(self.device)
+            self.down = recorded_event(self.device)
 
     def release_grads(self) -> None:
         """Let go of the device gradients once they are down, so that
@@ -186,7 +186,7 @@ class _Segment:
 
     def send_params_up(self) -> None:
         """Queue the shadows' values into the parameters (the up stream)."""
-        with _on(self.streams[1]):
+        with on_stream(self.streams[1]):
             if len(self.params) == 1:
                 self.params[0].detach().copy_(self.shadows[0], non_blocking=True)
             else:
@@ -195,11 +195,12 @@ class _Segment:
                 torch._foreach_copy_([p.detach() for p in self.params], self._shaped(staging))
 
 
-def _on(stream):
+def on_stream(stream):
+    """The context that makes `stream` current (nothing for None: the CPU)."""
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
-def _recorded(device: torch.device):
+def recorded_event(device: torch.device):
     """An event recorded on the current stream of a CUDA device (None on the CPU)."""
     if device.type != "cuda":
         return None
@@ -208,7 +209,8 @@ def _recorded(device: torch.device):
     return event
 
 
-def _wait(event) -> None:
+def wait_event(event) -> None:
+    """The host waits for a recorded event (None: nothing to wait for)."""
     if event is not None:
         event.synchronize()
 
@@ -310,7 +312,7 @@ class HostStateBucket:
                 active[sent][0].send_grads_down()
                 filled.add(active[sent][0].slot)
                 sent += 1
-            _wait(seg.down)
+            wait_event(seg.down)
             seg.bucket.launch(r, hyper, grad_scale, found_inf, unscale_grads=unscale_grads,
                               rounding_seed=rounding_seed)
             filled.discard(seg.slot)
@@ -320,7 +322,7 @@ class HostStateBucket:
     def _start(self) -> None:
         """The copy streams start after the work queued so far."""
         if self.device.type == "cuda":
-            queued = _recorded(self.device)
+            queued = recorded_event(self.device)
             for stream in self._streams:
                 stream.wait_event(queued)
 

@@ -43,6 +43,7 @@ from typing import Callable
 
 import torch
 
+from .._host_state import on_stream, recorded_event, wait_event
 from .._pinned import pin
 from .._plan import cpu_threads
 from ._rows import BucketRows
@@ -99,40 +100,36 @@ class HostShards:
         bucket's parameters sent up after it."""
         with cpu_threads(self.threads):
             for b, plan in enumerate(plans):
-                if plan is None:
-                    continue
-                if self._landed[b] is not None:
-                    self._landed[b].synchronize()
-                launch(plan)
-                self._copy(self._up, self.device_params[b], self.host_params[b])
+                if plan is not None:
+                    wait_event(self._landed[b])
+                    launch(plan)
+                    self._send_up(b)
         self._up_done()
-        self.stale = False  # every bucket holding this rank's elements went up
 
     def refresh(self) -> None:
         """Before an all-gather: host parameter rows written outside a step
         (init_params, a checkpoint: ``stale``) go up, every bucket's."""
-        if not self.stale:
-            return
-        for b in range(len(self.host_params)):
-            self._copy(self._up, self.device_params[b], self.host_params[b])
-        self._up_done()
-        self.stale = False
+        if self.stale:
+            for b in range(len(self.host_params)):
+                self._send_up(b)
+            self._up_done()
+
+    def _send_up(self, b: int) -> None:
+        self._copy(self._up, self.device_params[b], self.host_params[b])
 
     def _up_done(self) -> None:
-        """The current stream, and the host, go on after the copies up."""
+        """The current stream, and the host, go on after the copies up; the
+        device rows are the host rows again."""
         if self._up is not None:
             torch.cuda.current_stream(self.device).wait_stream(self._up)
             self._up.synchronize()
+        self.stale = False
 
     def _copy(self, stream, dst: torch.Tensor, src: torch.Tensor):
         """dst <- src on `stream`, after the work queued on the current stream;
         the event that marks its end (None on the CPU, where it is done)."""
-        if stream is None:
-            dst.copy_(src)
-            return None
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            dst.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(stream)
-        return event
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        with on_stream(stream):
+            dst.copy_(src, non_blocking=stream is not None)
+            return recorded_event(self.device)
