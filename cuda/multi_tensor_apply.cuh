@@ -32,15 +32,22 @@ constexpr int kBlockTile = kQuantBlock / 32;
 static_assert(kBlockTile % kVecElems == 0, "a block tile is whole vector accesses");
 // At least 1024 threads per multiprocessor: caps registers at 64 per thread.
 constexpr int kMinBlocks = 1024 / kBlock > 0 ? 1024 / kBlock : 1;
-// Blockwise kernels hold twice the elements per thread and the map lookups:
-// at 64 registers (two blocks per multiprocessor) they spill a few words;
-// one block with up to 128 registers spills none and ran as fast on an H200
-// (5.55 against 5.58 ms for 2^30 elements; overridable for tuning:
-// -DSHARDADAM_BLOCKWISE_MIN_BLOCKS=2).
+// Blockwise kernels hold twice the elements per thread and the map lookups,
+// about 120 instructions per element: they are bound by latency and issue, not
+// by memory, so they need the warps of two blocks per multiprocessor. At 64
+// registers they spill a few dozen bytes; one block at up to 128 registers
+// spills none but left no warp eligible in 41% of cycles. On an H200 (2^30
+// elements, fp32 parameters, 8-bit states): 5.55 ms at two blocks, 6.75 ms at
+// one, 5.53 ms at three blocks of 256 threads (benchmarks/RESULTS.md).
+// Overridable for tuning: -DSHARDADAM_BLOCKWISE_MIN_BLOCKS=1. The general
+// (TableDtypes) blockwise kernel, which keeps every list's dtype in registers,
+// would spill 656 bytes at two blocks and stays at one.
 #ifndef SHARDADAM_BLOCKWISE_MIN_BLOCKS
-#define SHARDADAM_BLOCKWISE_MIN_BLOCKS 1
+#define SHARDADAM_BLOCKWISE_MIN_BLOCKS 2
 #endif
 constexpr int kMinBlocksBlockwise = SHARDADAM_BLOCKWISE_MIN_BLOCKS;
+template <class Dtypes, int K>
+constexpr int kMinBlocksFor = K != kBlockTile ? kMinBlocks : (Dtypes::kFixed ? kMinBlocksBlockwise : 1);
 constexpr int64_t kMaxGrid = 0x7fffffff;
 
 template <class T, int K>
@@ -317,7 +324,7 @@ class CudaReducer {
 // that every lane joins each block reduction. They read the dynamic maps
 // from shared memory.
 template <class Op, class Dtypes, int K>
-__global__ void __launch_bounds__(kBlock, K == kBlockTile ? kMinBlocksBlockwise : kMinBlocks)
+__global__ void __launch_bounds__(kBlock, kMinBlocksFor<Dtypes, K>)
     multi_tensor_kernel(const TableView tv, const int64_t chunk_begin, const __grid_constant__ Op op,
                         const float* skip_if) {
   constexpr bool kBlocks = K == kBlockTile;
