@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import functools
 import os
 import queue
 import socket
 import warnings
+from multiprocessing import reduction
 
 import numpy as np
 import pytest
@@ -307,15 +309,62 @@ def _synced_grads(model, losses, world: int, dtype) -> None:
         p.grad = (g0.to(dtype) + g1.to(dtype)).float() / world
 
 
+# [Note: rank processes] On a machine without a GPU (CI), ranks start from a
+# fork server that has imported torch once: a fresh interpreter spends about
+# 5 s of CPU importing torch and shardadam on the 2-core CI machine, which an
+# 8-rank world paid eight times. A child forked from the server does not see
+# what the test process changed since the server started, so _in_rank gives
+# it the test's current environment, stdout and stderr (where its tracebacks
+# and faulthandler dumps belong). Where a GPU is present, ranks are spawned
+# fresh as before, so that CUDA starts clean in each.
+@functools.cache
+def _rank_context():
+    if torch.cuda.is_available():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor"])
+    return ctx
+
+
+class _TestFd:
+    """One of the test process's file descriptors, pickled as a duplicate the child receives."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        return _TestFd._received, (reduction.DupFd(self.fd),)
+
+    @staticmethod
+    def _received(dup) -> int:
+        return dup.detach()
+
+
+def _in_rank(env: dict, stdout: int, stderr: int, target, *args) -> None:
+    os.environ.clear()
+    os.environ.update(env)
+    dist.set_debug_level_from_env()  # read when the server imported torch.distributed
+    for fd, inherited in ((stdout, 1), (stderr, 2)):
+        os.dup2(fd, inherited)
+        os.close(fd)
+    target(*args)
+
+
+def _rank_process(ctx, target, args: tuple):
+    if ctx.get_start_method() != "forkserver":
+        return ctx.Process(target=target, args=args)
+    return ctx.Process(target=_in_rank, args=(dict(os.environ), _TestFd(1), _TestFd(2), target, *args))
+
+
 def _run_ranks(target, world: int, args: tuple, expected: int) -> list:
     """Run target(rank, world, port, *args, queue) on `world` processes and
     collect `expected` results from the queue; fails the test (naming the exit
     codes) if fewer come or a rank exits non-zero. The timeouts only end a
     hang: they never decide a passing run."""
-    ctx = mp.get_context("spawn")
+    ctx = _rank_context()
     out = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=target, args=(r, world, port, *args, out)) for r in range(world)]
+    procs = [_rank_process(ctx, target, (r, world, port, *args, out)) for r in range(world)]
     for p in procs:
         p.start()
     results = []
