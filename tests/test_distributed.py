@@ -11,6 +11,7 @@ import functools
 import os
 import queue
 import socket
+import time
 import warnings
 from multiprocessing import reduction
 
@@ -368,11 +369,17 @@ def _run_ranks(target, world: int, args: tuple, expected: int) -> list:
     for p in procs:
         p.start()
     results = []
-    try:
-        for _ in range(expected):
-            results.append(out.get(timeout=RANK_TIMEOUT_S + 20))
-    except queue.Empty:
-        pass
+    deadline = time.monotonic() + RANK_TIMEOUT_S + 20
+    while len(results) < expected and time.monotonic() < deadline:
+        # A rank that failed ends the wait (its traceback is above); so do
+        # ranks that all ended, once what they put is read (they flush first).
+        failed = any(p.exitcode for p in procs)
+        ended = all(p.exitcode is not None for p in procs)
+        try:
+            results.append(out.get(timeout=0.2 if failed or ended else 1.0))
+        except queue.Empty:
+            if failed or ended:
+                break
     for p in procs:
         p.join(timeout=30 if len(results) == expected else 5)
     codes = [p.exitcode for p in procs]
