@@ -41,17 +41,29 @@ SHARDADAM_HD AdamCoeffs make_adam_coeffs(const AdamGroup& g, double grad_scale) 
   return c;
 }
 
-// One element. `vmax` is the AMSGrad running maximum when has_max, ignored
-// otherwise.
-SHARDADAM_HD void adam_element(float& p, float g, float& m, float& v, float& vmax,
-                               bool has_max, const AdamCoeffs& c) {
+// The gradient Adam's states see: scaled, negated for maximize, plus the L2
+// decay of the parameter (only in L2 mode: 0 * p would turn an infinite param
+// into a NaN gradient).
+SHARDADAM_HD float adam_grad(float p, float g, const AdamCoeffs& c) {
   g = g * c.grad_mul;
-  // Only in L2 mode: 0 * p would turn an infinite param into a NaN gradient.
   if (c.l2 != 0.0f) g += c.l2 * p;
-  p = p * c.decay;
+  return g;
+}
+
+// The states' update from that gradient. `vmax` is the AMSGrad running
+// maximum when has_max, ignored otherwise.
+SHARDADAM_HD void adam_states(float g, float& m, float& v, float& vmax, bool has_max, const AdamCoeffs& c) {
   m = c.beta1 * m + c.one_minus_beta1 * g;
   v = c.beta2 * v + c.one_minus_beta2 * g * g;
   vmax = has_max ? nan_max(vmax, v) : v;
+}
+
+// One element: the states, then the parameter.
+SHARDADAM_HD void adam_element(float& p, float g, float& m, float& v, float& vmax,
+                               bool has_max, const AdamCoeffs& c) {
+  g = adam_grad(p, g, c);
+  p = p * c.decay;
+  adam_states(g, m, v, vmax, has_max, c);
   const float denom = sqrtf(vmax) / c.bc2_sqrt + c.eps;
   p = p - c.step_size * m / denom;
 }
@@ -69,6 +81,11 @@ struct AdamRule {
   SHARDADAM_HD static void element(float& p, float g, float& m, float& v, float& vmax, bool has_max,
                                    const Coeffs& c) {
     adam_element(p, g, m, v, vmax, has_max, c);
+  }
+  SHARDADAM_HD static bool states_read_param(const AdamGroup& g) { return !g.adam_w_mode && g.weight_decay != 0.0; }
+  SHARDADAM_HD static void states(float p, float g, float& m, float& v, float& vmax, bool has_max,
+                                  const Coeffs& c) {
+    adam_states(adam_grad(p, g, c), m, v, vmax, has_max, c);
   }
 };
 

@@ -180,10 +180,15 @@ SHARDADAM_HD uint32_t rounding_bits(uint64_t key, int64_t index) {
 // Written out in integer and float steps so that the CPU and the GPU agree
 // bit for bit, and with torch's float8_e4m3fn on every finite input up to
 // 448: round to nearest even.
+// NaN both ways, its sign kept: the float of a NaN code, the code of a NaN
+// (or out of range) float.
+SHARDADAM_HD float f8e4m3_nan_float(uint8_t b) { return bits_float((uint32_t(b & 0x80u) << 24) | 0x7fc00000u); }
+SHARDADAM_HD uint8_t f8e4m3_nan_code(float f) { return uint8_t(((float_bits(f) >> 24) & 0x80u) | 0x7fu); }
+
 SHARDADAM_HD float f8e4m3_to_float(uint8_t b) {
   const uint32_t sign = uint32_t(b & 0x80u) << 24;
   const uint32_t em = b & 0x7fu;
-  if (em == 0x7fu) return bits_float(sign | 0x7fc00000u);  // NaN
+  if (em == 0x7fu) return f8e4m3_nan_float(b);
   if (em < 0x08u) return bits_float(sign | float_bits(float(em) * 0.001953125f));  // subnormal: m * 2^-9
   return bits_float(sign | ((em << 20) + (120u << 23)));  // rebias 7 -> 127
 }
@@ -195,7 +200,7 @@ SHARDADAM_HD uint8_t float_to_f8e4m3(float f) {
   uint32_t u = float_bits(f);
   const uint8_t sign = uint8_t((u >> 24) & 0x80u);
   u &= 0x7fffffffu;
-  if (u >= 0x43e80000u) return sign | 0x7fu;  // >= 464 (halfway to 480) or not finite: NaN
+  if (u >= 0x43e80000u) return f8e4m3_nan_code(f);  // >= 464 (halfway to 480) or not finite
   if (u < 0x3c800000u) {  // below 2^-6: the subnormal grid, multiples of 2^-9
     // + 2^-9 * 2^23 makes the FPU round the value to a multiple of 2^-9 (ties to even).
     const float shifted = bits_float(u) + 16384.0f;  // 2^14: its ulp is 2^-9

@@ -70,6 +70,8 @@ void run_update(const Engine& e, const TensorTable& t, const std::vector<AdamGro
     for (int i = 0; i < kScaledStates; ++i) op.a.amax[i] = scratch + i * t.num_tensors();
     e.zero(scratch, kScaledStates * t.num_tensors());
     phases = {UpdatePhase::Measure, UpdatePhase::ApplyScaled};
+    op.a.params_in_measure = !x.scales[kScaledMaster] &&
+                             std::none_of(groups.begin(), groups.end(), Rule::states_read_param);
   }
   for (UpdatePhase phase : phases) {
     op.a.phase = phase;

@@ -37,12 +37,15 @@ SHARDADAM_HD float lion_sign(float x) {
   return x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : (x == x ? 0.0f : x));
 }
 
+// The momentum's update from the scaled gradient.
+SHARDADAM_HD void lion_momentum(float g, float& m, const LionCoeffs& c) { m = c.beta2 * m + c.one_minus_beta2 * g; }
+
 SHARDADAM_HD void lion_element(float& p, float g, float& m, const LionCoeffs& c) {
   g = g * c.grad_mul;
   p = mul_rounded(p, c.decay);  // then p - lr * sign: exact product, one rounding, as lion-pytorch's two steps
   const float update = c.beta1 * m + c.one_minus_beta1 * g;
   p = p - c.lr * lion_sign(update);
-  m = c.beta2 * m + c.one_minus_beta2 * g;
+  lion_momentum(g, m, c);
 }
 
 struct LionRule {
@@ -55,6 +58,10 @@ struct LionRule {
   }
   SHARDADAM_HD static void element(float& p, float g, float& m, float&, float&, bool, const Coeffs& c) {
     lion_element(p, g, m, c);
+  }
+  SHARDADAM_HD static bool states_read_param(const AdamGroup&) { return false; }  // decay is decoupled
+  SHARDADAM_HD static void states(float, float g, float& m, float&, float&, bool, const Coeffs& c) {
+    lion_momentum(g * c.grad_mul, m, c);
   }
 };
 

@@ -14,6 +14,13 @@
 //                       bool has_max, const Coeffs&)
 //                              one element, in place; an unused state loads as
 //                              0 and whatever the rule leaves in it is dropped
+//   static bool states_read_param(const AdamGroup&)
+//                              whether the states' update reads the parameter
+//   static void states(float p, float g, float& m, float& v, float& vmax,
+//                      bool has_max, const Coeffs&)
+//                              the states' part of element(), bit for bit; p
+//                              is read only where states_read_param ([Note:
+//                              params in the measure pass] in ops.h)
 #pragma once
 
 #include "scalar.h"

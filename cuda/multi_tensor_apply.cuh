@@ -7,6 +7,9 @@
 // Indices are 64-bit throughout: a tensor may exceed 2^31 elements.
 #pragma once
 
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
 #include <type_traits>
 
 #include "cuda_check.cuh"
@@ -54,6 +57,50 @@ template <class T, int K>
 struct alignas(sizeof(T) * K) Pack {
   T v[K];
 };
+
+// [Note: hardware FP8 conversions] From sm_89 on, one instruction converts
+// a pair of E4M3 codes to two halves (exactly: every E4M3 value is a half) and
+// a pair of floats to E4M3 codes (rounding to nearest even, as dtype.h's
+// software conversion). Where they differ from dtype.h the results are mended,
+// so both give the same bits (the CPU engine's): dtype.h decodes a NaN code to
+// the float NaN 0x7fc00000 with the code's sign, and encodes magnitudes of
+// 464 and up and non-finite values as NaN with the float's sign, where the
+// hardware saturates to 448. The software conversions are about ten
+// instructions per element each way, in kernels that are bound by issue
+// (benchmarks/RESULTS.md, "Storage kinds").
+template <int K>
+__device__ void decode_e4m3(const uint8_t (&b)[K], float (&out)[K]) {
+  static_assert(K % 2 == 0, "E4M3 codes convert in pairs");
+#if __CUDA_ARCH__ >= 890
+#pragma unroll
+  for (int k = 0; k < K; k += 2) {
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(b[k] | (b[k + 1] << 8)), __NV_E4M3);
+    const float2 f = __half22float2(__half2(h));
+    out[k] = (b[k] & 0x7fu) == 0x7fu ? f8e4m3_nan_float(b[k]) : f.x;
+    out[k + 1] = (b[k + 1] & 0x7fu) == 0x7fu ? f8e4m3_nan_float(b[k + 1]) : f.y;
+  }
+#else
+#pragma unroll
+  for (int k = 0; k < K; ++k) out[k] = f8e4m3_to_float(b[k]);
+#endif
+}
+
+template <int K>
+__device__ void encode_e4m3(const float (&in)[K], uint8_t (&out)[K]) {
+  static_assert(K % 2 == 0, "E4M3 codes convert in pairs");
+#if __CUDA_ARCH__ >= 890
+#pragma unroll
+  for (int k = 0; k < K; k += 2) {
+    const __nv_fp8x2_storage_t pair =
+        __nv_cvt_float2_to_fp8x2(make_float2(in[k], in[k + 1]), __NV_SATFINITE, __NV_E4M3);
+    out[k] = fabsf(in[k]) < 464.0f ? uint8_t(pair & 0xffu) : f8e4m3_nan_code(in[k]);
+    out[k + 1] = fabsf(in[k + 1]) < 464.0f ? uint8_t(pair >> 8) : f8e4m3_nan_code(in[k + 1]);
+  }
+#else
+#pragma unroll
+  for (int k = 0; k < K; ++k) out[k] = float_to_f8e4m3(in[k]);
+#endif
+}
 
 // Where a kernel takes its dtypes from. TableDtypes reads them from the table
 // (any mix, a switch per access). FixedDtypes<...> fixes one dtype per list at
@@ -157,8 +204,7 @@ class CudaIO {
       case DType::F8E4M3: {
         uint8_t r[K];
         load_raw(reinterpret_cast<const uint8_t*>(refs_.ptr[l]) + index_, r);
-#pragma unroll
-        for (int k = 0; k < K; ++k) out[k] = f8e4m3_to_float(r[k]);
+        decode_e4m3(r, out);
         break;
       }
       case DType::Q8S: case DType::Q8U: {  // only in blockwise kernels (q8 set)
@@ -201,8 +247,7 @@ class CudaIO {
       }
       case DType::F8E4M3: {
         uint8_t r[K];
-#pragma unroll
-        for (int k = 0; k < K; ++k) r[k] = float_to_f8e4m3(in[k]);
+        encode_e4m3(in, r);
         store_raw(reinterpret_cast<uint8_t*>(refs_.ptr[l]) + index_, r);
         break;
       }
