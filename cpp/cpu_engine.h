@@ -122,12 +122,12 @@ class CpuIO {
       }
       case DType::Q8S: case DType::Q8U: {  // the tile is one block
         uint8_t* d = reinterpret_cast<uint8_t*>(t_.ptr[l]) + index_;
-        const Q8Map& map = q8_map_of(*t_.q8, t_.dtype[l]);
         const bool is_signed = t_.dtype[l] == DType::Q8S;
         // The block maximum and q8_encode in steps, a loop each, over 32-bit
-        // cells and bits read through unions: so the compiler vectorises them
-        // (as one loop, or through byte tables, memcpy bit casts or a float
-        // max with NaN, it stays scalar).
+        // cell entries that settle the code themselves ([Note: settling
+        // cells] in dtype.h) and bits read through unions: so the compiler
+        // vectorises them (as one loop, or through byte tables, memcpy bit
+        // casts or a float max with NaN, it stays scalar).
         union Lanes {
           float f[K];
           uint32_t u[K];
@@ -144,13 +144,13 @@ class CpuIO {
         const float absmax = q8_block_max(bits_float(top));
         const float inv = q8_inverse(absmax);
         uint32_t code[K];
-        const int32_t* cells = q8_cells32(t_.dtype[l]);
+        const int32_t* entries = q8_cell_entries(t_.dtype[l]);
         for (int k = 0; k < n; ++k) {
           y.f[k] = in[k] * inv;
           mag.f[k] = q8_magnitude(y.f[k], is_signed);
         }
-        for (int k = 0; k < n; ++k) code[k] = q8_cell_code(mag.u[k], cells);
-        for (int k = 0; k < n; ++k) code[k] = q8_settle(mag.f[k], code[k], map);
+        for (int k = 0; k < n; ++k) code[k] = q8_cell_code(mag.u[k], entries);
+        for (int k = 0; k < n; ++k) code[k] = q8_settle_bits(mag.u[k], code[k]);
         for (int k = 0; k < n; ++k) d[k] = q8_with_sign(code[k], y.u[k], is_signed);
         *block_max_ptr(l) = absmax;
         break;

@@ -251,9 +251,17 @@ static_assert(sizeof(Q8Maps) % 16 == 0, "Q8Maps is copied in 16-byte words");
 
 // The maps, built once on the host (cpp/q8_map.cpp).
 const Q8Maps& q8_maps();
-// Q8Map::cell widened to 32 bits, for the CPU engine: its compiler
-// vectorises table reads of 32-bit entries, not of bytes.
-const int32_t* q8_cells32(DType d);
+// [Note: settling cells] The CPU engine's cells: 32-bit entries (its compiler
+// vectorises table reads of 32-bit entries, not of bytes) that also carry
+// the comparison with the midpoint. A cell holds at most one midpoint; where
+// the midpoint above the cell's code lies inside the cell, it shares the
+// cell's exponent and top 8 mantissa bits with every y there, so y > midpoint
+// is a comparison of the low 15 bits. An entry is the code in bits 0-7 and
+// those 15 bits of the midpoint in bits 8-23, or 0xffff there where the
+// midpoint lies beyond the cell (never passed): one table read settles the
+// code instead of two (q8_settle_bits), with q8_settle's result, checked for
+// every cell when the table is built.
+const int32_t* q8_cell_entries(DType d);
 
 SHARDADAM_HD const Q8Map& q8_map_of(const Q8Maps& maps, DType d) { return maps.map[d == DType::Q8U ? 1 : 0]; }
 
@@ -262,8 +270,8 @@ SHARDADAM_HD const Q8Map& q8_map_of(const Q8Maps& maps, DType d) { return maps.m
 // decode to NaN).
 // In two steps (the CPU engine runs each as a loop of its own, which its
 // compiler vectorises): the cell's code from y's bits (in a table of any
-// integer type: Q8Map's bytes, or the CPU's 32-bit copy, q8_cells32), then
-// the comparison that settles it.
+// integer type: Q8Map's bytes, or the CPU's entries, q8_cell_entries, whose
+// low byte is the code), then the comparison that settles it.
 template <class Cell>
 SHARDADAM_HD uint32_t q8_cell_code(uint32_t y_bits, const Cell* cells) {
   int o = 127 - int(y_bits >> 23);
@@ -272,6 +280,10 @@ SHARDADAM_HD uint32_t q8_cell_code(uint32_t y_bits, const Cell* cells) {
 }
 SHARDADAM_HD uint32_t q8_settle(float y, uint32_t cell_code, const Q8Map& q) {
   return cell_code + (y > q.mid[cell_code] ? 1u : 0u);
+}
+// The same from an entry of q8_cell_entries ([Note: settling cells]).
+SHARDADAM_HD uint32_t q8_settle_bits(uint32_t y_bits, uint32_t entry) {
+  return (entry & 0xffu) + ((y_bits & 0x7fffu) > (entry >> 8) ? 1u : 0u);
 }
 SHARDADAM_HD uint32_t q8_magnitude_code(float y, const Q8Map& q) {
   return q8_settle(y, q8_cell_code(float_bits(y), q.cell), q);

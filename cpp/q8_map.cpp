@@ -49,13 +49,41 @@ const Q8Maps& q8_maps() {
   return maps;
 }
 
-const int32_t* q8_cells32(DType d) {
-  static const std::vector<std::vector<int32_t>> cells = [] {
+namespace {
+
+// [Note: settling cells] in dtype.h. Checked at each cell's midpoint and the
+// floats next to it, where a wrong entry would settle differently.
+std::vector<int32_t> cell_entries(const Q8Map& q) {
+  std::vector<int32_t> out(std::size(q.cell));
+  for (int o = 0; o < kQ8Octaves; ++o) {
+    for (int m = 0; m < 256; ++m) {
+      const int i = (o << 8) | m;
+      const uint32_t code = q.cell[i];
+      const uint32_t mid_bits = float_bits(q.mid[code]);
+      const bool inside = (mid_bits >> 23) == uint32_t(127 - o) && ((mid_bits >> 15) & 0xffu) == uint32_t(m);
+      out[size_t(i)] = int32_t(code | ((inside ? (mid_bits & 0x7fffu) : 0xffffu) << 8));
+      if (!inside) continue;
+      // The first and last octaves also take the exponents beyond them, whose low bits mean nothing here.
+      if (o == 0 || o == kQ8Octaves - 1) throw std::logic_error("q8 map: a midpoint in a clamped octave");
+      for (const uint32_t y : {mid_bits - 1, mid_bits, mid_bits + 1}) {
+        if ((y >> 15) == (mid_bits >> 15) &&  // y in this cell
+            q8_settle_bits(y, uint32_t(out[size_t(i)])) != q8_settle(bits_float(y), code, q))
+          throw std::logic_error("q8 map: a cell entry settles differently from its midpoint");
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+const int32_t* q8_cell_entries(DType d) {
+  static const std::vector<std::vector<int32_t>> entries = [] {
     std::vector<std::vector<int32_t>> out;
-    for (const Q8Map& q : q8_maps().map) out.emplace_back(std::begin(q.cell), std::end(q.cell));
+    for (const Q8Map& q : q8_maps().map) out.push_back(cell_entries(q));
     return out;
   }();
-  return cells[d == DType::Q8U ? 1 : 0].data();
+  return entries[d == DType::Q8U ? 1 : 0].data();
 }
 
 }  // namespace shardadam
