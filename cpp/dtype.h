@@ -180,6 +180,7 @@ SHARDADAM_HD uint32_t rounding_bits(uint64_t key, int64_t index) {
 // Written out in integer and float steps so that the CPU and the GPU agree
 // bit for bit, and with torch's float8_e4m3fn on every finite input up to
 // 448: round to nearest even.
+//
 // NaN both ways, its sign kept: the float of a NaN code, the code of a NaN
 // (or out of range) float.
 SHARDADAM_HD float f8e4m3_nan_float(uint8_t b) { return bits_float((uint32_t(b & 0x80u) << 24) | 0x7fc00000u); }
