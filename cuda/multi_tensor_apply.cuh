@@ -65,8 +65,8 @@ struct alignas(sizeof(T) * K) Pack {
 // so both give the same bits (the CPU engine's): dtype.h decodes a NaN code to
 // the float NaN 0x7fc00000 with the code's sign, and encodes magnitudes of
 // 464 and up and non-finite values as NaN with the float's sign, where the
-// hardware saturates to 448. The software conversions are about ten
-// instructions per element each way, in kernels that are bound by issue
+// hardware saturates to 448. The software conversions take several integer
+// and float steps per element each way, in kernels that were bound by issue
 // (benchmarks/RESULTS.md, "Storage kinds").
 template <int K>
 __device__ void decode_e4m3(const uint8_t (&b)[K], float (&out)[K]) {
