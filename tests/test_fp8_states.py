@@ -51,14 +51,17 @@ def test_non_finite_and_out_of_range_values_become_nan(device):
     assert encoded.float().isnan().all()
 
 
+def _encoded(t: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """t's FP8 codes under the power of two that puts its absolute maximum in
+    [128, 256) (torch's rounding), and that scale."""
+    scale = 2.0 ** (8 - math.frexp(t.abs().max().item())[1])
+    return (t * scale).to(F8), scale
+
+
 def _quantized(t: torch.Tensor) -> torch.Tensor:
-    """t as FP8 storage keeps it: times the power of two that puts its absolute
-    maximum in [128, 256), rounded to E4M3 by torch, divided back."""
-    amax = t.abs().max().item()
-    if amax == 0:
-        return t.clone()
-    scale = 2.0 ** (8 - math.frexp(amax)[1])
-    return (t * scale).to(F8).float() / scale
+    """t as FP8 storage keeps it: its codes (_encoded) divided back."""
+    codes, scale = _encoded(t)
+    return codes.float() / scale
 
 
 @pytest.mark.parametrize("lion", [False, True], ids=["adam", "lion"])
@@ -82,13 +85,6 @@ def test_steps_equal_adamw_on_quantized_states(device, lion):
             step = expect.abs().max() * 2.0 ** -3  # one FP8 step at the top of the range
             assert (got - expect).abs().max() <= step, name
             assert (got != expect).float().mean() < 0.01, name
-
-
-def _encoded(t: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """t's FP8 codes under the power of two that puts its absolute maximum in
-    [128, 256) (torch's rounding), and that scale."""
-    scale = 2.0 ** (8 - math.frexp(t.abs().max().item())[1])
-    return (t * scale).to(F8), scale
 
 
 @pytest.mark.parametrize("params", ["fp32", "fp32+bf16-copy", "bf16-stochastic"])
