@@ -21,6 +21,7 @@ struct OpFastDtypes<AdamOp> {
       FixedDtypes<BF16, BF16, F32, F32, None, None, None>,   // bf16 params as their own master
       FixedDtypes<F32, F32, F8, F8, None, None, None>,       // fp32, FP8 states
       FixedDtypes<F32, BF16, F8, F8, None, BF16, None>,      // fp32 master, bf16 model, FP8 states
+      FixedDtypes<F32, F32, F8, F8, None, BF16, None>,       // fp32 grads, bf16 param copy (sharded), FP8 states
       FixedDtypes<BF16, BF16, F8, F8, None, None, None>,     // bf16 own master, FP8 states
       // blockwise 8-bit states (+ their block maxima)
       FixedDtypes<F32, F32, Q8S, Q8U, None, None, None, F32, F32>,     // fp32

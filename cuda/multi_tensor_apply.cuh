@@ -29,6 +29,21 @@ constexpr int kBlock = SHARDADAM_CUDA_BLOCK;
 // blocks of 256 or 1024, L2 prefetch of the next tile, streaming cache hints,
 // smaller chunks and a persistent grid-stride walk were all no faster.
 constexpr int kTile = kVecElems;
+// [Note: FP8 tiles] Tables with FP8 lists take tiles of 8 elements per
+// thread: each list's loads of a tile are issued together (two vector accesses
+// each), so a thread keeps twice the bytes in flight, and the per-tile costs
+// (indices, bounds, the conversions' mend tests) are spread over twice the
+// elements. Their passes move few bytes per element (14 and 8), so at tiles
+// of 4 neither kept the memory busy. On an H200 (2^30 elements, fp32
+// parameters): 6.91 ms at 4, 5.90-6.33 ms at 8, 13.2 ms at 16, which spills
+// (benchmarks/RESULTS.md, "Storage kinds"). At 8 the kernels spill 52-64
+// bytes at 64 registers and are still the fastest. Overridable for tuning:
+// -DSHARDADAM_F8_TILE=4.
+#ifndef SHARDADAM_F8_TILE
+#define SHARDADAM_F8_TILE 8
+#endif
+constexpr int kF8Tile = SHARDADAM_F8_TILE;
+static_assert(kF8Tile % kVecElems == 0, "an FP8 tile is whole vector accesses");
 // Tables with blockwise 8-bit lists: a warp's 32 threads take one block of
 // kQuantBlock elements, so a block's maximum is one warp reduction.
 constexpr int kBlockTile = kQuantBlock / 32;
@@ -49,14 +64,32 @@ constexpr int kMinBlocks = 1024 / kBlock > 0 ? 1024 / kBlock : 1;
 #define SHARDADAM_BLOCKWISE_MIN_BLOCKS 2
 #endif
 constexpr int kMinBlocksBlockwise = SHARDADAM_BLOCKWISE_MIN_BLOCKS;
-template <class Dtypes, int K>
-constexpr int kMinBlocksFor = K != kBlockTile ? kMinBlocks : (Dtypes::kFixed ? kMinBlocksBlockwise : 1);
+template <class Dtypes, bool kBlocks>
+constexpr int kMinBlocksFor = !kBlocks ? kMinBlocks : (Dtypes::kFixed ? kMinBlocksBlockwise : 1);
 constexpr int64_t kMaxGrid = 0x7fffffff;
 
 template <class T, int K>
 struct alignas(sizeof(T) * K) Pack {
   T v[K];
 };
+
+// Whether any code's low 7 bits (its magnitude) are at least `floor` (0x7e
+// or 0x7f): four codes per 32-bit word, adding 0x80 - floor to each byte's
+// low 7 bits carries into its bit 7 exactly then, and never into the next
+// byte ([Note: hardware FP8 conversions]).
+template <int K>
+__device__ bool any_low7_at_least(const uint8_t (&c)[K], uint32_t floor) {
+  static_assert(K % 4 == 0, "codes are tested four to a word");
+  const uint32_t add = (0x80u - floor) * 0x01010101u;
+  uint32_t hits = 0;
+#pragma unroll
+  for (int k = 0; k < K; k += 4) {
+    const uint32_t w = uint32_t(c[k]) | (uint32_t(c[k + 1]) << 8) | (uint32_t(c[k + 2]) << 16) |
+                       (uint32_t(c[k + 3]) << 24);
+    hits |= ((w & 0x7f7f7f7fu) + add) & 0x80808080u;
+  }
+  return hits != 0;
+}
 
 // [Note: hardware FP8 conversions] From sm_89 on, one instruction converts
 // a pair of E4M3 codes to two halves (exactly: every E4M3 value is a half) and
@@ -65,9 +98,11 @@ struct alignas(sizeof(T) * K) Pack {
 // so both give the same bits (the CPU engine's): dtype.h decodes a NaN code to
 // the float NaN 0x7fc00000 with the code's sign, and encodes magnitudes of
 // 464 and up and non-finite values as NaN with the float's sign, where the
-// hardware saturates to 448. The software conversions take several integer
-// and float steps per element each way, in kernels that were bound by issue
-// (benchmarks/RESULTS.md, "Storage kinds").
+// hardware saturates to 448. Every code to mend has magnitude bits 0x7e or
+// 0x7f, so a word test of four codes (any_low7_at_least) decides whether a
+// tile needs the element-wise mends at all. The software conversions take
+// several integer and float steps per element each way, in kernels that were
+// bound by issue (benchmarks/RESULTS.md, "Storage kinds").
 template <int K>
 __device__ void decode_e4m3(const uint8_t (&b)[K], float (&out)[K]) {
   static_assert(K % 2 == 0, "E4M3 codes convert in pairs");
@@ -76,8 +111,13 @@ __device__ void decode_e4m3(const uint8_t (&b)[K], float (&out)[K]) {
   for (int k = 0; k < K; k += 2) {
     const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(b[k] | (b[k + 1] << 8)), __NV_E4M3);
     const float2 f = __half22float2(__half2(h));
-    out[k] = (b[k] & 0x7fu) == 0x7fu ? f8e4m3_nan_float(b[k]) : f.x;
-    out[k + 1] = (b[k + 1] & 0x7fu) == 0x7fu ? f8e4m3_nan_float(b[k + 1]) : f.y;
+    out[k] = f.x;
+    out[k + 1] = f.y;
+  }
+  if (any_low7_at_least(b, 0x7f)) {  // a NaN code
+#pragma unroll
+    for (int k = 0; k < K; ++k)
+      if ((b[k] & 0x7fu) == 0x7fu) out[k] = f8e4m3_nan_float(b[k]);
   }
 #else
 #pragma unroll
@@ -93,8 +133,14 @@ __device__ void encode_e4m3(const float (&in)[K], uint8_t (&out)[K]) {
   for (int k = 0; k < K; k += 2) {
     const __nv_fp8x2_storage_t pair =
         __nv_cvt_float2_to_fp8x2(make_float2(in[k], in[k + 1]), __NV_SATFINITE, __NV_E4M3);
-    out[k] = fabsf(in[k]) < 464.0f ? uint8_t(pair & 0xffu) : f8e4m3_nan_code(in[k]);
-    out[k + 1] = fabsf(in[k + 1]) < 464.0f ? uint8_t(pair >> 8) : f8e4m3_nan_code(in[k + 1]);
+    out[k] = uint8_t(pair & 0xffu);
+    out[k + 1] = uint8_t(pair >> 8);
+  }
+  // Every value to mend came out as 448 (saturated) or NaN: magnitude codes 0x7e, 0x7f.
+  if (any_low7_at_least(out, 0x7e)) {
+#pragma unroll
+    for (int k = 0; k < K; ++k)
+      if (!(fabsf(in[k]) < 464.0f)) out[k] = f8e4m3_nan_code(in[k]);
   }
 #else
 #pragma unroll
@@ -121,11 +167,13 @@ struct FixedDtypes {
     constexpr DType d[] = {Ds...};
     return l < kCount ? d[l] : DType::None;
   }
-  static constexpr bool has_blockwise() {
+  static constexpr bool has(DType a, DType b = DType::None) {
     for (int l = 0; l < kCount; ++l)
-      if (at(l) == DType::Q8S || at(l) == DType::Q8U) return true;
+      if (at(l) == a || (b != DType::None && at(l) == b)) return true;
     return false;
   }
+  static constexpr bool has_blockwise() { return has(DType::Q8S, DType::Q8U); }
+  static constexpr int tile() { return has_blockwise() ? kBlockTile : (has(DType::F8E4M3) ? kF8Tile : kTile); }
 };
 
 // Which FixedDtypes an op gets kernels for: a list of them in OpFastDtypes<Op>
@@ -364,15 +412,14 @@ class CudaReducer {
 // covers whole tensors (group ranges are tensor-aligned), so each element is
 // still handled exactly once; per-chunk partial results stay per-tensor exact.
 //
-// Blockwise kernels (K == kBlockTile) walk warp by warp: a warp goes on while
+// Blockwise kernels (kBlocks, K == kBlockTile) walk warp by warp: a warp goes on while
 // its block has elements, lanes past the tensor's end taking empty tiles, so
 // that every lane joins each block reduction. They read the dynamic maps
 // from shared memory.
-template <class Op, class Dtypes, int K>
-__global__ void __launch_bounds__(kBlock, kMinBlocksFor<Dtypes, K>)
+template <class Op, class Dtypes, int K, bool kBlocks>
+__global__ void __launch_bounds__(kBlock, kMinBlocksFor<Dtypes, kBlocks>)
     multi_tensor_kernel(const TableView tv, const int64_t chunk_begin, const __grid_constant__ Op op,
                         const float* skip_if) {
-  constexpr bool kBlocks = K == kBlockTile;
   constexpr int64_t kSweep = int64_t(kBlock) * K;
   if (flag_is_set(skip_if)) return;  // the same answer for every block
   __shared__ std::conditional_t<kBlocks, Q8Maps, char> shared_maps;
@@ -446,19 +493,19 @@ struct CudaEngine {
   void launch(int64_t chunk_begin, int64_t chunk_end, const Op& op, const float* skip_if) const {
     SHARDADAM_CHECK(Op::kBlockwise || !table.blockwise(), "this operation takes no blockwise 8-bit lists");
     if constexpr (Dtypes::kFixed) {
-      launch_tiles<Op, Dtypes, Dtypes::has_blockwise() ? kBlockTile : kTile>(chunk_begin, chunk_end, op, skip_if);
+      launch_tiles<Op, Dtypes, Dtypes::tile(), Dtypes::has_blockwise()>(chunk_begin, chunk_end, op, skip_if);
     } else if constexpr (Op::kBlockwise) {
-      if (table.blockwise()) launch_tiles<Op, Dtypes, kBlockTile>(chunk_begin, chunk_end, op, skip_if);
-      else launch_tiles<Op, Dtypes, kTile>(chunk_begin, chunk_end, op, skip_if);
+      if (table.blockwise()) launch_tiles<Op, Dtypes, kBlockTile, true>(chunk_begin, chunk_end, op, skip_if);
+      else launch_tiles<Op, Dtypes, kTile, false>(chunk_begin, chunk_end, op, skip_if);
     } else {
-      launch_tiles<Op, Dtypes, kTile>(chunk_begin, chunk_end, op, skip_if);
+      launch_tiles<Op, Dtypes, kTile, false>(chunk_begin, chunk_end, op, skip_if);
     }
   }
-  template <class Op, class Dtypes, int K>
+  template <class Op, class Dtypes, int K, bool kBlocks>
   void launch_tiles(int64_t chunk_begin, int64_t chunk_end, const Op& op, const float* skip_if) const {
     for (int64_t c = chunk_begin; c < chunk_end; c += kMaxGrid) {
       const int64_t n = chunk_end - c < kMaxGrid ? chunk_end - c : kMaxGrid;
-      multi_tensor_kernel<Op, Dtypes, K><<<unsigned(n), kBlock, 0, stream>>>(tv, c, op, skip_if);
+      multi_tensor_kernel<Op, Dtypes, K, kBlocks><<<unsigned(n), kBlock, 0, stream>>>(tv, c, op, skip_if);
       cuda_check(cudaGetLastError(), "multi_tensor_kernel launch");
     }
   }
