@@ -8,6 +8,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "bucket_layout.h"
+#include "cpu_gather.h"
 #include "cuda_api.h"
 #include "kernels_cpu.h"
 #include "lion_math.h"
@@ -273,6 +274,7 @@ NB_MODULE(_core, m) {
     d["version"] = SHARDADAM_VERSION;
     d["max_groups_per_launch"] = kMaxGroupsPerLaunch;
     d["cpu_isa"] = cpu_isa();
+    d["cpu_gathers"] = cpu_gathers();
     return d;
   }, "What this build contains: CUDA kernels and their architectures, runtime and device count.");
 }

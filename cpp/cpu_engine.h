@@ -6,6 +6,7 @@
 
 #include <algorithm>
 
+#include "cpu_gather.h"
 #include "ops.h"
 #include "parallel.h"
 
@@ -82,9 +83,7 @@ class CpuIO {
       }
       case DType::Q8S: case DType::Q8U: {
         const uint8_t* s = reinterpret_cast<const uint8_t*>(t_.ptr[l]) + index_;
-        const float* decode = q8_map_of(*t_.q8, t_.dtype[l]).decode;
-        const float absmax = *block_max_ptr(l);
-        for (int k = 0; k < n; ++k) out[k] = decode[s[k]] * absmax;
+        decode_codes(q8_map_of(*t_.q8, t_.dtype[l]).decode, s, *block_max_ptr(l), out, n);  // [Note: CPU gathers]
         break;
       }
       default:
@@ -143,13 +142,14 @@ class CpuIO {
         }
         const float absmax = q8_block_max(bits_float(top));
         const float inv = q8_inverse(absmax);
-        uint32_t code[K];
-        const int32_t* entries = q8_cell_entries(t_.dtype[l]);
+        uint32_t index[K], code[K];
+        const uint32_t* entries = reinterpret_cast<const uint32_t*>(q8_cell_entries(t_.dtype[l]));
         for (int k = 0; k < n; ++k) {
           y.f[k] = in[k] * inv;
           mag.f[k] = q8_magnitude(y.f[k], is_signed);
         }
-        for (int k = 0; k < n; ++k) code[k] = q8_cell_code(mag.u[k], entries);
+        for (int k = 0; k < n; ++k) index[k] = q8_cell_index(mag.u[k]);
+        gather32(entries, index, code, n);  // [Note: CPU gathers]
         for (int k = 0; k < n; ++k) code[k] = q8_settle_bits(mag.u[k], code[k]);
         for (int k = 0; k < n; ++k) d[k] = q8_with_sign(code[k], y.u[k], is_signed);
         *block_max_ptr(l) = absmax;

@@ -269,15 +269,18 @@ SHARDADAM_HD const Q8Map& q8_map_of(const Q8Maps& maps, DType d) { return maps.m
 // The magnitude code of y >= 0 (y = value / absmax, at most 1 but for
 // rounding; NaN gives a code too, which its block's NaN maximum makes
 // decode to NaN).
-// In two steps (the CPU engine runs each as a loop of its own, which its
-// compiler vectorises): the cell's code from y's bits (in a table of any
+// In two steps (the CPU engine runs each as a loop of its own): the cell's
+// code from y's bits (in a table of any
 // integer type: Q8Map's bytes, or the CPU's entries, q8_cell_entries, whose
 // low byte is the code), then the comparison that settles it.
-template <class Cell>
-SHARDADAM_HD uint32_t q8_cell_code(uint32_t y_bits, const Cell* cells) {
+SHARDADAM_HD uint32_t q8_cell_index(uint32_t y_bits) {
   int o = 127 - int(y_bits >> 23);
   o = o < 0 ? 0 : (o > kQ8Octaves - 1 ? kQ8Octaves - 1 : o);
-  return uint32_t(cells[(o << 8) | ((y_bits >> 15) & 0xffu)]);
+  return uint32_t(o << 8) | ((y_bits >> 15) & 0xffu);
+}
+template <class Cell>
+SHARDADAM_HD uint32_t q8_cell_code(uint32_t y_bits, const Cell* cells) {
+  return uint32_t(cells[q8_cell_index(y_bits)]);
 }
 SHARDADAM_HD uint32_t q8_settle(float y, uint32_t cell_code, const Q8Map& q) {
   return cell_code + (y > q.mid[cell_code] ? 1u : 0u);
