@@ -126,7 +126,8 @@ class CpuIO {
         // cell entries that settle the code themselves ([Note: settling
         // cells] in dtype.h) and bits read through unions: so the compiler
         // vectorises them (as one loop, or through byte tables, memcpy bit
-        // casts or a float max with NaN, it stays scalar).
+        // casts or a float max with NaN, it stays scalar). The cell reads
+        // are gather32's ([Note: CPU gathers]).
         union Lanes {
           float f[K];
           uint32_t u[K];

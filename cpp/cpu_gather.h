@@ -14,7 +14,7 @@ namespace shardadam {
 // the CPU has them, chosen once when the library loads; the engine calls
 // them once per block of a tile. The same bits either way: a table read, and
 // for decoding one multiplication. Measured (benchmarks/RESULTS.md, "Storage
-// kinds"): the 8-bit step 1.4-1.6x faster on an Intel Xeon host; on an AMD
+// kinds"): the 8-bit step 1.2-1.4x faster on an Intel Xeon host; on an AMD
 // Zen 4 host the gathers take as long as the lane-by-lane reads.
 
 // out[k] = table[codes[k]] * scale for k < n.

@@ -270,9 +270,9 @@ SHARDADAM_HD const Q8Map& q8_map_of(const Q8Maps& maps, DType d) { return maps.m
 // rounding; NaN gives a code too, which its block's NaN maximum makes
 // decode to NaN).
 // In two steps (the CPU engine runs each as a loop of its own): the cell's
-// code from y's bits (in a table of any
-// integer type: Q8Map's bytes, or the CPU's entries, q8_cell_entries, whose
-// low byte is the code), then the comparison that settles it.
+// code from y's bits (q8_cell_index, then a read of a table of any integer
+// type: Q8Map's bytes, or the CPU's entries, q8_cell_entries, whose low byte
+// is the code), then the comparison that settles it.
 SHARDADAM_HD uint32_t q8_cell_index(uint32_t y_bits) {
   int o = 127 - int(y_bits >> 23);
   o = o < 0 ? 0 : (o > kQ8Octaves - 1 ? kQ8Octaves - 1 : o);
