@@ -49,13 +49,14 @@ def test_non_finite_and_out_of_range_values_become_nan(device):
     GPU's conversion saturates to 448), the same bytes on both engines. (A
     NaN's own sign is not compared: scale multiplies first, and the GPU's
     arithmetic returns its canonical NaN.)"""
-    values = torch.tensor([math.inf, -math.inf, math.nan, 464.0, -464.0, -1e6, 463.9, -448.0],
-                          device=device).repeat(3)  # tiles with and without codes to mend
-    values[::4] = 1.0
+    special = torch.tensor([math.inf, -math.inf, math.nan, 464.0, -464.0, -1e6, 463.9, -448.0])
+    codes = torch.tensor([0x7f, 0xff, 0x7f, 0x7f, 0xff, 0xff, 0x7e, 0xfe], dtype=torch.uint8)
+    # Codes to mend in every lane of a tile, tiles with none, and a mix.
+    values = torch.cat([special, torch.ones(8), special.flip(0), torch.ones(3)]).to(device)
+    expected = torch.cat([codes, torch.full((8,), 0x38, dtype=torch.uint8), codes.flip(0),
+                          torch.full((3,), 0x38, dtype=torch.uint8)])  # 0x38: 1.0
     encoded = torch.empty_like(values, dtype=F8)
     kernels.scale([values], [encoded], 1.0)
-    expected = torch.tensor([0x7f, 0xff, 0x7f, 0x7f, 0xff, 0xff, 0x7e, 0xfe], dtype=torch.uint8).repeat(3)
-    expected[::4] = 0x38  # 1.0
     assert torch.equal(encoded.view(torch.uint8).cpu(), expected)
 
 
