@@ -132,9 +132,7 @@ class CpuIO {
           float f[K];
           uint32_t u[K];
         } y, mag;
-        // The maximum as the largest |x| bit pattern: non-negative floats
-        // order like their bits, NaN above infinity; q8_block_max then makes
-        // any non-finite maximum NaN, as the GPU's nan_max reduction gives.
+        // The maximum as the largest |x| bit pattern ([Note: block maxima as bits] in dtype.h).
         for (int k = 0; k < n; ++k) mag.f[k] = in[k];
         uint32_t top = 0;
         for (int k = 0; k < n; ++k) {

@@ -35,8 +35,7 @@ inline bool is_storage_dtype(uint8_t code) {
          (code >= uint8_t(DType::F8E4M3) && code <= uint8_t(DType::Q8U));
 }
 
-inline bool is_blockwise(DType d) { return d == DType::Q8S || d == DType::Q8U;
-}
+SHARDADAM_HD constexpr bool is_blockwise(DType d) { return d == DType::Q8S || d == DType::Q8U; }
 
 inline int64_t dtype_size(DType d) {
   switch (d) {
@@ -238,12 +237,24 @@ SHARDADAM_HD uint8_t float_to_f8e4m3(float f) {
 // update decodes, steps and re-encodes in one pass: its new maximum is
 // reduced over the block (one warp on the GPU) before any code is written.
 constexpr int kQuantBlock = 256;
-constexpr int kQ8Octaves = 32;  // octave o: |y| in [2^-o, 2^(1-o)); the last also takes everything below
+constexpr int kQ8Octaves = 32;  // octave o: |y| in [2^-o, 2^(1-o)); the first also takes everything above, the last below
+// A cell is y's exponent and top 8 mantissa bits (y_bits >> 15 for y >= 0),
+// clamped to the octaves' range and counted from the first cell of the last
+// octave: cell (31 - o) * 256 + m. So the index is a shift, a clamp and a
+// subtraction; clamping the whole (not the exponent alone) sends values of 2
+// and up to the top cell of octave 0 and those below 2^-31 to the bottom
+// cell of octave 31, cells of the same code as their own would have
+// (q8_map.cpp checks that no midpoint lies in either octave).
+constexpr uint32_t kQ8FirstCell = uint32_t(127 - (kQ8Octaves - 1)) << 8;
+constexpr uint32_t kQ8LastCell = (127u << 8) | 0xffu;
+SHARDADAM_HD constexpr uint32_t q8_cell_of(int octave, int mantissa_top) {
+  return uint32_t((kQ8Octaves - 1 - octave) << 8) | uint32_t(mantissa_top);
+}
 
 struct Q8Map {
   float decode[256];  // code -> value in [-1, 1] (signed) or [0, 1]
   float mid[128 * 2];  // magnitude code c -> midpoint to the next larger value (+inf past the top)
-  uint8_t cell[kQ8Octaves * 256];  // (octave, top 8 mantissa bits) -> magnitude code nearest the cell's start
+  uint8_t cell[kQ8Octaves * 256];  // cell (q8_cell_of) -> magnitude code nearest the cell's start
 };
 struct Q8Maps {
   Q8Map map[2];  // [0] signed (Q8S), [1] unsigned (Q8U)
@@ -274,9 +285,8 @@ SHARDADAM_HD const Q8Map& q8_map_of(const Q8Maps& maps, DType d) { return maps.m
 // type: Q8Map's bytes, or the CPU's entries, q8_cell_entries, whose low byte
 // is the code), then the comparison that settles it.
 SHARDADAM_HD uint32_t q8_cell_index(uint32_t y_bits) {
-  int o = 127 - int(y_bits >> 23);
-  o = o < 0 ? 0 : (o > kQ8Octaves - 1 ? kQ8Octaves - 1 : o);
-  return uint32_t(o << 8) | ((y_bits >> 15) & 0xffu);
+  const uint32_t top = y_bits >> 15;
+  return (top < kQ8FirstCell ? kQ8FirstCell : (top > kQ8LastCell ? kQ8LastCell : top)) - kQ8FirstCell;
 }
 template <class Cell>
 SHARDADAM_HD uint32_t q8_cell_code(uint32_t y_bits, const Cell* cells) {
@@ -312,6 +322,12 @@ SHARDADAM_HD uint8_t q8_encode(float y, const Q8Map& q, bool is_signed) {
 // The maximum a block stores: NaN when the block holds an infinity or a
 // NaN, so that every element of it decodes to NaN (a non-finite state stays
 // visible instead of turning into finite values).
+// [Note: block maxima as bits] Both engines find a block's largest |x| as
+// the largest of the bit patterns x & 0x7fffffff, integer maxima (one
+// instruction each, one warp reduction on the GPU): non-negative floats
+// order like their bits, and every NaN and infinity lies above every finite
+// value, so the largest pattern is the largest magnitude, or a non-finite
+// one that this turns into the NaN maximum whatever its payload.
 SHARDADAM_HD float q8_block_max(float absmax) {
   return (float_bits(absmax) & 0x7f800000u) != 0x7f800000u ? absmax : bits_float(0x7fc00000u);
 }

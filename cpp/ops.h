@@ -173,17 +173,19 @@ struct UpdateOp {
     io.load(kExpAvg, m);
     io.load(kExpAvgSq, v);
     io.load(kMaxExpAvgSq, vmax);
+    const float m_unscale = state_factor(io, kExpAvg, s.unscale[kScaledExpAvg]);
+    const float v_unscale = state_factor(io, kExpAvgSq, s.unscale[kScaledExpAvgSq]);
     if (states_only) {
       for (int k = 0; k < io.lanes(); ++k) {
-        m[k] *= s.unscale[kScaledExpAvg];
-        v[k] *= s.unscale[kScaledExpAvgSq];
+        m[k] *= m_unscale;
+        v[k] *= v_unscale;
         Rule::states(p[k], g[k], m[k], v[k], vmax[k], has_max, s.c);
       }
     } else {
       for (int k = 0; k < io.lanes(); ++k) {
         p[k] *= s.unscale[kScaledMaster];
-        m[k] *= s.unscale[kScaledExpAvg];
-        v[k] *= s.unscale[kScaledExpAvgSq];
+        m[k] *= m_unscale;
+        v[k] *= v_unscale;
         Rule::element(p[k], g[k], m[k], v[k], vmax[k], has_max, s.c);
       }
     }
@@ -204,13 +206,23 @@ struct UpdateOp {
       io.store(kGrad, g);
     }
     if (!states_only) store_params(io, s, p);
+    const float m_rescale = state_factor(io, kExpAvg, s.rescale[kScaledExpAvg]);
+    const float v_rescale = state_factor(io, kExpAvgSq, s.rescale[kScaledExpAvgSq]);
     for (int k = 0; k < io.lanes(); ++k) {
-      m[k] *= s.rescale[kScaledExpAvg];
-      v[k] *= s.rescale[kScaledExpAvgSq];
+      m[k] *= m_rescale;
+      v[k] *= v_rescale;
     }
     io.store(kExpAvg, m);
     io.store(kExpAvgSq, v);
     if (has_max) io.store(kMaxExpAvgSq, vmax);
+  }
+
+  // A state's scale factor: 1 for blockwise states, which keep block maxima
+  // instead of per-tensor scales (check_update.cpp), so that their
+  // fixed-dtype kernels drop the multiplies.
+  template <class IO>
+  SHARDADAM_HD static float state_factor(const IO& io, int list, float factor) {
+    return is_blockwise(io.dtype(list)) ? 1.0f : factor;
   }
 
   // The new parameter p (true values) into the param list (rescaled, or as

@@ -36,8 +36,14 @@ Q8Map build(int top, bool is_signed) {
       while (c + 1 < codes && double(q.mid[c]) < start) ++c;
       if (c + 1 < codes && double(q.mid[c + 1]) < end)  // a second midpoint inside: one comparison would not do
         throw std::logic_error("q8 map: a cell holds two midpoints");
-      q.cell[(o << 8) | m] = uint8_t(c);
+      q.cell[q8_cell_of(o, m)] = uint8_t(c);
     }
+  }
+  // q8_cell_index sends values past the octaves to a cell at the end of octave 0 or 31: every cell
+  // of those octaves must hold one code (the top code and 0), whatever the mantissa.
+  for (int m = 0; m < 256; ++m) {
+    if (q.cell[q8_cell_of(0, m)] != codes - 1 || q.cell[q8_cell_of(kQ8Octaves - 1, m)] != 0)
+      throw std::logic_error("q8 map: a clamped octave holds more than one code");
   }
   return q;
 }
@@ -57,7 +63,7 @@ std::vector<int32_t> cell_entries(const Q8Map& q) {
   std::vector<int32_t> out(std::size(q.cell));
   for (int o = 0; o < kQ8Octaves; ++o) {
     for (int m = 0; m < 256; ++m) {
-      const int i = (o << 8) | m;
+      const uint32_t i = q8_cell_of(o, m);
       const uint32_t code = q.cell[i];
       const uint32_t mid_bits = float_bits(q.mid[code]);
       const bool inside = (mid_bits >> 23) == uint32_t(127 - o) && ((mid_bits >> 15) & 0xffu) == uint32_t(m);

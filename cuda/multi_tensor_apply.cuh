@@ -300,12 +300,12 @@ class CudaIO {
         break;
       }
       case DType::Q8S: case DType::Q8U: {  // the warp is one block; every lane is here
-        float absmax = 0.0f;
+        // The largest |x| bit pattern, as the CPU engine's ([Note: block maxima as bits] in dtype.h):
+        // integer maxima, one warp reduction instruction.
+        uint32_t top = 0;
 #pragma unroll
-        for (int k = 0; k < K; ++k) absmax = nan_max(absmax, k < count_ ? fabsf(in[k]) : 0.0f);
-#pragma unroll
-        for (int o = 16; o > 0; o /= 2) absmax = nan_max(absmax, __shfl_xor_sync(0xffffffffu, absmax, o));
-        absmax = q8_block_max(absmax);
+        for (int k = 0; k < K; ++k) top = max(top, k < count_ ? float_bits(in[k]) & 0x7fffffffu : 0u);
+        const float absmax = q8_block_max(bits_float(__reduce_max_sync(0xffffffffu, top)));
         const float inv = q8_inverse(absmax);
         const Q8Map& map = q8_map_of(*refs_.q8, dtype(l));
         const bool is_signed = dtype(l) == DType::Q8S;
