@@ -91,6 +91,19 @@ __device__ bool any_low7_at_least(const uint8_t (&c)[K], uint32_t floor) {
   return hits != 0;
 }
 
+// The largest of a warp's values, in every lane: one reduction instruction
+// from sm_80 on, five shuffle rounds before (the same result: integer maxima
+// are exact).
+__device__ inline uint32_t warp_max(uint32_t v) {
+#if __CUDA_ARCH__ >= 800
+  return __reduce_max_sync(0xffffffffu, v);
+#else
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+#endif
+}
+
 // [Note: hardware FP8 conversions] From sm_89 on, one instruction converts
 // a pair of E4M3 codes to two halves (exactly: every E4M3 value is a half) and
 // a pair of floats to E4M3 codes (rounding to nearest even, as dtype.h's
@@ -301,11 +314,11 @@ class CudaIO {
       }
       case DType::Q8S: case DType::Q8U: {  // the warp is one block; every lane is here
         // The largest |x| bit pattern, as the CPU engine's ([Note: block maxima as bits] in dtype.h):
-        // integer maxima, one warp reduction instruction.
+        // integer maxima, one warp reduction.
         uint32_t top = 0;
 #pragma unroll
         for (int k = 0; k < K; ++k) top = max(top, k < count_ ? float_bits(in[k]) & 0x7fffffffu : 0u);
-        const float absmax = q8_block_max(bits_float(__reduce_max_sync(0xffffffffu, top)));
+        const float absmax = q8_block_max(bits_float(warp_max(top)));
         const float inv = q8_inverse(absmax);
         const Q8Map& map = q8_map_of(*refs_.q8, dtype(l));
         const bool is_signed = dtype(l) == DType::Q8S;
