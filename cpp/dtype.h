@@ -37,7 +37,7 @@ inline bool is_storage_dtype(uint8_t code) {
 
 SHARDADAM_HD constexpr bool is_blockwise(DType d) { return d == DType::Q8S || d == DType::Q8U; }
 
-inline int64_t dtype_size(DType d) {
+SHARDADAM_HD constexpr int64_t dtype_size(DType d) {
   switch (d) {
     case DType::F32: case DType::I32: return 4;
     case DType::F16: case DType::BF16: case DType::I16: return 2;

@@ -18,7 +18,10 @@
 //     stores each such list together.
 // An op has kLists, kBlockwise (whether it takes blockwise lists), a GroupState computed once per parameter group (the CPU
 // engine reuses it across a group's chunks), a per-chunk State<K>, and
-// group_state / begin / tile / finish.
+// group_state / begin / tile / finish. Blockwise ops also name kReadLists
+// (list_bit mask), the lists their tiles load element by element: the GPU
+// engine's blockwise kernels fetch those ahead ([Note: next-tile prefetch]
+// in cuda/multi_tensor_apply.cuh).
 #pragma once
 
 #include <cmath>
@@ -115,6 +118,8 @@ template <class Rule>
 struct UpdateOp {
   static constexpr int kLists = kUpdateLists;
   static constexpr bool kBlockwise = true;  // takes blockwise 8-bit states (the IO decodes and encodes them)
+  static constexpr uint32_t kReadLists = list_bit(kParam) | list_bit(kGrad) | list_bit(kExpAvg) |
+                                         list_bit(kExpAvgSq) | list_bit(kMaxExpAvgSq) | list_bit(kRemainder);
   using Coeffs = typename Rule::Coeffs;
   UpdateArgs a;
 
@@ -263,6 +268,7 @@ using AdamOp = UpdateOp<AdamRule>;
 struct ScaleOp {
   static constexpr int kLists = 4;  // 0: in, 1: out, 2: in's block maxima, 3: out's
   static constexpr bool kBlockwise = true;
+  static constexpr uint32_t kReadLists = list_bit(0);
   ScalarSrc scale;
   float* found_inf = nullptr;
 

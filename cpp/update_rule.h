@@ -40,7 +40,7 @@ enum UpdateList : int {
   kUpdateLists = 9,
 };
 
-constexpr uint32_t list_bit(int l) { return uint32_t(1) << l; }
+SHARDADAM_HD constexpr uint32_t list_bit(int l) { return uint32_t(1) << l; }
 
 // One parameter group's hyperparameters, as the kernels receive them, for
 // every rule: each rule reads the fields it needs (the name is Adam's, the

@@ -213,6 +213,16 @@ struct TensorRefs {
       if constexpr (!Dtypes::kFixed) dtype[l] = DType(tv.dtypes[int64_t(l) * tv.num_tensors + tensor]);
     }
   }
+  // A hint to bring the elements at `index` of the given lists (list_bit
+  // mask) into L2; the caller keeps index within the tensor.
+  __device__ void prefetch_l2(uint32_t lists, int64_t index) const {
+#pragma unroll
+    for (int l = 0; l < L; ++l) {
+      const DType d = dtype_of(l);
+      if (!(lists & list_bit(l)) || d == DType::None) continue;
+      asm volatile("prefetch.L2 [%0];" ::"l"(ptr[l] + index * dtype_size(d)));
+    }
+  }
   __device__ DType dtype_of(int l) const {
     if constexpr (Dtypes::kFixed) {
       return Dtypes::at(l);
@@ -429,6 +439,16 @@ class CudaReducer {
 // its block has elements, lanes past the tensor's end taking empty tiles, so
 // that every lane joins each block reduction. They read the dynamic maps
 // from shared memory.
+//
+// [Note: next-tile prefetch] Blockwise kernels ask L2 for the thread's next
+// tile (one sweep on) of each list the op reads before they work on the
+// current one. Their tiles are long chains of dependent work (loads, map
+// lookups, the block reduction, the encode) with few warps eligible, so a
+// tile's loads waited on DRAM; with the next tile in L2 they wait on L2. On
+// an H200 (2^30 elements, fp32 parameters, 8-bit states): 4.96-4.98 ms
+// without, 4.81-4.87 with; two sweeps ahead 5.31-5.39; the codes alone
+// 4.88-4.90; into L1 instead 4.82-4.86 (benchmarks/RESULTS.md, "Storage
+// kinds"). The other kernels are bound by memory and gained nothing from it.
 template <class Op, class Dtypes, int K, bool kBlocks>
 __global__ void __launch_bounds__(kBlock, kMinBlocksFor<Dtypes, kBlocks>)
     multi_tensor_kernel(const TableView tv, const int64_t chunk_begin, const __grid_constant__ Op op,
@@ -455,6 +475,9 @@ __global__ void __launch_bounds__(kBlock, kMinBlocksFor<Dtypes, kBlocks>)
   auto state = op.template begin<K>(ctx, op.group_state(ctx.group));
   const int64_t lead = kBlocks ? int64_t(threadIdx.x & 31) * K : 0;  // this lane's offset in its warp's block
   for (int64_t i = (c - first_chunk) * kSweep + int64_t(threadIdx.x) * K; i - lead < n; i += sweep_stride) {
+    if constexpr (kBlocks) {
+      if (i + sweep_stride + K <= n) refs.prefetch_l2(Op::kReadLists, i + sweep_stride);
+    }
     if (vector_ok && n - i >= K) {
       op.template tile<K>(CudaIO<Op::kLists, K, Dtypes, true>(refs, i, K), state);
     } else {
