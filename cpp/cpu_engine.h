@@ -122,6 +122,11 @@ class CpuIO {
       case DType::Q8S: case DType::Q8U: {  // the tile is one block
         uint8_t* d = reinterpret_cast<uint8_t*>(t_.ptr[l]) + index_;
         const bool is_signed = t_.dtype[l] == DType::Q8S;
+        const uint32_t* entries = reinterpret_cast<const uint32_t*>(q8_cell_entries(t_.dtype[l]));
+        if (encode_block) {  // one pass with AVX-512 ([Note: CPU gathers])
+          *block_max_ptr(l) = encode_block(in, n, entries, is_signed, d);
+          break;
+        }
         // The block maximum and q8_encode in steps, a loop each, over 32-bit
         // cell entries that settle the code themselves ([Note: settling
         // cells] in dtype.h) and bits read through unions: so the compiler
@@ -142,7 +147,6 @@ class CpuIO {
         const float absmax = q8_block_max(bits_float(top));
         const float inv = q8_inverse(absmax);
         uint32_t index[K], code[K];
-        const uint32_t* entries = reinterpret_cast<const uint32_t*>(q8_cell_entries(t_.dtype[l]));
         for (int k = 0; k < n; ++k) {
           y.f[k] = in[k] * inv;
           mag.f[k] = q8_magnitude(y.f[k], is_signed);

@@ -16,14 +16,26 @@ namespace shardadam {
 // for decoding one multiplication. Measured (benchmarks/RESULTS.md, "Storage
 // kinds"): the 8-bit step 1.2-1.4x faster on an Intel Xeon host; on an AMD
 // Zen 4 host the gathers take as long as the lane-by-lane reads.
+// With AVX-512 a block's whole encode is one function besides
+// (encode_block): the maximum, then one pass of 16 lanes at a time from the
+// values to the code bytes, where the engine's portable form runs six loops
+// over the block through arrays on the stack.
 
 // out[k] = table[codes[k]] * scale for k < n.
 using DecodeCodes = void (*)(const float* table, const uint8_t* codes, float scale, float* out, int n);
 // out[k] = table[index[k]] for k < n; every index below 2^31.
 using Gather32 = void (*)(const uint32_t* table, const uint32_t* index, uint32_t* out, int n);
 
+// The codes of one block of n <= kQuantBlock values into out, as the
+// engine's loops store them (cpu_engine.h, [Note: settling cells] in
+// dtype.h): `entries` is q8_cell_entries of the block's map; returns the
+// block maximum to store.
+using EncodeBlock = float (*)(const float* in, int n, const uint32_t* entries, bool is_signed, uint8_t* out);
+
 extern const DecodeCodes decode_codes;
 extern const Gather32 gather32;
+// Null where the CPU has no AVX-512 (or the cap rules it out): the engine's loops encode.
+extern const EncodeBlock encode_block;
 
 // Which gathers these are: "plain", "avx2" or "avx512".
 const char* cpu_gathers();

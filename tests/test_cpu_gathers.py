@@ -12,9 +12,10 @@ import shardadam
 
 LEVELS = ["plain", "avx2", "avx512"]
 
-# Quantizes values over many magnitudes (zeros, a partial last block), decodes
-# them, and takes three FusedAdam steps with 8-bit states on tensors whose
-# sizes leave tails; prints the gathers used and a digest of every byte.
+# Quantizes values over many magnitudes (zeros, subnormals, blocks with a NaN
+# or an infinity, negative values for the unsigned map, a partial last block),
+# decodes them, and takes three FusedAdam steps with 8-bit states on tensors
+# whose sizes leave tails; prints the gathers used and a digest of every byte.
 _SCRIPT = r"""
 import hashlib, torch, shardadam
 from shardadam import kernels
@@ -22,13 +23,35 @@ g = torch.Generator().manual_seed(0)
 n = 40 * 256 + 13
 x = torch.randn(n, generator=g) * torch.logspace(-8, 2, n).pow(torch.rand(n, generator=g))
 x[256:512] = 0
+x[600] = float("nan")
+x[1100] = float("-inf")
+x[1300:1340] = 1e-40 * torch.randn(40, generator=g)
 h = hashlib.sha256()
+
+
+def midpoints(signed):
+    # Values at, just below and just above the midpoints between the map's
+    # magnitudes, in blocks that each start with 1.0 (so y = x exactly).
+    table = torch.empty(256)
+    kernels.blockwise_dequantize(torch.arange(256, dtype=torch.uint8), torch.ones(1), table, signed=signed)
+    mags = table.abs().unique().double()
+    mid = ((mags[:-1] + mags[1:]) / 2).float()
+    near = torch.cat([mid, torch.nextafter(mid, torch.zeros(1)), torch.nextafter(mid, torch.ones(1))])
+    if signed:
+        near = torch.where(torch.arange(near.numel()) % 2 == 0, near, -near)
+    blocks = -(-near.numel() // 255)
+    body = torch.zeros(blocks * 255)
+    body[:near.numel()] = near
+    return torch.cat([torch.ones(blocks, 1), body.view(blocks, 255)], dim=1).view(-1)
+
+
 for signed in (True, False):
-    v = x if signed else x.abs()
-    codes = torch.empty(n, dtype=torch.uint8)
-    absmax = torch.empty(-(-n // 256))
+    v = x if signed else torch.where(torch.arange(n) % 3 == 0, -x.abs(), x.abs())
+    v = torch.cat([midpoints(signed), v])
+    codes = torch.empty(v.numel(), dtype=torch.uint8)
+    absmax = torch.empty(-(-v.numel() // 256))
     kernels.blockwise_quantize(v, codes, absmax, signed=signed)
-    back = torch.empty(n)
+    back = torch.empty(v.numel())
     kernels.blockwise_dequantize(codes, absmax, back, signed=signed)
     for t in (codes, absmax, back):
         h.update(t.numpy().tobytes())
