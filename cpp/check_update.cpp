@@ -24,17 +24,6 @@ void check_update_table(const TensorTable& t, uint32_t scaled, const std::string
   SHARDADAM_CHECK(!(rem && scaled_master),
                   rule + ": param_remainders and master_scales exclude each other: the remainder "
                          "already makes the bf16 param an exact fp32 master");
-  // Scales are for 16- and 8-bit storage: an fp32 list holds every value as
-  // it is, and the kernels skip its scale multiplies (UpdateOp::scale_factor).
-  for (int i = 0; i < kScaledStates; ++i) {
-    const int l = kScaledList[i];
-    if (!(scaled & (1u << i)) || !t.has_list(l)) continue;
-    for (int64_t k = 0; k < t.num_tensors(); ++k)
-      SHARDADAM_CHECK(DType(t.list(l).dtypes[k]) != DType::F32,
-                      rule + ": " + t.list(l).name + "[" + std::to_string(k) + "] is float32, which takes no " +
-                          "per-tensor scales (they are for float16, bfloat16 and float8_e4m3fn storage): pass " +
-                          kScaleNames[i] + " only for lists stored in those dtypes");
-  }
   // FP8 states exist only scaled, every tensor of the list alike (the
   // scale's top exponent follows the list's dtype: launch.h).
   for (int i = kScaledExpAvg; i < kScaledStates; ++i) {

@@ -53,6 +53,8 @@ void run_update(const Engine& e, const TensorTable& t, const std::vector<AdamGro
   op.a.stochastic_rounding = x.stochastic_rounding;
   op.a.rounding_seed = x.rounding_seed;
   bool scaled = false;
+  static constexpr const char* kScaleNames[kScaledStates] = {"master_scales", "exp_avg_scales",
+                                                             "exp_avg_sq_scales"};
   for (int i = 0; i < kScaledStates; ++i) {
     SHARDADAM_CHECK(!(x.scales[i] && (Rule::kUnused & list_bit(kScaledList[i]))),
                     name + ": " + kScaleNames[i] + " given for a state " + name + " does not keep");

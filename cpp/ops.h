@@ -53,7 +53,6 @@ struct ChunkCtx {
 // Scaled low-precision states: index into UpdateArgs::scales / amax.
 enum ScaledState : int { kScaledMaster = 0, kScaledExpAvg = 1, kScaledExpAvgSq = 2, kScaledStates = 3 };
 constexpr int kScaledList[kScaledStates] = {kParam, kExpAvg, kExpAvgSq};
-constexpr const char* kScaleNames[kScaledStates] = {"master_scales", "exp_avg_scales", "exp_avg_sq_scales"};
 
 // Scaled low-precision states keep value * scale with scale a power of two,
 // so scaling and unscaling are exact. The scale maps the tensor's absolute
@@ -179,9 +178,8 @@ struct UpdateOp {
     io.load(kExpAvg, m);
     io.load(kExpAvgSq, v);
     io.load(kMaxExpAvgSq, vmax);
-    const float p_unscale = scale_factor(io, kParam, s.unscale[kScaledMaster]);
-    const float m_unscale = scale_factor(io, kExpAvg, s.unscale[kScaledExpAvg]);
-    const float v_unscale = scale_factor(io, kExpAvgSq, s.unscale[kScaledExpAvgSq]);
+    const float m_unscale = state_factor(io, kExpAvg, s.unscale[kScaledExpAvg]);
+    const float v_unscale = state_factor(io, kExpAvgSq, s.unscale[kScaledExpAvgSq]);
     if (states_only) {
       for (int k = 0; k < io.lanes(); ++k) {
         m[k] *= m_unscale;
@@ -190,7 +188,7 @@ struct UpdateOp {
       }
     } else {
       for (int k = 0; k < io.lanes(); ++k) {
-        p[k] *= p_unscale;
+        p[k] *= s.unscale[kScaledMaster];
         m[k] *= m_unscale;
         v[k] *= v_unscale;
         Rule::element(p[k], g[k], m[k], v[k], vmax[k], has_max, s.c);
@@ -213,8 +211,8 @@ struct UpdateOp {
       io.store(kGrad, g);
     }
     if (!states_only) store_params(io, s, p);
-    const float m_rescale = scale_factor(io, kExpAvg, s.rescale[kScaledExpAvg]);
-    const float v_rescale = scale_factor(io, kExpAvgSq, s.rescale[kScaledExpAvgSq]);
+    const float m_rescale = state_factor(io, kExpAvg, s.rescale[kScaledExpAvg]);
+    const float v_rescale = state_factor(io, kExpAvgSq, s.rescale[kScaledExpAvgSq]);
     for (int k = 0; k < io.lanes(); ++k) {
       m[k] *= m_rescale;
       v[k] *= v_rescale;
@@ -224,13 +222,12 @@ struct UpdateOp {
     if (has_max) io.store(kMaxExpAvgSq, vmax);
   }
 
-  // A scaled list's factor: 1 for float32 lists, which never carry scales,
-  // and for blockwise ones, which keep block maxima instead
-  // (check_update.cpp), so that fixed-dtype kernels drop the multiplies.
+  // A state's scale factor: 1 for blockwise states, which keep block maxima
+  // instead of per-tensor scales (check_update.cpp), so that their
+  // fixed-dtype kernels drop the multiplies.
   template <class IO>
-  SHARDADAM_HD static float scale_factor(const IO& io, int list, float factor) {
-    const DType d = io.dtype(list);
-    return d == DType::F32 || is_blockwise(d) ? 1.0f : factor;
+  SHARDADAM_HD static float state_factor(const IO& io, int list, float factor) {
+    return is_blockwise(io.dtype(list)) ? 1.0f : factor;
   }
 
   // The new parameter p (true values) into the param list (rescaled, or as
@@ -249,8 +246,7 @@ struct UpdateOp {
         hi[k] = float_to_bf16_stochastic(p[k], rounding_bits(s.rounding_key, io.index() + k));
       io.store_bits(kParam, hi);
     } else {
-      const float p_rescale = scale_factor(io, kParam, s.rescale[kScaledMaster]);
-      for (int k = 0; k < io.lanes(); ++k) p[k] *= p_rescale;
+      for (int k = 0; k < io.lanes(); ++k) p[k] *= s.rescale[kScaledMaster];
       io.store(kParam, p);
     }
   }

@@ -97,10 +97,6 @@ CASES = {
     "remainders-and-master-scales": (lambda pr: (_bf16_problem(pr).adam(
         param_remainders=[torch.zeros(n, dtype=torch.int16, device=pr.device) for n in SIZES],
         master_scales=torch.ones(2, device=pr.device)), []), ValueError, ["param_remainders", "master_scales"]),
-    "master-scales-on-fp32-params": (lambda pr: (pr.adam(master_scales=torch.ones(2, device=pr.device)), []),
-                                     ValueError, ["params[0] is float32", "master_scales"]),
-    "exp-avg-sq-scales-on-fp32-states": (lambda pr: (pr.adam(exp_avg_sq_scales=torch.ones(2, device=pr.device)), []),
-                                         ValueError, ["exp_avg_sqs[0] is float32", "exp_avg_sq_scales"]),
     "scales-wrong-length": (lambda pr: (pr.adam(exp_avg_scales=torch.ones(3, device=pr.device)), []), ValueError,
                             ["exp_avg_scales"]),
     "found-inf-float64": (lambda pr: (pr.adam(found_inf=torch.zeros(1, dtype=torch.float64, device=pr.device)),

@@ -288,8 +288,7 @@ def test_plan_reuse_bumps_versions_and_checks_addresses(device):
 def test_zero_size_tensors(device):
     empty = [torch.zeros(0, device=device) for _ in range(2)]
     scales = torch.ones(2, device=device)
-    kernels.lion(empty, empty, [torch.zeros(0, dtype=torch.float16, device=device) for _ in range(2)], lr=1e-3,
-                 exp_avg_scales=scales)
+    kernels.lion(empty, empty, [torch.zeros(0, device=device) for _ in range(2)], lr=1e-3, exp_avg_scales=scales)
     assert scales.tolist() == [1.0, 1.0]
     kernels.lion(kernels.LionPlan([], [], [], device=device), lr=1e-3)
 

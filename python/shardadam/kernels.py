@@ -111,10 +111,9 @@ class AdamPlan(_UpdatePlan):
     codes and maxima at 0 or use ``blockwise_quantize``. max_exp_avg_sqs: AMSGrad. params_out: the new params again, in another dtype
     (e.g. the bf16 model copy of fp32 masters). param_remainders: int16 low halves
     that make bf16 params exact fp32 masters. exp_avg_scales, exp_avg_sq_scales,
-    master_scales: float32 [len(params)] per-tensor scales of float16, bfloat16
-    or float8_e4m3fn states and masters (float32 lists take none; stored = true *
-    scale, powers of two; start them at 1); the kernel picks new scales every
-    step. group_sizes: split the tensors, in order, into groups with
+    master_scales: float32 [len(params)] per-tensor scales of low-precision states
+    (stored = true * scale, powers of two; start them at 1); the kernel picks new
+    scales every step. group_sizes: split the tensors, in order, into groups with
     their own hyperparameters. device: where a plan of no tensors runs (a rank
     whose shard is empty); otherwise taken from the tensors. check_addresses:
     verify at every launch that no tensor (scales included) was re-pointed
