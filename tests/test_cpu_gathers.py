@@ -1,7 +1,8 @@
 """The CPU engine's table reads for 8-bit states ([Note: CPU gathers] in
 cpp/cpu_gather.h) give the same bytes with every instruction set the CPU
-has: lane by lane (plain), AVX2 and AVX-512 gathers, chosen when the core
-loads and capped by SHARDADAM_CPU_GATHERS."""
+has: lane by lane (plain), AVX2 and AVX-512 gathers (with AVX-512 also the
+one-pass block encode), chosen when the core loads and capped by
+SHARDADAM_CPU_GATHERS."""
 import os
 import subprocess
 import sys
