@@ -1,5 +1,5 @@
-// Table reads for the CPU engine's 8-bit states, with the gather instructions
-// of the CPU it runs on ([Note: CPU gathers]).
+// Table reads and the block encode for the CPU engine's 8-bit states, with
+// the gather instructions of the CPU it runs on ([Note: CPU gathers]).
 #pragma once
 
 #include <cstdint>
@@ -16,10 +16,12 @@ namespace shardadam {
 // for decoding one multiplication. Measured (benchmarks/RESULTS.md, "Storage
 // kinds"): the 8-bit step 1.2-1.4x faster on an Intel Xeon host; on an AMD
 // Zen 4 host the gathers take as long as the lane-by-lane reads.
-// With AVX-512 a block's whole encode is one function besides
-// (encode_block): the maximum, then one pass of 16 lanes at a time from the
-// values to the code bytes, where the engine's portable form runs six loops
-// over the block through arrays on the stack.
+// With AVX-512 a block's whole encode is one function too (encode_block):
+// the maximum, then one pass of 16 lanes at a time from the values to the
+// code bytes (1.25x the 8-bit step on the Intel host). Elsewhere the engine
+// keeps its portable form, six loops over the block through arrays on the
+// stack, inside its target_clones code so that each clone vectorises them;
+// so encode_block has no plain or AVX2 version (null there).
 
 // out[k] = table[codes[k]] * scale for k < n.
 using DecodeCodes = void (*)(const float* table, const uint8_t* codes, float scale, float* out, int n);
@@ -34,7 +36,7 @@ using EncodeBlock = float (*)(const float* in, int n, const uint32_t* entries, b
 
 extern const DecodeCodes decode_codes;
 extern const Gather32 gather32;
-// Null where the CPU has no AVX-512 (or the cap rules it out): the engine's loops encode.
+// Null without AVX-512 (or where the cap rules it out): the engine's loops encode.
 extern const EncodeBlock encode_block;
 
 // Which gathers these are: "plain", "avx2" or "avx512".
