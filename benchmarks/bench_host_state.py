@@ -13,6 +13,8 @@ The model is bench_distributed.py's GPT. Per storage kind (fp32 states, or
 
 - iteration, state on the GPU: forward, backward, FusedAdam.step;
 - iteration, state on the host: the same with state_device="cpu";
+- (distributed) iteration, state on the host stepped during backward:
+  host_step_in_backward=True;
 - compute floor: forward and backward alone;
 - host-step floor: FusedAdam.step on CPU copies of the parameters with the
   same kind (the CPU engine alone, no transfers);
@@ -50,6 +52,8 @@ from bench_distributed import GPT  # noqa: E402
 
 import shardadam  # noqa: E402
 from shardadam import _fused_buckets, _host_state  # noqa: E402
+from shardadam._rules import AdamRule  # noqa: E402
+from shardadam.distributed import _host_shards  # noqa: E402
 
 
 def timed(fn, reps: int, warmup: int) -> float:
@@ -102,10 +106,12 @@ class Transfers:
         return dict(down=timed(self.down, reps, 2), up=timed(self.up, reps, 2), both=timed(self.both, reps, 2))
 
 
-def record_timeline(run) -> dict:
+def record_timeline(run, distributed: bool) -> dict:
     """Spans (start, end) in ms from the start of one call of run: "compute"
     on the current stream, "down" and "up" on the copy streams (CUDA
-    events), "cpu" on the host clock (the CPU engine's launches)."""
+    events), "cpu" on the host clock (the CPU engine's launches, from any
+    thread). distributed: DistributedFusedAdam's host shards, else FusedAdam's
+    segments."""
     spans = {"compute": [], "down": [], "cpu": [], "up": []}
     events = []
 
@@ -128,10 +134,22 @@ def record_timeline(run) -> dict:
             spans["cpu"].append(((t - t0) * 1e3, (time.perf_counter() - t0) * 1e3))
         return wrapped
 
-    segment = _host_state._Segment
-    patches = [(segment, "send_grads_down", around_copy("down", segment.send_grads_down, 0)),
-               (segment, "send_params_up", around_copy("up", segment.send_params_up, 1)),
-               (_fused_buckets.Bucket, "launch", around_launch(_fused_buckets.Bucket.launch))]
+    def around_shard_copy(original):
+        def wrapped(shards, stream, *a, **k):
+            start = timing_event(stream)
+            done = original(shards, stream, *a, **k)
+            events.append(("down" if stream is shards._down else "up", start, timing_event(stream)))
+            return done
+        return wrapped
+
+    if distributed:
+        patches = [(_host_shards.HostShards, "_copy", around_shard_copy(_host_shards.HostShards._copy)),
+                   (AdamRule, "launch", around_launch(AdamRule.launch))]
+    else:
+        segment = _host_state._Segment
+        patches = [(segment, "send_grads_down", around_copy("down", segment.send_grads_down, 0)),
+                   (segment, "send_params_up", around_copy("up", segment.send_params_up, 1)),
+                   (_fused_buckets.Bucket, "launch", around_launch(_fused_buckets.Bucket.launch))]
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     for owner, name, fn in patches:
         setattr(owner, name, fn)
@@ -210,22 +228,27 @@ def main() -> None:
     print(json.dumps({k: v for k, v in result.items() if k != "kinds"}), flush=True)
     for kind in args.kinds.split(","):
         row = {}
-        for where, extra in (("gpu_state", {}), ("host_state", dict(state_device="cpu"))):
+        variants = [("gpu_state", {}), ("host_state", dict(state_device="cpu"))]
+        if distributed:
+            variants.append(("host_state_in_backward", dict(state_device="cpu", host_step_in_backward=True)))
+        for where, extra in variants:
             opt = make(kind, **extra)
             row[where + "_ms"] = timed(iteration(opt), args.reps, 2)
             if where == "host_state" and not distributed:
                 row["host_state_step_ms"] = timed(opt.step, args.reps, 1)
-                if args.timeline and kind == args.kinds.split(",")[0]:
-                    def one_iteration(note, timing_event, opt=opt):
-                        opt.zero_grad(set_to_none=False)
-                        start = timing_event()
-                        forward_backward()
-                        note("compute", start, timing_event())
-                        opt.step()
-                    timeline = record_timeline(one_iteration)
-                    timeline.update(model=result["model"], kind=kind, gpu=result["gpu"], date=result["date"])
-                    with open(args.timeline, "w") as f:
-                        json.dump(timeline, f)
+            timeline_of = "host_state_in_backward" if distributed else "host_state"
+            if where == timeline_of and args.timeline and kind == args.kinds.split(",")[0]:
+                def one_iteration(note, timing_event, opt=opt):
+                    opt.zero_grad(set_to_none=False)
+                    start = timing_event()
+                    forward_backward()
+                    note("compute", start, timing_event())
+                    opt.step()
+                timeline = record_timeline(one_iteration, distributed)
+                timeline.update(model=result["model"], kind=kind, gpu=result["gpu"], date=result["date"],
+                                optimizer=type(opt).__name__ + (", host_step_in_backward" if distributed else ""))
+                with open(args.timeline, "w") as f:
+                    json.dump(timeline, f)
             del opt
             torch.cuda.empty_cache()
         # The CPU engine alone on this rank's share of the elements.
@@ -263,6 +286,11 @@ def main() -> None:
         row["iteration_over_host_memory_floor"] = row["host_state_ms"] / row["host_step_with_transfers_ms"]
         row["gpu_idle_share"] = 1 - result["compute_ms"] / row["host_state_ms"]
         row["host_over_gpu_state"] = row["host_state_ms"] / row["gpu_state_ms"]
+        if distributed:
+            in_backward = row["host_state_in_backward_ms"]
+            row["in_backward_over_largest_floor"] = in_backward / max(floors.values())
+            row["in_backward_over_host_memory_floor"] = in_backward / row["host_step_with_transfers_ms"]
+            row["in_backward_gpu_idle_share"] = 1 - result["compute_ms"] / in_backward
         result["kinds"][kind] = row
         print(kind, json.dumps(row), flush=True)
         if args.segment_elems and kind == args.kinds.split(",")[0] and not distributed:

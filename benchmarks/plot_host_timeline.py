@@ -23,9 +23,9 @@ def render(data: dict) -> str:
     scale = (WIDTH - LEFT - 20) / end
     height = TOP + len(LANES) * (LANE_H + GAP) + 40
     m = data["model"]
-    title = (f"One iteration, optimizer state in host memory: GPT {m['params'] / 1e9:.2f}B (d {m['d_model']}, "
-             f"{m['layers']} layers), batch {m['batch']} x {m['seq']}, {data['kind']} states, {data['gpu']}, "
-             f"{data['date']}")
+    title = (f"One iteration, {data.get('optimizer', 'FusedAdam')}, state in host memory: GPT "
+             f"{m['params'] / 1e9:.2f}B (d {m['d_model']}, {m['layers']} layers), batch {m['batch']} x {m['seq']}, "
+             f"{data['kind']} states, {data['gpu']}, {data['date']}")
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" font-family="sans-serif" '
            'font-size="12">', f'<text x="10" y="22" font-size="13">{escape(title)}</text>']
     for i, (key, label, color) in enumerate(LANES):

@@ -40,9 +40,9 @@ CASES = {
 }
 
 
-def _build(case: str, state_device, device: str, rank: int):
+def _build(case: str, state_device, device: str, rank: int, **extra):
     options, training, dtype = CASES[case]
-    options = dict(options)
+    options = dict(options, **extra)
     cfg = dict(optimizer=options.pop("optimizer", "adam"), amsgrad=options.pop("amsgrad", False))
     model = _model(training.get("model", "sequential")).to(device if device == "cpu" else f"cuda:{rank}",
                                                            dtype=dtype)
@@ -262,3 +262,220 @@ def test_gpu_host_shards_match_gpu_state(tmp_path):
     """One rank on NCCL: the CUDA streams, page-locked rows and both checkpoint formats."""
     report = _spawn(_pair_worker, 1, list(CASES), "cuda", str(tmp_path))
     assert report == {case: [] for case in CASES}
+
+
+# [Note: host step in backward]: the configurations it takes (no clipping, no
+# GradScaler, accumulation in no_sync()).
+IN_BACKWARD_CASES = ["fp32-no_sync", "contiguous-both-overlap", "bf16-master", "8-bit-amsgrad", "lion-8-bit"]
+
+
+def _in_backward_worker(rank: int, world: int, port: int, cases: list, device: str, out) -> None:
+    """Each case trained with the host state stepped in step() and stepped
+    during backward: the same kernels on the same values, so the same bits.
+    Counts the buckets the worker thread stepped."""
+    import threading
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    with _rank_group(rank, world, port, out, "nccl" if device == "cuda" else "gloo"):
+        if device == "cpu":
+            _host_shards.runs_pipeline = lambda where: True  # this process only: force the pipeline
+        on_worker = []
+        step_bucket = _host_shards.HostShards._step_bucket
+
+        def counted(self, *args):
+            on_worker.append(threading.current_thread() is not threading.main_thread())
+            return step_bucket(self, *args)
+
+        _host_shards.HostShards._step_bucket = counted
+        report = {}
+        for case in cases:
+            snapshots = []
+            for in_backward in (False, True):
+                model, opt = _build(case, "cpu", device, rank, host_step_in_backward=in_backward)
+                _run(case, model, opt, rank, world, range(STEPS))
+                snapshots.append(_snapshot(model, opt))
+            problems = _differences(snapshots[1], snapshots[0], exact=True)
+            # Every iteration after the first steps every bucket that holds elements of this rank's shard.
+            buckets = sum(plan is not None for plan in opt.plan)
+            if on_worker != [True] * (STEPS - 1) * buckets:
+                problems.append(f"the worker stepped {sum(on_worker)} buckets of {(STEPS - 1) * buckets}, "
+                                f"{len(on_worker) - sum(on_worker)} elsewhere")
+            on_worker.clear()
+            report[case] = problems
+        if rank == 0:
+            out.put(report)
+    _exit()
+
+
+def test_host_step_in_backward_gives_the_same_bits():
+    report = _spawn(_in_backward_worker, 2, IN_BACKWARD_CASES, "cpu")
+    assert report == {case: [] for case in IN_BACKWARD_CASES}
+
+
+@pytest.mark.cuda
+def test_gpu_host_step_in_backward_gives_the_same_bits():
+    """One rank on NCCL: the worker's copies up on their CUDA stream, under backward's kernels."""
+    report = _spawn(_in_backward_worker, 1, IN_BACKWARD_CASES, "cuda")
+    assert report == {case: [] for case in IN_BACKWARD_CASES}
+
+
+def _in_backward(model, **options):
+    return shardadam.DistributedFusedAdam(model.parameters(), lr=1e-2, bucket_cap_mb=1e-4, state_device="cpu",
+                                          host_step_in_backward=True, **options)
+
+
+def _backward(model, seed: int) -> None:
+    x = torch.randn(4, 3, 6, 6, generator=torch.Generator().manual_seed(seed))
+    model(x).square().mean().backward()
+
+
+def _values(model, opt=None) -> list[torch.Tensor]:
+    """The parameters, then (with opt) the host's states and parameter rows."""
+    return [p.detach().clone() for p in model.parameters()] + \
+        ([t.clone() for t in opt.states.values()] + [t.clone() for t in opt.param_shards.tensors] if opt else [])
+
+
+def _same(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_host_step_in_backward_starts_before_step(one_rank, monkeypatch):
+    """The first iteration steps in step() (it learns the backward order);
+    from the second on, backward hands the buckets to the worker, and their
+    states move before step() is called."""
+    monkeypatch.setattr(_host_shards, "runs_pipeline", lambda where: True)
+    model = _model()
+    opt = _in_backward(model)
+    _backward(model, 0)
+    assert opt.iteration.host_step is None and not opt._host._futures
+    opt.step()
+    opt.zero_grad()
+    before = _values(model, opt)
+    _backward(model, 1)
+    handed = list(opt._host._futures)
+    assert opt.iteration.host_step and handed, "backward handed no bucket to the host step"
+    for f in handed:
+        f.result()
+    params = len(list(model.parameters()))
+    assert not _same(_values(model, opt)[params:], before[params:]), "no state moved in backward"
+    assert _same(_values(model)[:params], before[:params]), "the model moved before step()"
+    opt.step()
+    assert opt.param_groups[0]["step"] == 2 and opt.iteration.host_step is None
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(state_device=None), ValueError, "needs state_device='cpu'"),
+    (dict(overlap_grad_sync=False), ValueError, "needs overlap_grad_sync=True"),
+    (dict(skip_nonfinite_grads=True), ValueError, "choose skip_nonfinite_grads or host_step_in_backward"),
+    (dict(host_step_in_backward="yes"), TypeError, "host_step_in_backward must be True or False"),
+])
+def test_host_step_in_backward_refuses_options(one_rank, kwargs, error, match):
+    options = dict(dict(state_device="cpu", host_step_in_backward=True), **kwargs)
+    with pytest.raises(error, match=match):
+        shardadam.DistributedFusedAdam(_model().parameters(), **options)
+
+
+def _clip(model, opt):
+    opt.clip_grad_norm(1.0)
+
+
+def _scaled(model, opt):
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(torch.ones(()))  # the scaler's scale exists from here
+    scaler.step(opt)
+
+
+def _unscale(model, opt):
+    opt.unscale_grads(inv_scale=0.5)
+
+
+def _two_backwards(model, opt):
+    _backward(model, 7)
+    opt.step()
+
+
+@pytest.mark.parametrize("misuse,match", [
+    (_clip, "before clipping could know every gradient"),
+    (_scaled, "before a GradScaler could know every gradient"),
+    (_unscale, "before unscale_grads"),
+    (_two_backwards, "several backward passes without no_sync"),
+], ids=["clip", "grad-scaler", "unscale", "two-backwards"])
+def test_host_step_in_backward_refuses_in_the_first_iteration_before_anything_moves(one_rank, monkeypatch, misuse,
+                                                                                    match):
+    """What needs every gradient before the step is refused in the first
+    iteration, which steps in step(): nothing has moved yet."""
+    monkeypatch.setattr(_host_shards, "runs_pipeline", lambda where: True)
+    model = _model()
+    opt = _in_backward(model)
+    before = _values(model)
+    _backward(model, 0)
+    with pytest.raises(RuntimeError, match=match):
+        misuse(model, opt)
+    assert _same(_values(model), before) and opt.param_groups[0]["step"] == 0
+
+
+def _trained(steps: int, before=None, between=None) -> list[torch.Tensor]:
+    """_values of a fresh model and in-backward optimizer after `steps`
+    iterations; before(opt, s) runs before each backward, between(opt, s)
+    between backward and step() (True: it stepped)."""
+    model = _model()
+    opt = _in_backward(model)
+    for s in range(steps):
+        if before is not None:
+            before(opt, s)
+        _backward(model, s)
+        if between is None or not between(opt, s):
+            opt.step()
+        opt.zero_grad()
+    return _values(model, opt)
+
+
+@pytest.mark.parametrize("call", ["zero_grad", "state_dict", "sharded_state_dict", "init_params"])
+def test_host_step_in_backward_refuses_a_half_stepped_state(one_rank, monkeypatch, call):
+    """Between a backward that began stepping and step(), the state is part
+    old, part new: reading, loading or dropping it is refused; step() then
+    finishes the iteration as if nothing had been called."""
+    monkeypatch.setattr(_host_shards, "runs_pipeline", lambda where: True)
+
+    def refused(opt, s):
+        if s == 2:
+            with pytest.raises(RuntimeError, match=f"{call}.* between backward and step"):
+                getattr(opt, call)()
+
+    assert _same(_trained(3), _trained(3, between=refused))
+
+
+def test_host_step_in_backward_reports_hyperparameters_changed_after_backward(one_rank, monkeypatch):
+    """An lr set between backward and step() came too late for the host step:
+    step() completes the step with the lr read at backward, then says so;
+    the new lr applies from the next iteration."""
+    monkeypatch.setattr(_host_shards, "runs_pipeline", lambda where: True)
+
+    def in_time(opt, s):
+        if s == 3:
+            opt.param_groups[0]["lr"] = 5e-3
+
+    def late(opt, s):
+        if s != 2:
+            return False
+        opt.param_groups[0]["lr"] = 5e-3
+        with pytest.raises(RuntimeError, match=r"lr \[0.01\] -> \[0.005\]"):
+            opt.step()
+        return True
+
+    assert _same(_trained(4, before=in_time), _trained(4, between=late))
+
+
+def test_host_step_in_backward_refuses_a_second_reduction_later(one_rank, monkeypatch):
+    """After the first iteration, a second synchronised backward would
+    reduce buckets the host already stepped: refused as it happens."""
+    monkeypatch.setattr(_host_shards, "runs_pipeline", lambda where: True)
+    model = _model()
+    opt = _in_backward(model)
+    _backward(model, 0)
+    opt.step()
+    opt.zero_grad()
+    _backward(model, 1)
+    with pytest.raises(RuntimeError, match="several backward passes without no_sync"):
+        _backward(model, 2)
+        opt.step()

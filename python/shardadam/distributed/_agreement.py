@@ -31,7 +31,7 @@ __all__ = ["agree", "check_same", "check_same_setup", "describe_setup", "first_d
 _OPTIONS = ("average_grad_sync", "overlap_grad_sync", "overlap_param_sync",
             "bucket_cap_mb", "pipeline_size", "contiguous_param_buffer", "contiguous_grad_buffer", "store_params",
             "store_param_remainders", "with_scaled_states", "dtype", "nccl_ub", "capturable", "grad_sync_copy_engine",
-            "param_sync_copy_engine", "dist_size", "state_dtypes")
+            "param_sync_copy_engine", "dist_size", "state_dtypes", "host_step_in_backward")
 
 
 def _device_context(device):

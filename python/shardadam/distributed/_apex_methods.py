@@ -30,6 +30,7 @@ class ApexMethods:
         _rows.py; the layout is rebuilt, the started parameters' state
         carried along). dtype: the state's, which every parameter shares
         (None, or the optimizer's)."""
+        self._refuse_mid_host_step("init_params()")
         if grad_sync_dtype is None and param_sync_dtype is None:
             self._check_state_dtype(dtype)
             chosen = self._not_started(params)

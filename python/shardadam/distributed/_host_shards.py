@@ -36,9 +36,32 @@ bucket, two copies cross PCIe, each on a CUDA stream of its own:
 
 On a CPU device the state is in host memory anyway: state_device="cpu" is
 then a no-op placement (runs_pipeline).
+
+[Note: host step in backward] With host_step_in_backward=True the host does
+not wait for step(): once backward hands over an iteration's first gradient,
+each bucket whose reduced shard is down is stepped on a worker thread (the
+core releases the GIL, so backward goes on) and its parameters go up, while
+the next buckets are still being reduced:
+
+    backward  reduce-scatter b -> grads of b down -> CPU steps b -> params of b up
+                      reduce-scatter b+1 -> grads of b+1 down -> CPU steps b+1 -> ...
+    step()    the last buckets' reduce-scatters, wait for the worker, all-gathers
+
+The step's inputs must then be known when backward starts handing over:
+the hyperparameters (read at the first hand-over, as the LR schedulers that
+step after optimizer.step() leave them), the gradient scale (the averaging
+factor only) and every bucket's final gradients. So the engine refuses what
+needs all gradients first (clipping, a GradScaler, skipped steps) and a
+second reduction of a bucket in one iteration (accumulate in no_sync()), and
+step() raises, after completing the step, if the hyperparameters changed
+after backward read them. The first iteration, and one whose masters are not
+yet taken from the parameters, step in step() as usual: the first one learns
+the backward order and shows the refusals before any state has moved.
 """
 from __future__ import annotations
 
+import concurrent.futures
+import weakref
 from typing import Callable
 
 import torch
@@ -47,6 +70,39 @@ from .._host_state import on_stream, recorded_event, wait_event
 from .._pinned import pin
 from .._plan import cpu_threads
 from ._rows import BucketRows
+
+
+SECOND_REDUCTION = (
+    "host_step_in_backward=True takes one reduction of each bucket per iteration, and gradients came from "
+    "several backward passes without no_sync(): accumulate micro-batches inside optimizer.no_sync(), or build "
+    "the optimizer with host_step_in_backward=False")
+
+
+def check_host_step_in_backward(wanted, *, state_device, overlap_grad_sync: bool,
+                                skip_nonfinite_grads: bool) -> None:
+    """What host_step_in_backward=True needs ([Note: host step in backward])."""
+    if not isinstance(wanted, bool):
+        raise TypeError(f"host_step_in_backward must be True or False, got {wanted!r}")
+    if not wanted:
+        return
+    if state_device != "cpu":
+        raise ValueError("host_step_in_backward=True steps state in host memory: it needs state_device='cpu'")
+    if not overlap_grad_sync:
+        raise ValueError("host_step_in_backward=True steps buckets as backward reduces them: it needs "
+                         "overlap_grad_sync=True")
+    if skip_nonfinite_grads:
+        raise ValueError("host_step_in_backward=True steps each bucket before the gradients of the others exist, "
+                         "so it cannot skip a step for inf/NaN in them: choose skip_nonfinite_grads or "
+                         "host_step_in_backward")
+
+
+def moved_hyperparameters(read: dict, now: dict) -> str:
+    """The kernel arguments that differ between two rule.hyper() dicts ('' if none)."""
+    def plain(v):
+        return [plain(x) for x in v] if isinstance(v, (list, tuple)) else \
+            (v.item() if isinstance(v, torch.Tensor) else v)
+    return ", ".join(f"{key} {plain(read[key])} -> {plain(now[key])}" for key in read
+                     if plain(read[key]) != plain(now[key]))
 
 
 def runs_pipeline(device: torch.device) -> bool:
@@ -82,11 +138,61 @@ class HostShards:
         self._landed = [None] * len(host_grads)  # bucket -> the event of its last copy down
         self.stale = False  # host parameter rows written outside a step, not yet sent up
         self.threads = threads  # [Note: host step threads] in ../_host_state.py
+        # [Note: host step in backward]: this iteration's plans and launch while
+        # armed, the buckets handed to the worker and their futures.
+        self._armed: tuple | None = None
+        self._handed = [False] * len(host_grads)
+        self._futures: list = []
+        self._worker = None
+
+    @property
+    def armed(self) -> bool:
+        """Whether this iteration's buckets are stepped as they are reduced."""
+        return self._armed is not None
+
+    def arm(self, plans: list, launch: Callable) -> None:
+        """Step each bucket of this iteration as soon as its gradients are
+        down ([Note: host step in backward]); launch(plan) steps one. The
+        copies up follow the work queued so far (the last all-gathers read
+        the device rows they write)."""
+        if self._worker is None:
+            self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shardadam-host-step")
+            weakref.finalize(self, self._worker.shutdown, wait=False)
+        if self._up is not None:
+            self._up.wait_stream(torch.cuda.current_stream(self.device))
+        self._armed = (plans, launch)
+        self._handed = [False] * len(self._handed)
 
     def grads_reduced(self, b: int) -> None:
         """Bucket b's reduced shard is final as far as the current stream
-        knows: copy it down after the work queued so far."""
+        knows: copy it down after the work queued so far (and, armed, hand
+        it to the worker)."""
+        if self._armed is not None and self._handed[b]:
+            raise RuntimeError(
+                SECOND_REDUCTION + " (the host already stepped this bucket with the first)")
         self._landed[b] = self._copy(self._down, self.host_grads[b], self.device_grads[b])
+        if self._armed is not None:
+            self._handed[b] = True
+            plans, launch = self._armed
+            if plans[b] is not None:
+                self._futures.append(self._worker.submit(self._step_bucket, b, plans[b], launch))
+
+    def _step_bucket(self, b: int, plan, launch: Callable) -> None:
+        """On the worker: bucket b's step once its gradients are down, then its parameters up."""
+        wait_event(self._landed[b])
+        with cpu_threads(self.threads):
+            launch(plan)
+        self._send_up(b, after_queued=False)  # arm() ordered the up stream
+
+    def finish_armed(self) -> None:
+        """step() of an armed iteration: every bucket was handed over (the
+        reduce-scatters are done); wait for the worker's steps and the copies
+        up, then disarm. A worker's error is raised here."""
+        futures, self._futures, self._armed = self._futures, [], None
+        concurrent.futures.wait(futures)
+        self._up_done()
+        for f in futures:
+            f.result()
 
     def settle(self) -> None:
         """The current stream goes on after every copy down: the next
@@ -114,8 +220,8 @@ class HostShards:
                 self._send_up(b)
             self._up_done()
 
-    def _send_up(self, b: int) -> None:
-        self._copy(self._up, self.device_params[b], self.host_params[b])
+    def _send_up(self, b: int, after_queued: bool = True) -> None:
+        self._copy(self._up, self.device_params[b], self.host_params[b], after_queued)
 
     def _up_done(self) -> None:
         """The current stream, and the host, go on after the copies up; the
@@ -125,11 +231,16 @@ class HostShards:
             self._up.synchronize()
         self.stale = False
 
-    def _copy(self, stream, dst: torch.Tensor, src: torch.Tensor):
-        """dst <- src on `stream`, after the work queued on the current stream;
-        the event that marks its end (None on the CPU, where it is done)."""
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-        with on_stream(stream):
-            dst.copy_(src, non_blocking=stream is not None)
-            return recorded_event(self.device)
+    def _copy(self, stream, dst: torch.Tensor, src: torch.Tensor, after_queued: bool = True):
+        """dst <- src on `stream`, after the work queued on the current stream
+        (after_queued) or in the stream's own order; the event that marks its
+        end (None on the CPU, where it is done). Any thread may call it."""
+        if stream is None:
+            dst.copy_(src)
+            return None
+        with torch.cuda.device(self.device):
+            if after_queued:
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+            with on_stream(stream):
+                dst.copy_(src, non_blocking=True)
+                return recorded_event(self.device)

@@ -23,6 +23,11 @@ a gradient that autograd added into it before then is refused by the
 engine (it would add last step's sums), one that replaced it is taken. "deferred" is
 the capturable variant: the all-gathers after a captured step are started by
 the next forward, so that one captured iteration holds both ends of them.
+
+With host_step_in_backward, the first hand-over of an iteration also decides
+whether the host steps its buckets during backward ([Note: host step in
+backward] in _host_shards.py): ``host_step`` is None until then, False when
+the step waits for step(), else the hyperparameters the host steps with.
 """
 from __future__ import annotations
 
@@ -68,13 +73,15 @@ _WHY = {
 class Iteration:
     """Where this iteration is, and what step() will fold into its gradient
     scale: clip_grad_norm's (max_norm, loss-scaled norm) and unscale_grads'
-    factor. no_sync: inside no_sync(), backward leaves gradients in .grad."""
+    factor. no_sync: inside no_sync(), backward leaves gradients in .grad.
+    host_step: see [Note: iteration phases]."""
 
     grads: Grads = Grads.ACCUMULATING
     params: Params = Params.CURRENT
     no_sync: bool = False
     clip: tuple | None = None
     inv_scale: torch.Tensor | None = None
+    host_step: dict | bool | None = None
 
     def move_grads(self, to: Grads) -> None:
         if self.grads not in _GRAD_MOVES[to]:
@@ -92,25 +99,32 @@ class Iteration:
         """After step() or zero_grad(): the next iteration accumulates anew
         (consumed: after a step whose reduced shards stay in the gradient buffer)."""
         self.move_grads(Grads.CONSUMED if consumed else Grads.ACCUMULATING)
-        self.clip = self.inv_scale = None
+        self.clip = self.inv_scale = self.host_step = None
 
 
 @dataclass
 class BackwardOrderProbe:
     """One shot: the order in which the first backward hands gradients over
     (parameter indices), for a layout whose buckets then start while backward
-    goes on. Inactive without overlap_grad_sync."""
+    goes on. Inactive without overlap_grad_sync. repeated: a parameter's
+    gradient came twice outside no_sync() (a backward per micro-batch, each
+    synchronised)."""
 
     active: bool
     arrivals: list = field(default_factory=list)
+    repeated: bool = False
+    _synchronised: set = field(default_factory=set)
 
-    def record(self, k: int) -> None:
+    def record(self, k: int, synchronised: bool = True) -> None:
         self.arrivals.append(k)
+        if synchronised:
+            self.repeated = self.repeated or k in self._synchronised
+            self._synchronised.add(k)
 
     def take(self, count: int) -> list[int]:
         """The order seen (first arrival of each), then the parameters that never
         arrived; the probe is off from now on."""
         seen = list(dict.fromkeys(self.arrivals))
         known = set(seen)
-        self.active, self.arrivals = False, []
+        self.active, self.arrivals, self._synchronised = False, [], set()
         return seen + [k for k in range(count) if k not in known]

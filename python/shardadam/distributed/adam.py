@@ -23,7 +23,9 @@ class DistributedFusedAdam(ShardedOptimizer):
     with_scaled_states and nccl_ub as distributed/_options.py and _nccl_ub.py
     say; state_device="cpu" keeps this rank's shard of the masters and states
     in host memory, stepped there by the CPU engine ([Note: host shards] in
-    distributed/_host_shards.py); every other argument is the engine's
+    distributed/_host_shards.py), and host_step_in_backward=True steps it
+    during backward, bucket by bucket as the reduce-scatters end ([Note: host
+    step in backward] there); every other argument is the engine's
     (distributed/optimizer.py).
     With average_grad_sync=True the result equals
     DDP + torch.optim.AdamW (torch.optim.Adam with adam_w_mode=False) on the
@@ -49,7 +51,8 @@ class DistributedFusedAdam(ShardedOptimizer):
                  store_param_remainders=False, with_scaled_states=False, nccl_ub=False, capturable=False,
                  grad_sync_copy_engine=None, param_sync_copy_engine=None, skip_nonfinite_grads=False,
                  copy_engine_timeout=_watchdog.DEFAULT_TIMEOUT_S, bf16_stochastic_round=False,
-                 stochastic_round_seed=None, exp_avg_dtype=None, exp_avg_sq_dtype=None, state_device=None):
+                 stochastic_round_seed=None, exp_avg_dtype=None, exp_avg_sq_dtype=None, state_device=None,
+                 host_step_in_backward=False):
         self.adam_w_mode = adam_w_mode
         self.amsgrad = amsgrad
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
@@ -65,4 +68,5 @@ class DistributedFusedAdam(ShardedOptimizer):
             grad_sync_copy_engine=grad_sync_copy_engine, param_sync_copy_engine=param_sync_copy_engine,
             skip_nonfinite_grads=skip_nonfinite_grads, copy_engine_timeout=copy_engine_timeout,
             bf16_stochastic_round=bf16_stochastic_round, stochastic_round_seed=stochastic_round_seed,
-            exp_avg_dtype=exp_avg_dtype, exp_avg_sq_dtype=exp_avg_sq_dtype, state_device=state_device)
+            exp_avg_dtype=exp_avg_dtype, exp_avg_sq_dtype=exp_avg_sq_dtype, state_device=state_device,
+            host_step_in_backward=host_step_in_backward)

@@ -15,9 +15,9 @@ class DistributedFusedLion(ShardedOptimizer):
     overlap_grad_sync / overlap_param_sync, bucket_cap_mb, pipeline_size,
     contiguous buffers, dtype, store_params, store_param_remainders,
     with_scaled_states (with dtype=torch.float16: scaled fp16 master and
-    exp_avg), nccl_ub, capturable, the copy
-    engines, skip_nonfinite_grads, copy_engine_timeout, state_device), as do its methods
-    (grad_norm, clip_grad_norm, no_sync, both checkpoint formats). With
+    exp_avg), nccl_ub, capturable, the copy engines, skip_nonfinite_grads,
+    copy_engine_timeout, state_device, host_step_in_backward), as do its
+    methods (grad_norm, clip_grad_norm, no_sync, both checkpoint formats). With
     average_grad_sync=True the result equals DDP + Lion on the global batch.
     """
 

@@ -80,10 +80,13 @@ def _grad_ready(optimizer: weakref.ref, k: int, param: torch.Tensor) -> None:
     if opt is None:
         return
     if opt._probe.active:
-        opt._probe.record(k)  # the first iteration synchronises in step(), in the order learnt here
+        # the first iteration synchronises in step(), in the order learnt here
+        opt._probe.record(k, synchronised=not opt.iteration.no_sync)
     elif not opt.iteration.no_sync:
         opt._leave_consumed([k])
         opt.iteration.move_grads(Grads.REDUCING)
+        if opt.iteration.host_step is None and opt.host_step_in_backward:
+            opt._arm_host_step()
         opt._grad_sync.pack(k, param.grad)
         param.grad = opt._grad_views[k] if opt.contiguous_grad_buffer else None
 
@@ -156,7 +159,8 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
                  with_scaled_states=False, nccl_ub=False, capturable=False, grad_sync_copy_engine=None,
                  param_sync_copy_engine=None, skip_nonfinite_grads=False,
                  copy_engine_timeout=_watchdog.DEFAULT_TIMEOUT_S, bf16_stochastic_round=False,
-                 stochastic_round_seed=None, exp_avg_dtype=None, exp_avg_sq_dtype=None, state_device=None):
+                 stochastic_round_seed=None, exp_avg_dtype=None, exp_avg_sq_dtype=None, state_device=None,
+                 host_step_in_backward=False):
         name = type(self).__name__
         self.rule = rule
 
@@ -182,6 +186,8 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
             self.state_device = "cpu" if host_state_wanted(state_device, capturable=capturable) else None
             # [Note: host step threads] (read here: a bad SHARDADAM_HOST_THREADS refuses on every rank alike)
             self._host_threads = host_step_threads() if self.state_device else None
+            _host_shards.check_host_step_in_backward(host_step_in_backward, state_device=self.state_device,
+                                        overlap_grad_sync=overlap_grad_sync, skip_nonfinite_grads=skip_nonfinite_grads)
             torch.optim.Optimizer.__init__(self, params, defaults)
             _watchdog.validate_timeout(copy_engine_timeout)
 
@@ -199,6 +205,8 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
         # raising): a step whose reduced gradients hold inf/NaN on any rank is
         # skipped on every rank; skipped_steps counts them.
         self.skip_nonfinite_grads = bool(skip_nonfinite_grads)
+        # [Note: host step in backward] (_host_shards.py), checked above.
+        self.host_step_in_backward = bool(host_step_in_backward)
         # Seconds a copy-engine wait on a peer may last before every rank
         # still alive raises (distributed/_watchdog.py), as NCCL's timeout.
         self.copy_engine_timeout = _watchdog.validate_timeout(copy_engine_timeout)  # checked above
@@ -683,6 +691,10 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
         loss = run_closure(closure)
         # [Note: validate, then mutate] (_validate.py): every refusal comes first.
         _watchdog.check()  # a copy-engine collective whose peer died: this iteration is invalid
+        if grad_scaler is not None:
+            self._refuse_with_host_step_in_backward("a GradScaler")
+        if self._probe.active and self._probe.repeated and self.host_step_in_backward:
+            raise RuntimeError(_host_shards.SECOND_REDUCTION)
         check_step_groups(self.param_groups, self.rule)
         self._check_params_in_place()
         inv_loss_scale = None
@@ -737,7 +749,11 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
         for g in self.param_groups:
             g["step"] += advance
         hyper = self.rule.hyper(self.param_groups)
-        if self._host is not None:  # [Note: host shards]: the gradient scale comes down as a number
+        moved = None
+        if self.iteration.host_step:  # [Note: host step in backward]: stepped already
+            self._host.finish_armed()
+            moved = _host_shards.moved_hyperparameters(self.iteration.host_step, hyper)
+        elif self._host is not None:  # [Note: host shards]: the gradient scale comes down as a number
             host_scale = grad_scale.cpu()
             self._host.step(self.plan, lambda plan: self.rule.launch(
                 plan, hyper, grad_scale=host_scale, found_inf=None, rounding_seed=self.rounding_seed))
@@ -758,7 +774,44 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
         if self.overlap_param_sync:  # any other read waits on first use
             self._first_use.arm(self.params)
         self._end_iteration(stepped=True)
+        if moved:
+            raise RuntimeError(
+                f"{type(self).__name__}(host_step_in_backward=True) stepped this iteration with the "
+                f"hyperparameters it read when backward began ({moved}): they changed after that, and take effect "
+                "from the next iteration. Set them before backward (as LR schedulers stepped after "
+                "optimizer.step() do), or build the optimizer with host_step_in_backward=False")
         return loss
+
+    def _arm_host_step(self) -> None:
+        """The iteration's first hand-over ([Note: host step in backward]):
+        from now on each bucket is stepped on the host as soon as its
+        gradients are down, with the hyperparameters and step count that
+        step() would use. Not in an iteration whose masters are not all
+        taken from the parameters yet (step() takes them first)."""
+        if self._host is None or not all(self._initialized):
+            self.iteration.host_step = False
+            return
+        self._land_param_sync()  # the copies up overwrite the rows the last all-gathers send
+        hyper = self.rule.hyper([dict(g, step=g["step"] + 1) for g in self.param_groups])
+        grad_scale = torch.full((), 1.0 / self.world_size if self.average_grad_sync else 1.0, dtype=torch.float32)
+        self._host.arm(self.plan, lambda plan: self.rule.launch(plan, hyper, grad_scale=grad_scale, found_inf=None,
+                                                                rounding_seed=self.rounding_seed))
+        self.iteration.host_step = hyper
+
+    def _refuse_with_host_step_in_backward(self, what: str) -> None:
+        if self.host_step_in_backward:
+            raise RuntimeError(
+                f"{type(self).__name__}(host_step_in_backward=True) steps each bucket during backward, before "
+                f"{what} could know every gradient: build the optimizer with host_step_in_backward=False to use it")
+
+    def _refuse_mid_host_step(self, what: str) -> None:
+        """[Note: host step in backward]: between a backward that began
+        stepping the host state and step(), the state is half stepped."""
+        if self.iteration.host_step:
+            raise RuntimeError(
+                f"{type(self).__name__}.{what} between backward and step() with host_step_in_backward=True: the "
+                "host is stepping this iteration's buckets as backward reduces them, so the state is part old, "
+                "part new. Call step() first")
 
     def _check_params_in_place(self) -> None:
         """[Note: tracked storage] (_tracked.py): a parameter that moved to
@@ -837,6 +890,7 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
             inv_scale = args[0]
         if (inv_scale is None) == (grad_scaler is None):
             raise ValueError("unscale_grads needs exactly one of inv_scale or grad_scaler")
+        self._refuse_with_host_step_in_backward("unscale_grads()")
         if self.iteration.inv_scale is not None:
             raise RuntimeError("unscale_grads() was already called in this iteration (after the last step() or "
                                "zero_grad()): the gradients would be unscaled twice")
@@ -860,6 +914,7 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
         """Clears gradients; with contiguous_grad_buffer the buffer is zeroed
         and parameters keep their views of it whatever set_to_none says."""
         _watchdog.check()
+        self._refuse_mid_host_step("zero_grad()")
         self._grad_sync.reset()  # a reduce-scatter may still read the buffers
         with torch._C.DisableTorchFunctionSubclass():  # gradients only: armed parameters stay armed
             if self.contiguous_grad_buffer:
@@ -954,6 +1009,7 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
                                       "`parameters` (grad_norm(parameters) gives a subset's norm)")
         if not max_norm > 0:
             raise ValueError(f"max_norm must be > 0, got {max_norm}")
+        self._refuse_with_host_step_in_backward("clipping")
         self._meet_scaler(grad_scaler)
         scaled = self._scaled_grad_norm(None, norm_type)
         self.iteration.clip = (float(max_norm), scaled)  # unscaled in step()
@@ -1022,10 +1078,12 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
     def sharded_state_dict(self) -> dict:
         """Only this rank's pieces, for torch.distributed.checkpoint: see
         distributed/sharded_checkpoint.py (a checkpoint of N ranks loads on M)."""
+        self._refuse_mid_host_step("sharded_state_dict()")
         return sharded_checkpoint.sharded_state_dict(self)
 
     def load_sharded_state_dict(self, sharded: dict) -> None:
         """Take a sharded_state_dict() structure that dcp.load has filled."""
+        self._refuse_mid_host_step("load_sharded_state_dict()")
         self._land_param_sync()
         sharded_checkpoint.load_sharded_state_dict(self, sharded)
 
@@ -1050,6 +1108,7 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
             raise ValueError(f"state_dict_format must be None (shardadam's portable dict) or 2 (apex's format 2, "
                              f"the same tensors), got {state_dict_format!r}: apex's format 1 pickles its internal "
                              f"buckets and is not written")
+        self._refuse_mid_host_step("state_dict()")
         portable = self._portable_state_dict(bool(gather_on_root))
         return _apex_format.to_apex(portable) if portable is not None and state_dict_format else portable
 
@@ -1105,6 +1164,7 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
         shapes, tensor types, hyperparameters, steps: _state_dict_check.py),
         then the ranks agree (one small collective): if any rank refuses,
         every rank raises the same ValueError and nothing is written."""
+        self._refuse_mid_host_step("load_state_dict()")
         self._land_param_sync()
         checked = validate_then_agree(
             f"{type(self).__name__}.load_state_dict",
@@ -1152,7 +1212,8 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
                        store_param_remainders=self.store_param_remainders,
                        with_scaled_states=self.with_scaled_states, nccl_ub=self.nccl_ub, capturable=self.capturable,
                        grad_sync_copy_engine=self.grad_sync_copy_engine,
-                       param_sync_copy_engine=self.param_sync_copy_engine, state_device=self.state_device)
+                       param_sync_copy_engine=self.param_sync_copy_engine, state_device=self.state_device,
+                       host_step_in_backward=self.host_step_in_backward)
         lines = [f"{type(self).__name__} (world_size={self.world_size}, shard_rank={self.rank}, "
                  f"process_group={group_name(self.group)}, "
                  f"distributed_process_group={group_name(self.dist_group)}, "
