@@ -145,11 +145,6 @@ class HostShards:
         self._futures: list = []
         self._worker = None
 
-    @property
-    def armed(self) -> bool:
-        """Whether this iteration's buckets are stepped as they are reduced."""
-        return self._armed is not None
-
     def arm(self, plans: list, launch: Callable) -> None:
         """Step each bucket of this iteration as soon as its gradients are
         down ([Note: host step in backward]); launch(plan) steps one. The

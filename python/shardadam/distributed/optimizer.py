@@ -187,7 +187,8 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
             # [Note: host step threads] (read here: a bad SHARDADAM_HOST_THREADS refuses on every rank alike)
             self._host_threads = host_step_threads() if self.state_device else None
             _host_shards.check_host_step_in_backward(host_step_in_backward, state_device=self.state_device,
-                                        overlap_grad_sync=overlap_grad_sync, skip_nonfinite_grads=skip_nonfinite_grads)
+                                                     overlap_grad_sync=overlap_grad_sync,
+                                                     skip_nonfinite_grads=skip_nonfinite_grads)
             torch.optim.Optimizer.__init__(self, params, defaults)
             _watchdog.validate_timeout(copy_engine_timeout)
 
