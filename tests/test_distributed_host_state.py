@@ -416,15 +416,15 @@ def test_host_step_in_backward_refuses_in_the_first_iteration_before_anything_mo
 
 def _trained(steps: int, before=None, between=None) -> list[torch.Tensor]:
     """_values of a fresh model and in-backward optimizer after `steps`
-    iterations; before(opt, s) runs before each backward, between(opt, s)
-    between backward and step() (True: it stepped)."""
+    iterations; before(model, opt, s) runs before each backward,
+    between(model, opt, s) between backward and step() (True: it stepped)."""
     model = _model()
     opt = _in_backward(model)
     for s in range(steps):
         if before is not None:
-            before(opt, s)
+            before(model, opt, s)
         _backward(model, s)
-        if between is None or not between(opt, s):
+        if between is None or not between(model, opt, s):
             opt.step()
         opt.zero_grad()
     return _values(model, opt)
@@ -437,7 +437,7 @@ def test_host_step_in_backward_refuses_a_half_stepped_state(one_rank, monkeypatc
     finishes the iteration as if nothing had been called."""
     monkeypatch.setattr(_host_shards, "runs_pipeline", lambda where: True)
 
-    def refused(opt, s):
+    def refused(model, opt, s):
         if s == 2:
             with pytest.raises(RuntimeError, match=f"{call}.* between backward and step"):
                 getattr(opt, call)()
@@ -451,11 +451,11 @@ def test_host_step_in_backward_reports_hyperparameters_changed_after_backward(on
     the new lr applies from the next iteration."""
     monkeypatch.setattr(_host_shards, "runs_pipeline", lambda where: True)
 
-    def in_time(opt, s):
+    def in_time(model, opt, s):
         if s == 3:
             opt.param_groups[0]["lr"] = 5e-3
 
-    def late(opt, s):
+    def late(model, opt, s):
         if s != 2:
             return False
         opt.param_groups[0]["lr"] = 5e-3
@@ -464,6 +464,50 @@ def test_host_step_in_backward_reports_hyperparameters_changed_after_backward(on
         return True
 
     assert _same(_trained(4, before=in_time), _trained(4, between=late))
+
+
+def test_host_step_in_backward_checks_hyperparameters_before_any_bucket_steps(one_rank, monkeypatch):
+    """A bad learning rate set before a backward that would step the host is
+    refused there, before any bucket moved; with a good one set again, the
+    iteration steps as if nothing had happened."""
+    monkeypatch.setattr(_host_shards, "runs_pipeline", lambda where: True)
+
+    def bad_then_good(model, opt, s):
+        if s == 2:
+            opt.param_groups[0]["lr"] = -1.0
+            before = _values(model, opt)
+            with pytest.raises(ValueError, match="lr"):
+                _backward(model, s)
+            assert _same(_values(model, opt), before), "a bucket moved before the refusal"
+            opt.param_groups[0]["lr"] = 1e-2
+            opt.zero_grad()
+
+    assert _same(_trained(3), _trained(3, before=bad_then_good))
+
+
+def test_host_step_in_backward_reads_a_tensor_lr_once(one_rank, monkeypatch):
+    """A tensor lr changed in place after backward read it: the step uses the
+    value read, whole, and step() reports the change."""
+    monkeypatch.setattr(_host_shards, "runs_pipeline", lambda where: True)
+
+    def tensor_lr(model, opt, s):
+        if s == 0:
+            opt.param_groups[0]["lr"] = torch.tensor(1e-2)
+
+    def late(model, opt, s):
+        if s != 2:
+            return False
+        opt.param_groups[0]["lr"].fill_(5e-3)
+        with pytest.raises(RuntimeError, match=r"lr \[0.01\] -> \[0.005\]"):
+            opt.step()
+        return True
+
+    def in_time(model, opt, s):
+        tensor_lr(model, opt, s)
+        if s == 3:
+            opt.param_groups[0]["lr"].fill_(5e-3)
+
+    assert _same(_trained(4, before=in_time), _trained(4, before=tensor_lr, between=late))
 
 
 def test_host_step_in_backward_refuses_a_second_reduction_later(one_rank, monkeypatch):

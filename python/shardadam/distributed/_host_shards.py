@@ -97,11 +97,16 @@ def check_host_step_in_backward(wanted, *, state_device, overlap_grad_sync: bool
 
 
 def moved_hyperparameters(read: dict, now: dict) -> str:
-    """The kernel arguments that differ between two rule.hyper() dicts ('' if none)."""
+    """The kernel arguments that differ between two rule.hyper() dicts ('' if
+    none), numbers shown to 6 significant digits."""
     def plain(v):
         return [plain(x) for x in v] if isinstance(v, (list, tuple)) else \
             (v.item() if isinstance(v, torch.Tensor) else v)
-    return ", ".join(f"{key} {plain(read[key])} -> {plain(now[key])}" for key in read
+
+    def shown(v):
+        return "[" + ", ".join(map(shown, v)) + "]" if isinstance(v, list) else \
+            (f"{v:.6g}" if isinstance(v, float) else repr(v))
+    return ", ".join(f"{key} {shown(plain(read[key]))} -> {shown(plain(now[key]))}" for key in read
                      if plain(read[key]) != plain(now[key]))
 
 

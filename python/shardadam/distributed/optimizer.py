@@ -792,8 +792,13 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
         if self._host is None or not all(self._initialized):
             self.iteration.host_step = False
             return
+        check_step_groups(self.param_groups, self.rule)  # [Note: validate, then mutate]: before any bucket steps
         self._land_param_sync()  # the copies up overwrite the rows the last all-gathers send
-        hyper = self.rule.hyper([dict(g, step=g["step"] + 1) for g in self.param_groups])
+        # Values, not the groups' objects: a tensor lr changed in place later is
+        # neither half applied by the worker nor missed by step()'s comparison.
+        read = [{k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in g.items() if k != "params"}
+                for g in self.param_groups]
+        hyper = self.rule.hyper([dict(g, step=g["step"] + 1) for g in read])
         grad_scale = torch.full((), 1.0 / self.world_size if self.average_grad_sync else 1.0, dtype=torch.float32)
         self._host.arm(self.plan, lambda plan: self.rule.launch(plan, hyper, grad_scale=grad_scale, found_inf=None,
                                                                 rounding_seed=self.rounding_seed))
