@@ -11,6 +11,7 @@ GPU-state optimizer (the same element math, compiled for two processors).
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -273,7 +274,6 @@ def _in_backward_worker(rank: int, world: int, port: int, cases: list, device: s
     """Each case trained with the host state stepped in step() and stepped
     during backward: the same kernels on the same values, so the same bits.
     Counts the buckets the worker thread stepped."""
-    import threading
     if device == "cuda":
         torch.cuda.set_device(rank)
     with _rank_group(rank, world, port, out, "nccl" if device == "cuda" else "gloo"):
@@ -508,6 +508,27 @@ def test_host_step_in_backward_reads_a_tensor_lr_once(one_rank, monkeypatch):
             opt.param_groups[0]["lr"].fill_(5e-3)
 
     assert _same(_trained(4, before=in_time), _trained(4, before=tensor_lr, between=late))
+
+
+def test_host_step_in_backward_raises_a_worker_error_in_step(one_rank, monkeypatch):
+    """An error of the worker thread's step is not lost: step() raises it."""
+    monkeypatch.setattr(_host_shards, "runs_pipeline", lambda where: True)
+    model = _model()
+    opt = _in_backward(model)
+    _backward(model, 0)
+    opt.step()
+    opt.zero_grad()
+    launch = opt.rule.launch
+
+    def failing(plan, hyper, **kwargs):
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("the host step failed")
+        return launch(plan, hyper, **kwargs)
+
+    monkeypatch.setattr(opt.rule, "launch", failing)
+    _backward(model, 1)
+    with pytest.raises(RuntimeError, match="the host step failed"):
+        opt.step()
 
 
 def test_host_step_in_backward_refuses_a_second_reduction_later(one_rank, monkeypatch):
