@@ -163,7 +163,11 @@ def test_forced_host_shards_give_the_same_bits(cases, tmp_path):
 
 
 def _redundant_worker(rank: int, world: int, port: int, out) -> None:
-    """4 ranks: shards over {0, 1} and {2, 3}, each repeated over {0, 2} / {1, 3}."""
+    """4 ranks: shards over {0, 1} and {2, 3}, each repeated over {0, 2} / {1, 3}.
+    The host pipeline against the device state with rounds of gradients; and,
+    accumulating in no_sync(), stepped during backward against stepped in
+    step() (with a redundant group every bucket is handed over in step(),
+    after the replicas' all-reduce)."""
     import torch.distributed as dist
     with _rank_group(rank, world, port, out):
         _host_shards.runs_pipeline = lambda where: True
@@ -172,17 +176,20 @@ def _redundant_worker(rank: int, world: int, port: int, out) -> None:
         groups = dict(distributed_process_group=shard_groups[rank // 2],
                       redundant_process_group=replica_groups[rank % 2])
         snapshots = []
-        for state_device in (None, "cpu"):
+        for state_device, accumulate, in_backward in ((None, "every", False), ("cpu", "every", False),
+                                                      ("cpu", "no_sync", False), ("cpu", "no_sync", True)):
             model = _model()
             frozen = _frozen(model)
             frozen.requires_grad_(False)
             opt = shardadam.DistributedFusedAdam(_groups(model, frozen), lr=1e-2, bucket_cap_mb=1e-4,
-                                                 state_device=state_device, **groups)
-            _train(model, opt, rank, world, range(STEPS), micro=2, accumulate="every")
+                                                 state_device=state_device, host_step_in_backward=in_backward,
+                                                 **groups)
+            _train(model, opt, rank, world, range(STEPS), micro=2, accumulate=accumulate)
             opt.param_sync()
             snapshots.append(_snapshot(model, opt))
         if rank == 0:
-            out.put(_differences(snapshots[1], snapshots[0], exact=True))
+            out.put(_differences(snapshots[1], snapshots[0], exact=True) +
+                    [f"in backward: {p}" for p in _differences(snapshots[3], snapshots[2], exact=True)])
     _exit()
 
 
