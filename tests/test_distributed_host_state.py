@@ -280,7 +280,8 @@ IN_BACKWARD_CASES = ["fp32-no_sync", "contiguous-both-overlap", "bf16-master", "
 def _in_backward_worker(rank: int, world: int, port: int, cases: list, device: str, out) -> None:
     """Each case trained with the host state stepped in step() and stepped
     during backward: the same kernels on the same values, so the same bits.
-    Counts the buckets the worker thread stepped."""
+    Counts where the second run stepped its buckets: in step() (the main
+    thread) in the first iteration, on the worker thread after it."""
     if device == "cuda":
         torch.cuda.set_device(rank)
     with _rank_group(rank, world, port, out, "nccl" if device == "cuda" else "gloo"):
@@ -298,16 +299,16 @@ def _in_backward_worker(rank: int, world: int, port: int, cases: list, device: s
         for case in cases:
             snapshots = []
             for in_backward in (False, True):
+                on_worker.clear()
                 model, opt = _build(case, "cpu", device, rank, host_step_in_backward=in_backward)
                 _run(case, model, opt, rank, world, range(STEPS))
                 snapshots.append(_snapshot(model, opt))
             problems = _differences(snapshots[1], snapshots[0], exact=True)
-            # Every iteration after the first steps every bucket that holds elements of this rank's shard.
+            # Every iteration steps every bucket that holds elements of this rank's shard.
             buckets = sum(plan is not None for plan in opt.plan)
-            if on_worker != [True] * (STEPS - 1) * buckets:
+            if on_worker != [False] * buckets + [True] * (STEPS - 1) * buckets:
                 problems.append(f"the worker stepped {sum(on_worker)} buckets of {(STEPS - 1) * buckets}, "
-                                f"{len(on_worker) - sum(on_worker)} elsewhere")
-            on_worker.clear()
+                                f"{len(on_worker) - sum(on_worker)} elsewhere (expected {buckets})")
             report[case] = problems
         if rank == 0:
             out.put(report)

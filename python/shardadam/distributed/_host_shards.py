@@ -158,8 +158,7 @@ class HostShards:
         if self._worker is None:
             self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shardadam-host-step")
             weakref.finalize(self, self._worker.shutdown, wait=False)
-        if self._up is not None:
-            self._up.wait_stream(torch.cuda.current_stream(self.device))
+        self._after_queued(self._up)
         self._armed = (plans, launch)
         self._handed = [False] * len(self._handed)
 
@@ -170,6 +169,7 @@ class HostShards:
         if self._armed is not None and self._handed[b]:
             raise RuntimeError(
                 SECOND_REDUCTION + " (the host already stepped this bucket with the first)")
+        self._after_queued(self._down)
         self._landed[b] = self._copy(self._down, self.host_grads[b], self.device_grads[b])
         if self._armed is not None:
             self._handed[b] = True
@@ -178,11 +178,12 @@ class HostShards:
                 self._futures.append(self._worker.submit(self._step_bucket, b, plans[b], launch))
 
     def _step_bucket(self, b: int, plan, launch: Callable) -> None:
-        """On the worker: bucket b's step once its gradients are down, then its parameters up."""
+        """Bucket b's step once its gradients are down, then its parameters
+        up (on the worker, or in step()); the caller ordered the up stream."""
         wait_event(self._landed[b])
         with cpu_threads(self.threads):
             launch(plan)
-        self._send_up(b, after_queued=False)  # arm() ordered the up stream
+        self._send_up(b)
 
     def finish_armed(self) -> None:
         """step() of an armed iteration: every bucket was handed over (the
@@ -204,24 +205,23 @@ class HostShards:
         """launch(plan) for each bucket's plan (None: the bucket holds none of
         this rank's elements), each after its gradients are down, each
         bucket's parameters sent up after it."""
-        with cpu_threads(self.threads):
-            for b, plan in enumerate(plans):
-                if plan is not None:
-                    wait_event(self._landed[b])
-                    launch(plan)
-                    self._send_up(b)
+        self._after_queued(self._up)
+        for b, plan in enumerate(plans):
+            if plan is not None:
+                self._step_bucket(b, plan, launch)
         self._up_done()
 
     def refresh(self) -> None:
         """Before an all-gather: host parameter rows written outside a step
         (init_params, a checkpoint: ``stale``) go up, every bucket's."""
         if self.stale:
+            self._after_queued(self._up)
             for b in range(len(self.host_params)):
                 self._send_up(b)
             self._up_done()
 
-    def _send_up(self, b: int, after_queued: bool = True) -> None:
-        self._copy(self._up, self.device_params[b], self.host_params[b], after_queued)
+    def _send_up(self, b: int) -> None:
+        self._copy(self._up, self.device_params[b], self.host_params[b])
 
     def _up_done(self) -> None:
         """The current stream, and the host, go on after the copies up; the
@@ -231,16 +231,19 @@ class HostShards:
             self._up.synchronize()
         self.stale = False
 
-    def _copy(self, stream, dst: torch.Tensor, src: torch.Tensor, after_queued: bool = True):
-        """dst <- src on `stream`, after the work queued on the current stream
-        (after_queued) or in the stream's own order; the event that marks its
-        end (None on the CPU, where it is done). Any thread may call it."""
+    def _after_queued(self, stream) -> None:
+        """Copies queued on `stream` from now on follow the work queued so far
+        on the current stream (None: the CPU, nothing to order)."""
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def _copy(self, stream, dst: torch.Tensor, src: torch.Tensor):
+        """dst <- src on `stream`, in that stream's order (_after_queued); the
+        event that marks its end (None on the CPU, where it is done). Any
+        thread may call it."""
         if stream is None:
             dst.copy_(src)
             return None
-        with torch.cuda.device(self.device):
-            if after_queued:
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-            with on_stream(stream):
-                dst.copy_(src, non_blocking=True)
-                return recorded_event(self.device)
+        with torch.cuda.device(self.device), on_stream(stream):
+            dst.copy_(src, non_blocking=True)
+            return recorded_event(self.device)
