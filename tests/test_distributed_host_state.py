@@ -518,14 +518,21 @@ def test_host_step_in_backward_reads_a_tensor_lr_once(one_rank, monkeypatch):
     assert _same(_trained(4, before=in_time), _trained(4, before=tensor_lr, between=late))
 
 
-def test_host_step_in_backward_raises_a_worker_error_in_step(one_rank, monkeypatch):
-    """An error of the worker thread's step is not lost: step() raises it."""
+def _after_a_first_iteration(monkeypatch):
+    """A model and its in-backward optimizer (host pipeline forced) past the
+    first iteration, which steps in step(): the next backward steps the host."""
     monkeypatch.setattr(_host_shards, "runs_pipeline", lambda where: True)
     model = _model()
     opt = _in_backward(model)
     _backward(model, 0)
     opt.step()
     opt.zero_grad()
+    return model, opt
+
+
+def test_host_step_in_backward_raises_a_worker_error_in_step(one_rank, monkeypatch):
+    """An error of the worker thread's step is not lost: step() raises it."""
+    model, opt = _after_a_first_iteration(monkeypatch)
     launch = opt.rule.launch
 
     def failing(plan, hyper, **kwargs):
@@ -542,12 +549,7 @@ def test_host_step_in_backward_raises_a_worker_error_in_step(one_rank, monkeypat
 def test_host_step_in_backward_refuses_a_second_reduction_later(one_rank, monkeypatch):
     """After the first iteration, a second synchronised backward would
     reduce buckets the host already stepped: refused as it happens."""
-    monkeypatch.setattr(_host_shards, "runs_pipeline", lambda where: True)
-    model = _model()
-    opt = _in_backward(model)
-    _backward(model, 0)
-    opt.step()
-    opt.zero_grad()
+    model, opt = _after_a_first_iteration(monkeypatch)
     _backward(model, 1)
     with pytest.raises(RuntimeError, match="several backward passes without no_sync"):
         _backward(model, 2)
