@@ -136,6 +136,8 @@ def main() -> None:
     ap.add_argument("--numel", type=int, default=30, help="log2 of the element count (default 30)")
     ap.add_argument("--tensors", default="1,200,20000", help="tensor counts, comma-separated")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3,
+                    help="steps before the timed ones (torchao's builders take 3 more, which compile)")
     ap.add_argument("--kinds", default="", help="only the kinds whose names contain one of these (comma-separated)")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -155,7 +157,7 @@ def main() -> None:
             if name.startswith("torchao") and not (_has_torchao() and dev == "cuda"):
                 continue
             fn = build(sizes, dev)
-            ms = statistics.median(time_steps(fn, dev, args.reps, 3))
+            ms = statistics.median(time_steps(fn, dev, args.reps, args.warmup))
             gbs = bytes_per_elem * numel / ms / 1e6
             moved = MOVED.get(name, bytes_per_elem)
             moved_of_copy = moved * numel / ms / 1e6 / copy_gbs
