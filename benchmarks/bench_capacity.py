@@ -1,0 +1,219 @@
+#!/usr/bin/env python
+"""Capacity: the largest GPT of bench_distributed.py's architecture that
+trains at --batch sequences per rank (bf16 autocast, two iterations with
+finite losses) on these GPUs, per optimizer: DistributedFusedAdam in each
+storage kind (both contiguous buffers: the leanest layout), next to DDP and
+FSDP2 with torch's fused AdamW.
+
+The model grows in depth at a fixed width (--d-model, --layers: the depths to
+try, ascending). Each attempt is a fresh torchrun (an out-of-memory error
+leaves torch's caches and NCCL in no state to go on); per candidate the
+driver starts at --start layers, walks up while the model trains and down
+while it does not, and stops where the two meet. Every attempt is one JSON
+line in --out; the summary lists each candidate's largest model.
+
+    python benchmarks/bench_capacity.py --nproc 2 --out results/capacity_2xh200.jsonl
+    python benchmarks/bench_capacity.py --nproc 2 --tiny          # smoke run, CPU (gloo) or GPU
+
+Candidates (--candidates): "ddp", "fsdp2" (fully_shard per block and root,
+parameters resharded after forward: ZeRO-3) and "shardadam:<kind>" for the
+kinds in KINDS.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+import shardadam
+from bench_distributed import GPT, WEIGHT_DECAY, agree_on_error, init_distributed, max_over_ranks
+from quality_storage import KINDS as QUALITY_KINDS
+
+# name -> (parameter dtype, DistributedFusedAdam options)
+KINDS = {name: QUALITY_KINDS[name] for name in ("fp32", "FP8 states", "8-bit blockwise states")}
+KINDS["bf16 stochastic rounding + 8-bit states"] = (
+    torch.bfloat16, {**QUALITY_KINDS["bf16 stochastic rounding"][1], **QUALITY_KINDS["8-bit blockwise states"][1]})
+CANDIDATES = ("ddp", "fsdp2", *(f"shardadam:{kind}" for kind in KINDS))
+TINY = dict(d_model=64, heads=4, vocab=256, seq=32, layers="1,2,3", start=2)
+
+
+def build(candidate: str, model, cuda: bool):
+    """(module to call, optimizer) for one candidate on a fresh model."""
+    adamw = dict(lr=1e-4, weight_decay=WEIGHT_DECAY, **(dict(fused=True) if cuda else {}))
+    if candidate == "ddp":
+        ddp = DistributedDataParallel(model, device_ids=[torch.cuda.current_device()] if cuda else None)
+        return ddp, torch.optim.AdamW(ddp.parameters(), **adamw)
+    if candidate == "fsdp2":
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        return model, torch.optim.AdamW(model.parameters(), **adamw)
+    opt = shardadam.DistributedFusedAdam(model.parameters(), lr=1e-4, weight_decay=WEIGHT_DECAY,
+                                         overlap_grad_sync=True, overlap_param_sync=True,
+                                         contiguous_param_buffer=True, contiguous_grad_buffer=True,
+                                         **KINDS[candidate.split(":", 1)[1]][1])
+    return model, opt
+
+
+def param_dtype(candidate: str) -> torch.dtype:
+    return KINDS[candidate.split(":", 1)[1]][0] if candidate.startswith("shardadam:") else torch.float32
+
+
+def attempt(args) -> None:
+    """One model size, one candidate: rank 0 prints a JSON line."""
+    dev, cuda = init_distributed()
+    result = dict(candidate=args.candidate, d_model=args.d_model, layers=args.layers, heads=args.heads,
+                  batch=args.batch, seq=args.seq, ranks=dist.get_world_size())
+    error = None
+    # GiB of GPU memory allocated after each phase and the peak within it: where it goes.
+    phases = result["gib_allocated_and_peak"] = {}
+    peaks = [0.0]
+
+    def reached(phase: str) -> None:
+        if cuda:
+            peaks.append(torch.cuda.max_memory_allocated(dev) / 2**30)
+            phases[phase] = [round(torch.cuda.memory_allocated(dev) / 2**30, 2), round(peaks[-1], 2)]
+            torch.cuda.reset_peak_memory_stats(dev)
+
+    try:
+        torch.manual_seed(0)  # the same model on every rank (FSDP2 shards each rank's own copy)
+        torch.set_default_dtype(param_dtype(args.candidate))  # built in its dtype: no fp32 copy first
+        with dev:
+            model = GPT(args.d_model, args.layers, args.heads, args.vocab, args.seq)
+        torch.set_default_dtype(torch.float32)
+        result["params"] = sum(p.numel() for p in model.parameters())
+        reached("model")
+        module, opt = build(args.candidate, model, cuda)
+        reached("optimizer")
+        tokens = torch.randint(args.vocab, (args.batch, args.seq + 1), device=dev,
+                               generator=torch.Generator(dev).manual_seed(dist.get_rank()))
+        losses = []
+        for i in range(1, 3):
+            with torch.autocast(dev.type, dtype=torch.bfloat16):
+                logits = module(tokens[:, :-1])
+            loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+            reached(f"forward {i}")
+            loss.backward()
+            reached(f"backward {i}")
+            opt.step()
+            reached(f"step {i}")
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        result.update(losses=losses, trains=all(v == v for v in losses))
+    except (torch.OutOfMemoryError, RuntimeError) as e:
+        where = traceback.extract_tb(e.__traceback__)[-3:]
+        error = (f"{type(e).__name__}: {str(e).splitlines()[0][:200]} (after {list(phases)[-1:]}, in "
+                 + "; ".join(f"{pathlib.Path(f.filename).name}:{f.lineno} {f.name}" for f in where) + ")")
+    error = agree_on_error(error, dev)
+    if error:
+        result.update(error=error, trains=False)
+    if cuda:
+        peak = max(peaks + [torch.cuda.max_memory_allocated(dev) / 2**30])  # the failing phase's too
+        result["gpu_peak_gib"] = max_over_ranks([peak], dev)[0]
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps(result), flush=True)
+    dist.destroy_process_group()
+
+
+def run_attempt(args, candidate: str, layers: int) -> dict:
+    """A fresh torchrun for one size; a run that ends without a result (killed,
+    hung past --timeout) counts as not training."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc),
+           os.path.abspath(__file__), "--attempt", "--candidate", candidate, "--layers", str(layers),
+           "--d-model", str(args.d_model), "--heads", str(args.heads), "--vocab", str(args.vocab),
+           "--seq", str(args.seq), "--batch", str(args.batch)]
+    t0 = time.perf_counter()
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout).stdout
+    except subprocess.TimeoutExpired:
+        out = ""
+    lines = [line[len("RESULT "):] for line in out.splitlines() if line.startswith("RESULT ")]
+    result = json.loads(lines[-1]) if lines else dict(candidate=candidate, d_model=args.d_model, layers=layers,
+                                                      trains=False, error="no result (crashed or timed out)")
+    result["seconds"] = round(time.perf_counter() - t0, 1)
+    return result
+
+
+def search(args, candidate: str, record) -> dict | None:
+    """The largest depth of args.layers that trains, walking from --start:
+    the attempt that trains with the most layers, or None."""
+    depths = args.layers
+    i = min(range(len(depths)), key=lambda j: abs(depths[j] - args.start))
+    best, tried = None, {}
+    while 0 <= i < len(depths) and depths[i] not in tried:
+        result = tried[depths[i]] = run_attempt(args, candidate, depths[i])
+        record(result)
+        if result["trains"]:
+            best = result
+            i += 1
+        else:
+            i -= 1
+    return best  # the walk ends on a depth it tried already: the boundary, from either side
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--nproc", type=int, default=1, help="ranks (GPUs) per attempt")
+    ap.add_argument("--candidates", default=",".join(CANDIDATES),
+                    help="comma-separated subset of: " + ", ".join(CANDIDATES))
+    ap.add_argument("--d-model", type=int, default=4096)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--vocab", type=int, default=50304)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=4, help="sequences per rank (default 4)")
+    ap.add_argument("--layers", default=",".join(map(str, range(16, 129, 4))),
+                    help="depths to try, comma-separated, ascending (default 16 to 128 by 4)")
+    ap.add_argument("--start", type=int, default=36, help="the depth each search starts from")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds one attempt may take")
+    ap.add_argument("--tiny", action="store_true", help=f"smoke run: {TINY}")
+    ap.add_argument("--out", help="append every attempt here as a JSON line")
+    ap.add_argument("--attempt", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--candidate", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.tiny:
+        for key, value in TINY.items():
+            setattr(args, key, value)
+    if args.attempt:
+        args.layers = int(args.layers)
+        attempt(args)
+        return
+    args.layers = [int(v) for v in str(args.layers).split(",")]
+    candidates = args.candidates.split(",")
+    unknown = [c for c in candidates if c not in CANDIDATES]
+    if unknown:
+        ap.error(f"--candidates: unknown {unknown}; choose from {', '.join(CANDIDATES)}")
+    if args.layers != sorted(args.layers):
+        ap.error("--layers must be ascending")
+
+    def record(result: dict) -> None:
+        print(json.dumps(result), flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(result) + "\n")
+
+    best = {c: search(args, c, record) for c in candidates}
+    print(f"\nlargest GPT that trains (d_model {args.d_model}, batch {args.batch} x {args.seq} per rank, "
+          f"{args.nproc} rank(s)):")
+    print("| candidate | layers | parameters | GPU peak, GiB |")
+    print("|---|---:|---:|---:|")
+    for c, r in best.items():
+        if r is None:
+            print(f"| {c} | none of {args.layers[0]}-{args.layers[-1]} | - | - |")
+        else:
+            peak = r.get("gpu_peak_gib")
+            print(f"| {c} | {r['layers']} | {r['params'] / 1e9:.2f}B | {'-' if peak is None else f'{peak:.1f}'} |")
+
+
+if __name__ == "__main__":
+    main()
