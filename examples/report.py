@@ -56,7 +56,10 @@ def nice_ticks(lo: float, hi: float, count: int = 5) -> list[float]:
 # Plot geometry, in SVG user units.
 _WIDTH, _HEIGHT = 720, 420
 _LEFT, _RIGHT, _TOP, _BOTTOM = 64, 20, 40, 48
-_STYLES = [("#1f77b4", ""), ("#d62728", ' stroke-dasharray="6 4"')]  # dashed: equal curves stay visible
+# One colour per curve (the benchmarks overlay up to seven storage kinds); every
+# other curve dashed, so that equal curves stay visible on top of each other.
+_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
+_STYLES = [(color, ' stroke-dasharray="6 4"' if i % 2 else "") for i, color in enumerate(_COLORS)]
 
 
 def write_loss_svg(path: pathlib.Path, title: str, curves: dict[str, list[float]]) -> None:
