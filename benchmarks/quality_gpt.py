@@ -55,8 +55,8 @@ def write_plot(path: pathlib.Path, curves: dict[str, list[float]], title: str) -
     batch of a few sequences is noisy), values above the first loss drawn at
     it so that a diverging kind leaves the others readable."""
     cap = max(c[0] for c in curves.values())
-    shown = {name: [min(cap, sum(c[max(0, i + 1 - SMOOTH):i + 1]) / len(c[max(0, i + 1 - SMOOTH):i + 1]))
-                    for i in range(len(c))] for name, c in curves.items()}
+    windows = {name: [c[max(0, i + 1 - SMOOTH):i + 1] for i in range(len(c))] for name, c in curves.items()}
+    shown = {name: [min(cap, sum(w) / len(w)) for w in ws] for name, ws in windows.items()}
     write_loss_svg(path, f"{title}; running mean of {SMOOTH} steps, capped at the first loss", shown)
 
 
