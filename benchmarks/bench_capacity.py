@@ -33,11 +33,9 @@ import traceback
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.fsdp import fully_shard
-from torch.nn.parallel import DistributedDataParallel
 
-import shardadam
-from bench_distributed import GPT, WEIGHT_DECAY, agree_on_error, init_distributed, max_over_ranks
+from bench_distributed import (GPT, agree_on_error, build_ddp_fused, build_fsdp2, build_shardadam, init_distributed,
+                               max_over_ranks)
 from quality_storage import KINDS as QUALITY_KINDS
 
 # name -> (parameter dtype, DistributedFusedAdam options)
@@ -48,22 +46,14 @@ CANDIDATES = ("ddp", "fsdp2", *(f"shardadam:{kind}" for kind in KINDS))
 TINY = dict(d_model=64, heads=4, vocab=256, seq=32, layers="1,2,3", start=2)
 
 
-def build(candidate: str, model, cuda: bool):
-    """(module to call, optimizer) for one candidate on a fresh model."""
-    adamw = dict(lr=1e-4, weight_decay=WEIGHT_DECAY, **(dict(fused=True) if cuda else {}))
+def build(candidate: str, model, args, cuda: bool):
+    """(module to call, optimizer) for one candidate on a fresh model:
+    bench_distributed.py's builders."""
     if candidate == "ddp":
-        ddp = DistributedDataParallel(model, device_ids=[torch.cuda.current_device()] if cuda else None)
-        return ddp, torch.optim.AdamW(ddp.parameters(), **adamw)
+        return build_ddp_fused(model, args, cuda)
     if candidate == "fsdp2":
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
-        return model, torch.optim.AdamW(model.parameters(), **adamw)
-    opt = shardadam.DistributedFusedAdam(model.parameters(), lr=1e-4, weight_decay=WEIGHT_DECAY,
-                                         overlap_grad_sync=True, overlap_param_sync=True,
-                                         contiguous_param_buffer=True, contiguous_grad_buffer=True,
-                                         **KINDS[candidate.split(":", 1)[1]][1])
-    return model, opt
+        return build_fsdp2(model, args, cuda, reshard_after_forward=True)
+    return build_shardadam(model, args, cuda, contiguous_grad_buffer=True, **KINDS[candidate.split(":", 1)[1]][1])
 
 
 def param_dtype(candidate: str) -> torch.dtype:
@@ -94,7 +84,7 @@ def attempt(args) -> None:
         torch.set_default_dtype(torch.float32)
         result["params"] = sum(p.numel() for p in model.parameters())
         reached("model")
-        module, opt = build(args.candidate, model, cuda)
+        module, opt = build(args.candidate, model, args, cuda)
         reached("optimizer")
         tokens = torch.randint(args.vocab, (args.batch, args.seq + 1), device=dev,
                                generator=torch.Generator(dev).manual_seed(dist.get_rank()))
@@ -132,7 +122,7 @@ def run_attempt(args, candidate: str, layers: int) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc),
            os.path.abspath(__file__), "--attempt", "--candidate", candidate, "--layers", str(layers),
            "--d-model", str(args.d_model), "--heads", str(args.heads), "--vocab", str(args.vocab),
-           "--seq", str(args.seq), "--batch", str(args.batch)]
+           "--seq", str(args.seq), "--batch", str(args.batch), "--bucket-cap-mb", str(args.bucket_cap_mb)]
     t0 = time.perf_counter()
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout).stdout
@@ -175,12 +165,14 @@ def main() -> None:
     ap.add_argument("--layers", default=",".join(map(str, range(16, 129, 4))),
                     help="depths to try, comma-separated, ascending (default 16 to 128 by 4)")
     ap.add_argument("--start", type=int, default=36, help="the depth each search starts from")
+    ap.add_argument("--bucket-cap-mb", type=float, default=100, help="DistributedFusedAdam's bucket size in MiB")
     ap.add_argument("--timeout", type=float, default=900, help="seconds one attempt may take")
     ap.add_argument("--tiny", action="store_true", help=f"smoke run: {TINY}")
     ap.add_argument("--out", help="append every attempt here as a JSON line")
     ap.add_argument("--attempt", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--candidate", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    args.lr = 1e-4  # what the builders train with: two steps only, any small rate does
     if args.tiny:
         for key, value in TINY.items():
             setattr(args, key, value)

@@ -153,10 +153,12 @@ def build_ddp_fused(model, args, cuda):
     return ddp, torch.optim.AdamW(ddp.parameters(), lr=args.lr, weight_decay=WEIGHT_DECAY, **fused(cuda))
 
 
-def build_fsdp2(model, args, cuda):
+def build_fsdp2(model, args, cuda, reshard_after_forward=False):
+    # Not resharded by default: the fastest FSDP2 (ZeRO-2-like), which this
+    # benchmark compares; bench_capacity.py reshards (ZeRO-3, the leanest).
     for block in model.blocks:
-        fully_shard(block, reshard_after_forward=False)
-    fully_shard(model, reshard_after_forward=False)
+        fully_shard(block, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, reshard_after_forward=reshard_after_forward)
     return model, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=WEIGHT_DECAY, **fused(cuda))
 
 
