@@ -142,6 +142,54 @@ def test_a_gradient_of_another_size_is_refused(group):
     _assert_unchanged(opt, model, snap, "refused")
 
 
+def _poison_last_weight(m):
+    m[2].weight.grad = torch.zeros_like(m[2].weight)
+
+
+@pytest.mark.parametrize("contiguous", [False, True], ids=["buckets", "contiguous-grad-buffer"])
+def test_a_gradient_set_after_the_hand_over_is_refused(group, contiguous):
+    """[Note: gradients set after the hand-over]: backward handed each
+    gradient over as it came (from the second iteration, once the order is
+    learnt), so a gradient assigned afterwards would be dropped silently.
+    step() refuses it before writing anything, and once it is set back steps
+    with backward's gradients, as an iteration without it does."""
+    device = group
+    options = dict(HYPER, contiguous_grad_buffer=contiguous)
+    model, opt = _stepped(device, **options)
+    want_model, want_opt = _stepped(device, **options)
+    _iteration(want_model, want_opt, device, 2)
+    snap = _snapshot(opt, model)
+    left = r"optimizer\.grad_buffer_view\(p\)" if contiguous else "None"
+    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['params'\]\[2\]: its gradient was set after "
+                                           r"backward handed it over .*overlap_grad_sync=False; to step with what "
+                                           rf"backward produced, set p\.grad back to {left}"):
+        _iteration(model, opt, device, 2, poison=_poison_last_weight)
+    _assert_unchanged(opt, model, snap, "refused")
+    model[2].weight.grad = opt.grad_buffer_view(model[2].weight) if contiguous else None
+    opt.step()
+    for i, (got, want) in enumerate(zip(model.parameters(), want_model.parameters())):
+        assert_bits_equal(got, want, f"parameter {i} after the step with backward's gradients")
+
+
+def test_a_gradient_set_after_a_host_step_in_backward_is_reported(group, monkeypatch):
+    """With host_step_in_backward the buckets are stepped during backward:
+    step() finishes that step (backward's gradients, as an iteration without
+    the assignment) and then says the assigned gradient was not used."""
+    from shardadam.distributed import _host_shards
+    monkeypatch.setattr(_host_shards, "runs_pipeline", lambda where: True)  # the host pipeline on the CPU too
+    device = group
+    options = dict(HYPER, state_device="cpu", host_step_in_backward=True)
+    model, opt = _stepped(device, **options)
+    want_model, want_opt = _stepped(device, **options)
+    _iteration(want_model, want_opt, device, 2)
+    with pytest.raises(RuntimeError, match=r"stepped this iteration with the gradients backward produced: the "
+                                           r"gradient of param_groups\[0\]\['params'\]\[2\] was set after "
+                                           r"backward handed it over, and was not used"):
+        _iteration(model, opt, device, 2, poison=_poison_last_weight)
+    for i, (got, want) in enumerate(zip(model.parameters(), want_model.parameters())):
+        assert_bits_equal(got, want, f"parameter {i} after the host step")
+
+
 @pytest.mark.parametrize("change, error", [
     ({"lr": float("nan")}, ValueError), ({"lr": "1e-3"}, TypeError), ({"betas": (0.9, 1.5)}, ValueError),
     ({"eps": float("-inf")}, ValueError), ({"weight_decay": float("inf")}, ValueError),

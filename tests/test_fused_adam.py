@@ -422,6 +422,26 @@ def test_sparse_gradients_rejected(device):
         opt.step()
 
 
+def test_gradient_laid_out_unlike_its_parameter_is_refused_with_the_fix(device):
+    """A transposed gradient would pair each element with another parameter
+    element: refused, naming the parameter and how to lay the gradient out,
+    before anything changes."""
+    lin = nn.Linear(5, 3).to(device)
+    opt = FusedAdam(lin.parameters())
+    for p in lin.parameters():
+        p.grad = randn(p.shape, device=device)
+    opt.step()
+    lin.weight.grad = randn((5, 3), device=device).t()
+    assert lin.weight.grad.shape == lin.weight.shape and not lin.weight.grad.is_contiguous()
+    before = snapshot_opt(opt, list(lin.parameters()))
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] has strides \(1, 3\) but the "
+                                         r"parameter \(5, 1\).*torch.empty_like\(p\).copy_\(g\)"):
+        opt.step()
+    assert_opt_unchanged(opt, list(lin.parameters()), before, "after the refused step")
+    lin.weight.grad = torch.empty_like(lin.weight).copy_(lin.weight.grad)
+    opt.step()
+
+
 def test_failed_step_changes_nothing(device):
     """A step that raises (sparse gradient) leaves params, state and the step counter as they were."""
     emb = nn.Embedding(10, 4, sparse=True).to(device)

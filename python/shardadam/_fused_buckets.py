@@ -88,7 +88,8 @@ class GradFit:
                                      f"{p.numel()} (shape {tuple(p.shape)}): was it set with p.grad.data = ...?")
                 if g.stride() != self._strides[i] and not (g.is_contiguous() and p.is_contiguous()):
                     raise ValueError(f"{where} has strides {g.stride()} but the parameter {p.stride()}: "
-                                     "element orders differ")
+                                     "element orders differ; assign a gradient laid out like its parameter "
+                                     "(torch.empty_like(p).copy_(g))")
         return dtypes
 
 

@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
+import operator
 import weakref
 
 import torch
@@ -49,7 +51,7 @@ from .._dtensor import refuse_sharded_params
 from .._host_state import host_state_wanted, host_step_threads
 from .._pinned import pin
 from .._torch import check_tensor
-from .._tracked import DATA_PTR, ReplacedParams, moved_indices
+from .._tracked import DATA_PTR, GRAD, ReplacedParams, moved_indices
 from .._state_dict_check import check_state_dict
 from . import _amp, _apex_format, _host_shards, _watchdog, sharded_checkpoint
 from ._apex_methods import ApexMethods
@@ -722,6 +724,8 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
             if not unscaled:
                 inv_loss_scale = _amp.inv_scale(grad_scaler, self.device)
         self._land_param_sync()  # the last all-gather reads the shards this step writes
+        # Stepped during backward already: what changed after the hand-over is reported once the step is done.
+        unused = self._gradients_set_after_hand_over() if self.iteration.host_step else []
         if self.iteration.grads is not Grads.REDUCED:  # the first one rebuilds the layout: before any state exists
             self.grad_sync()
         if not all(self._initialized):
@@ -785,6 +789,13 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
         if self.overlap_param_sync:  # any other read waits on first use
             self._first_use.arm(self.params)
         self._end_iteration(stepped=True)
+        if unused:
+            raise RuntimeError(
+                f"{type(self).__name__}(host_step_in_backward=True) stepped this iteration with the gradients "
+                f"backward produced: the gradient of {unused[0]}"
+                f"{f' (and {len(unused) - 1} more)' if len(unused) > 1 else ''} was set after backward handed it "
+                "over, and was not used. Change gradients before the hand-over, with a tensor hook (p.register_hook), "
+                "or build the optimizer with overlap_grad_sync=False")
         if moved:
             raise RuntimeError(
                 f"{type(self).__name__}(host_step_in_backward=True) stepped this iteration with the "
@@ -870,6 +881,26 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
         if self._host is not None:
             self._host.settle()
         self.iteration.end(consumed=stepped and self.grads_in_buffer)
+
+    # [Note: gradients set after the hand-over] With overlap_grad_sync,
+    # backward hands each gradient to the buckets as it is produced (the hook
+    # leaves p.grad None, or the parameter's view of the contiguous gradient
+    # buffer), and the reduce-scatters read the buckets, not p.grad. A gradient
+    # set after that (p.grad = t; model.zero_grad() with the contiguous
+    # buffer) would be dropped silently: grad_sync() refuses it before anything
+    # of the step is written, naming the parameter; a host step in backward,
+    # done by then, reports it once step() has finished. Not seen: in-place
+    # edits of a view of the contiguous buffer (torch.nn.utils.clip_grad_norm_:
+    # use clip_grad_norm()) and set_to_none where p.grad is None already.
+    def _gradients_set_after_hand_over(self) -> list[str]:
+        """The parameters (their names) whose .grad is no longer what the
+        hand-over left ([Note: gradients set after the hand-over])."""
+        if not self.overlap_grad_sync or self._probe.active:
+            return []
+        left = self._grad_views if self.contiguous_grad_buffer else itertools.repeat(None)
+        changed = itertools.compress(range(len(self.params)), map(operator.is_not, map(GRAD, self.params), left))
+        names = param_names(self.param_groups)
+        return [names[id(self.params[k])] for k in changed if self._grad_sync.arrived[k]]
 
     def _leave_consumed(self, params) -> None:
         """Before the first gradient of an iteration after a step that left
@@ -1036,6 +1067,15 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
         every bucket that backward has not started, and wait for all."""
         if self._probe.active:
             self._adopt_backward_order()
+        late = self._gradients_set_after_hand_over()
+        if late and not self.iteration.host_step:  # a host step reports them once it is done (step())
+            left = "optimizer.grad_buffer_view(p)" if self.contiguous_grad_buffer else "None"
+            raise RuntimeError(
+                f"{late[0]}{f' (and {len(late) - 1} more)' if len(late) > 1 else ''}: its gradient was set after "
+                f"backward handed it over ({type(self).__name__}(overlap_grad_sync=True) reduces each gradient as "
+                "backward produces it), so this step would not see it. Change gradients before the hand-over, "
+                f"with a tensor hook (p.register_hook), or build the optimizer with overlap_grad_sync=False; to "
+                f"step with what backward produced, set p.grad back to {left}")
         self._leave_consumed(range(len(self.params)))
         self._grad_sync.finish()
         if not self.contiguous_grad_buffer:
