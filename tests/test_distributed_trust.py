@@ -190,6 +190,32 @@ def test_a_gradient_set_after_a_host_step_in_backward_is_reported(group, monkeyp
         assert_bits_equal(got, want, f"parameter {i} after the host step")
 
 
+@pytest.mark.parametrize("unfreeze", [False, True], ids=["frozen-later", "unfrozen-later"])
+def test_a_change_of_requires_grad_after_building_is_refused(group, unfreeze):
+    """[Note: the trainable set]: the layout shards the parameters that
+    required a gradient when it was built. Frozen later, a parameter would go
+    on taking steps with zero gradients; unfrozen later, its gradients would
+    be ignored. step() refuses both before writing anything, and steps again
+    once requires_grad is back as it was."""
+    device = group
+    model = _model(device)
+    model[0].bias.requires_grad_(not unfreeze)
+    opt = DistributedFusedAdam(model.parameters(), **HYPER)
+    _iteration(model, opt, device, 1)
+    snap = _snapshot(opt, model)
+    model[0].bias.requires_grad_(unfreeze)
+    match = (r"when the optimizer was built and requires a gradient now: it has no shard, so its gradients would "
+             r"be ignored" if unfreeze else r"after the optimizer was built: its shard would go on taking steps "
+             r"with zero gradients")
+    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['params'\]\[1\] was frozen \(requires_grad=False\) "
+                                           + match + r".*build a new one after changing it"):
+        _iteration(model, opt, device, 2)
+    _assert_unchanged(opt, model, snap, "refused")
+    model[0].bias.requires_grad_(not unfreeze)
+    _iteration(model, opt, device, 3)
+    assert [int(g["step"]) for g in opt.param_groups] == [2]
+
+
 @pytest.mark.parametrize("change, error", [
     ({"lr": float("nan")}, ValueError), ({"lr": "1e-3"}, TypeError), ({"betas": (0.9, 1.5)}, ValueError),
     ({"eps": float("-inf")}, ValueError), ({"weight_decay": float("inf")}, ValueError),

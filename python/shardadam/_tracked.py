@@ -30,6 +30,7 @@ import torch
 
 DATA_PTR = torch.Tensor.data_ptr
 GRAD = operator.attrgetter("grad")
+REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 def decoupled_grad(p: torch.Tensor):

@@ -51,7 +51,7 @@ from .._dtensor import refuse_sharded_params
 from .._host_state import host_state_wanted, host_step_threads
 from .._pinned import pin
 from .._torch import check_tensor
-from .._tracked import DATA_PTR, GRAD, ReplacedParams, moved_indices
+from .._tracked import DATA_PTR, GRAD, REQUIRES_GRAD, ReplacedParams, moved_indices
 from .._state_dict_check import check_state_dict
 from . import _amp, _apex_format, _host_shards, _watchdog, sharded_checkpoint
 from ._apex_methods import ApexMethods
@@ -523,6 +523,9 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
         self._param_ptrs = list(map(DATA_PTR, self.params))
         self._param_shapes = [p.shape for p in self.params]
         self._replaced.track(p for g in self.param_groups for p in g["params"])
+        # [Note: the trainable set]: what step() compares requires_grad against.
+        self._grouped = [p for g in self.param_groups for p in g["params"]]
+        self._trainable = list(map(REQUIRES_GRAD, self._grouped))
 
     def _plan_over(self, frags: list, grads: BucketRows, device: torch.device) -> kernels.TensorPlan:
         """The rule's plan over consecutive fragments of this rank's shard
@@ -840,6 +843,27 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
                 "host is stepping this iteration's buckets as backward reduces them, so the state is part old, "
                 "part new. Call step() first")
 
+    # [Note: the trainable set] The layout shards the parameters that required
+    # a gradient when it was built, and only those. A change of requires_grad
+    # afterwards cannot be followed without a new layout: a parameter frozen
+    # later would go on taking steps with zero gradients (momentum and weight
+    # decay move it, where torch.optim leaves it alone), and one unfrozen
+    # later has no shard, so its gradients would be ignored. step() refuses
+    # both before anything is written: one C-level pass over the parameters.
+    def _check_trainable_set(self) -> None:
+        now = list(map(REQUIRES_GRAD, self._grouped))
+        if now == self._trainable:
+            return
+        p = next(p for p, was, trainable in zip(self._grouped, self._trainable, now) if was != trainable)
+        if p.requires_grad:
+            what = ("was frozen (requires_grad=False) when the optimizer was built and requires a gradient now: it "
+                    "has no shard, so its gradients would be ignored")
+        else:
+            what = ("was frozen (requires_grad=False) after the optimizer was built: its shard would go on taking "
+                    "steps with zero gradients (momentum and weight decay would move it)")
+        raise RuntimeError(f"{param_names(self.param_groups)[id(p)]} {what}. Set requires_grad before building "
+                           f"{type(self).__name__}, or build a new one after changing it")
+
     def _check_params_in_place(self) -> None:
         """[Note: tracked storage] (_tracked.py): a parameter that moved to
         other memory (model.to(...), p.data = ...) is followed where the
@@ -847,6 +871,7 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
         are the parameter's memory (contiguous buffers) or its shape changed.
         One C-level pass over the parameters when nothing moved."""
         self._replaced.check()
+        self._check_trainable_set()
         moved = moved_indices(self.params, self._param_ptrs)
         if not moved:
             return
