@@ -216,6 +216,31 @@ def test_a_change_of_requires_grad_after_building_is_refused(group, unfreeze):
     assert [int(g["step"]) for g in opt.param_groups] == [2]
 
 
+def test_a_newer_optimizer_over_the_same_parameters_takes_their_gradients(group):
+    """[Note: the newest optimizer takes the gradients]: an optimizer still
+    alive (an LR scheduler or a trainer may hold it) whose hooks took each
+    gradient first left a new one over the same parameters None gradients.
+    Now the new one trains as one built alone does, bit for bit, and the old
+    one refuses to step, before writing anything."""
+    device = group
+    model, old = _stepped(device, **HYPER)
+    alone = _model(device)
+    alone.load_state_dict(model.state_dict())
+    new = DistributedFusedAdam(model.parameters(), **HYPER)
+    want = DistributedFusedAdam(alone.parameters(), **HYPER)
+    for seed in (2, 3, 4):
+        _iteration(model, new, device, seed)
+        _iteration(alone, want, device, seed)
+    for i, (got, expected) in enumerate(zip(model.parameters(), alone.parameters())):
+        assert_bits_equal(got, expected, f"parameter {i}")
+    snap = _snapshot(old, model)
+    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['params'\]\[\d\] \(and maybe more\) belongs to a "
+                                           r"newer DistributedFusedAdam built over it since, which now takes its "
+                                           r"gradients: step that one"):
+        old.step()
+    _assert_unchanged(old, model, snap, "refused")
+
+
 @pytest.mark.parametrize("change, error", [
     ({"lr": float("nan")}, ValueError), ({"lr": "1e-3"}, TypeError), ({"betas": (0.9, 1.5)}, ValueError),
     ({"eps": float("-inf")}, ValueError), ({"weight_decay": float("inf")}, ValueError),

@@ -41,6 +41,7 @@ import weakref
 
 import torch
 import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import kernels
 from .._groups import check_step_groups, pack_groups, param_names, plain_value, run_closure, set_group_values
@@ -76,10 +77,22 @@ _log = logging.getLogger("shardadam")
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+# [Note: the newest optimizer takes the gradients] An optimizer built over
+# parameters that an older DistributedFusedAdam still alive holds (an LR
+# scheduler or a trainer may keep the old one after the user built a new
+# one) takes their gradient hand-over: the old one's hooks would otherwise
+# take each gradient first and leave the new one None (an AttributeError
+# deep in its step, or zeros). Each parameter maps to the newest optimizer
+# built over it (looked up once, when a layout is built); an older one that
+# held any of them is marked: its hooks hand nothing over from then on, and
+# its step() refuses to run, naming a parameter.
+_HANDED_TO = WeakIdKeyDictionary()  # parameter -> weakref.ref(optimizer): keyed by identity (tensors compare by value)
+
+
 def _grad_ready(optimizer: weakref.ref, k: int, param: torch.Tensor) -> None:
     """Post-accumulate-grad hook of parameter k: hand the gradient over."""
     opt = optimizer()
-    if opt is None:
+    if opt is None or opt._taken_by_newer:  # [Note: the newest optimizer takes the gradients]
         return
     if opt._probe.active:
         # the first iteration synchronises in step(), in the order learnt here
@@ -254,6 +267,7 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
         self.iteration = Iteration()
         self._grad_scaler = None  # the GradScaler step() last received: grad_norm() unscales with it
         self._hooks = _Hooks()
+        self._taken_by_newer = None  # [Note: the newest optimizer takes the gradients]: a parameter's name once set
         # Reads of a parameter outside its module's forward wait on first use ([Note: first-use guard]).
         self._first_use = self._hooks.first_use = FirstUseGuard(self._make_current) if overlap_param_sync else None
         weakref.finalize(self, self._hooks.remove)  # [Note: hooks die with their optimizer]
@@ -517,6 +531,7 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
         # exit otherwise), and takes its hooks with it.
         self._hooks.remove_grad()
         this = weakref.ref(self)
+        self._take_gradients(this)
         self._hooks.grad = [p.register_post_accumulate_grad_hook(functools.partial(_grad_ready, this, k))
                             for k, p in enumerate(self.params)] if self.overlap_grad_sync else []
         # [Note: tracked storage] (_tracked.py): what step() compares the parameters against.
@@ -864,12 +879,28 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
         raise RuntimeError(f"{param_names(self.param_groups)[id(p)]} {what}. Set requires_grad before building "
                            f"{type(self).__name__}, or build a new one after changing it")
 
+    def _take_gradients(self, this: weakref.ref) -> None:
+        """[Note: the newest optimizer takes the gradients]: this optimizer's
+        parameters hand their gradients to it; an older one alive that held
+        some of them learns which (it refuses to go on)."""
+        names = param_names(self.param_groups)
+        for p in self.params:
+            older = _HANDED_TO.get(p)
+            if older is not None and older is not this and older() is not None and not older()._taken_by_newer:
+                older()._taken_by_newer = names[id(p)]
+            _HANDED_TO[p] = this
+
     def _check_params_in_place(self) -> None:
         """[Note: tracked storage] (_tracked.py): a parameter that moved to
         other memory (model.to(...), p.data = ...) is followed where the
         all-gather copies into it, and refused where the optimizer's buffers
         are the parameter's memory (contiguous buffers) or its shape changed.
         One C-level pass over the parameters when nothing moved."""
+        if self._taken_by_newer:
+            raise RuntimeError(
+                f"{self._taken_by_newer} (and maybe more) belongs to a newer {type(self).__name__} built over it "
+                "since, which now takes its gradients: step that one. This one is still alive (an LR scheduler or "
+                "a trainer may hold it): let go of it, or build the new one over other parameters")
         self._replaced.check()
         self._check_trainable_set()
         moved = moved_indices(self.params, self._param_ptrs)
