@@ -537,9 +537,9 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
         # [Note: tracked storage] (_tracked.py): what step() compares the parameters against.
         self._param_ptrs = list(map(DATA_PTR, self.params))
         self._param_shapes = [p.shape for p in self.params]
-        self._replaced.track(p for g in self.param_groups for p in g["params"])
-        # [Note: the trainable set]: what step() compares requires_grad against.
         self._grouped = [p for g in self.param_groups for p in g["params"]]
+        self._replaced.track(self._grouped)
+        # [Note: the trainable set]: what step() compares requires_grad against.
         self._trainable = list(map(REQUIRES_GRAD, self._grouped))
 
     def _plan_over(self, frags: list, grads: BucketRows, device: torch.device) -> kernels.TensorPlan:
@@ -727,6 +727,11 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
         if self._probe.active and self._probe.repeated and self.host_step_in_backward:
             raise RuntimeError(_host_shards.SECOND_REDUCTION)
         check_step_groups(self.param_groups, self.rule)
+        if self._taken_by_newer:  # [Note: the newest optimizer takes the gradients]
+            raise RuntimeError(
+                f"{self._taken_by_newer} (and maybe more) belongs to a newer {type(self).__name__} built over it "
+                "since, which now takes its gradients: step that one. This one is still alive (an LR scheduler or "
+                "a trainer may hold it): let go of it, or build the new one over other parameters")
         self._check_params_in_place()
         inv_loss_scale = None
         if grad_scaler is not None:
@@ -743,7 +748,7 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
                 inv_loss_scale = _amp.inv_scale(grad_scaler, self.device)
         self._land_param_sync()  # the last all-gather reads the shards this step writes
         # Stepped during backward already: what changed after the hand-over is reported once the step is done.
-        unused = self._gradients_set_after_hand_over() if self.iteration.host_step else []
+        unused = self._gradients_set_after_hand_over() if self.iteration.host_step else ""
         if self.iteration.grads is not Grads.REDUCED:  # the first one rebuilds the layout: before any state exists
             self.grad_sync()
         if not all(self._initialized):
@@ -810,9 +815,8 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
         if unused:
             raise RuntimeError(
                 f"{type(self).__name__}(host_step_in_backward=True) stepped this iteration with the gradients "
-                f"backward produced: the gradient of {unused[0]}"
-                f"{f' (and {len(unused) - 1} more)' if len(unused) > 1 else ''} was set after backward handed it "
-                "over, and was not used. Change gradients before the hand-over, with a tensor hook (p.register_hook), "
+                f"backward produced: the gradient of {unused} was set after backward handed it over, and was not "
+                "used. Change gradients before the hand-over, with a tensor hook (p.register_hook), "
                 "or build the optimizer with overlap_grad_sync=False")
         if moved:
             raise RuntimeError(
@@ -886,8 +890,9 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
         names = param_names(self.param_groups)
         for p in self.params:
             older = _HANDED_TO.get(p)
-            if older is not None and older is not this and older() is not None and not older()._taken_by_newer:
-                older()._taken_by_newer = names[id(p)]
+            owner = older() if older is not None and older is not this else None
+            if owner is not None and not owner._taken_by_newer:
+                owner._taken_by_newer = names[id(p)]
             _HANDED_TO[p] = this
 
     def _check_params_in_place(self) -> None:
@@ -896,11 +901,6 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
         all-gather copies into it, and refused where the optimizer's buffers
         are the parameter's memory (contiguous buffers) or its shape changed.
         One C-level pass over the parameters when nothing moved."""
-        if self._taken_by_newer:
-            raise RuntimeError(
-                f"{self._taken_by_newer} (and maybe more) belongs to a newer {type(self).__name__} built over it "
-                "since, which now takes its gradients: step that one. This one is still alive (an LR scheduler or "
-                "a trainer may hold it): let go of it, or build the new one over other parameters")
         self._replaced.check()
         self._check_trainable_set()
         moved = moved_indices(self.params, self._param_ptrs)
@@ -948,15 +948,19 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
     # done by then, reports it once step() has finished. Not seen: in-place
     # edits of a view of the contiguous buffer (torch.nn.utils.clip_grad_norm_:
     # use clip_grad_norm()) and set_to_none where p.grad is None already.
-    def _gradients_set_after_hand_over(self) -> list[str]:
-        """The parameters (their names) whose .grad is no longer what the
-        hand-over left ([Note: gradients set after the hand-over])."""
+    def _gradients_set_after_hand_over(self) -> str:
+        """The parameters whose .grad is no longer what the hand-over left,
+        as "<first one's name> (and N more)", or "" ([Note: gradients set
+        after the hand-over])."""
         if not self.overlap_grad_sync or self._probe.active:
-            return []
+            return ""
         left = self._grad_views if self.contiguous_grad_buffer else itertools.repeat(None)
         changed = itertools.compress(range(len(self.params)), map(operator.is_not, map(GRAD, self.params), left))
-        names = param_names(self.param_groups)
-        return [names[id(self.params[k])] for k in changed if self._grad_sync.arrived[k]]
+        late = [k for k in changed if self._grad_sync.arrived[k]]
+        if not late:
+            return ""
+        first = param_names(self.param_groups)[id(self.params[late[0]])]
+        return first + (f" (and {len(late) - 1} more)" if len(late) > 1 else "")
 
     def _leave_consumed(self, params) -> None:
         """Before the first gradient of an iteration after a step that left
@@ -1123,11 +1127,12 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
         every bucket that backward has not started, and wait for all."""
         if self._probe.active:
             self._adopt_backward_order()
-        late = self._gradients_set_after_hand_over()
-        if late and not self.iteration.host_step:  # a host step reports them once it is done (step())
+        # A host step in backward is done by now: step() reports these once it has finished.
+        late = "" if self.iteration.host_step else self._gradients_set_after_hand_over()
+        if late:
             left = "optimizer.grad_buffer_view(p)" if self.contiguous_grad_buffer else "None"
             raise RuntimeError(
-                f"{late[0]}{f' (and {len(late) - 1} more)' if len(late) > 1 else ''}: its gradient was set after "
+                f"{late}: its gradient was set after "
                 f"backward handed it over ({type(self).__name__}(overlap_grad_sync=True) reduces each gradient as "
                 "backward produces it), so this step would not see it. Change gradients before the hand-over, "
                 f"with a tensor hook (p.register_hook), or build the optimizer with overlap_grad_sync=False; to "
