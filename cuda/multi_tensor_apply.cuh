@@ -36,8 +36,9 @@ constexpr int kTile = kVecElems;
 // elements. Their passes move few bytes per element (14 and 8), so at tiles
 // of 4 neither kept the memory busy. On an H200 (2^30 elements, fp32
 // parameters): 6.91 ms at 4, 5.90-6.33 ms at 8, 13.2 ms at 16, which spills
-// (benchmarks/RESULTS.md, "Storage kinds"). At 8 the kernels spill 52-64
-// bytes at 64 registers and are still the fastest. Overridable for tuning:
+// (benchmarks/RESULTS.md, "Storage kinds"). At 8 the kernels spill 40 bytes
+// at 64 registers ([Note: full tiles first]) and are still the fastest.
+// Overridable for tuning:
 // -DSHARDADAM_F8_TILE=4.
 #ifndef SHARDADAM_F8_TILE
 #define SHARDADAM_F8_TILE 8
@@ -52,9 +53,9 @@ static_assert(kBlockTile % kVecElems == 0, "a block tile is whole vector accesse
 constexpr int kMinBlocks = 1024 / kBlock > 0 ? 1024 / kBlock : 1;
 // Blockwise kernels hold twice the elements per thread and the map lookups,
 // about 120 instructions per element: they are bound by latency and issue, not
-// by memory, so they need the warps of two blocks per multiprocessor. At 64
-// registers they spill a few dozen bytes; one block at up to 128 registers
-// spills none but left no warp eligible in 41% of cycles. On an H200 (2^30
+// by memory, so they need the warps of two blocks per multiprocessor, at 64
+// registers (no spills: [Note: full tiles first]); one block at up to 128
+// registers left no warp eligible in 41% of cycles. On an H200 (2^30
 // elements, fp32 parameters, 8-bit states): 5.55 ms at two blocks, 6.75 ms at
 // one, 5.53 ms at three blocks of 256 threads (benchmarks/RESULTS.md).
 // Overridable for tuning: -DSHARDADAM_BLOCKWISE_MIN_BLOCKS=1. The general
@@ -236,6 +237,13 @@ struct TensorRefs {
   const Q8Maps* q8;  // in shared memory, in blockwise kernels
 };
 
+// [Note: global accesses] The table's addresses reach the kernel as plain
+// pointers, so nvcc emitted generic loads and stores (LD.E, ST.E), which it
+// must also assume may alias shared memory: the blockwise kernels' map reads
+// then could not move across a tile's stores. Every address the table holds
+// is device-global memory, so the accesses of full tiles (an in-range element
+// of a present list) tell the compiler so, and become LDG and STG.
+
 // One tile of one tensor. kFull: K elements, every list aligned for vector
 // access (the steady state, with no per-access branch); otherwise element by
 // element with count() real elements (misaligned views, tails).
@@ -345,7 +353,9 @@ class CudaIO {
   }
 
   __device__ float* block_max_ptr(int l) const {
-    return refs_.blocks[l] + index_ / kQuantBlock;
+    float* p = refs_.blocks[l] + index_ / kQuantBlock;
+    __builtin_assume(__isGlobal(p));  // [Note: global accesses]
+    return p;
   }
 
   __device__ void load_bits(int l, uint16_t (&out)[K]) const {
@@ -359,6 +369,7 @@ class CudaIO {
   template <class T>
   __device__ void load_raw(const T* src, T (&r)[K]) const {
     if constexpr (kFull) {
+      __builtin_assume(__isGlobal(src));  // [Note: global accesses]
 #pragma unroll
       for (int j = 0; j < K; j += kVecElems) {
         const Pack<T, kVecElems> p = *reinterpret_cast<const Pack<T, kVecElems>*>(src + j);
@@ -373,6 +384,7 @@ class CudaIO {
   template <class T>
   __device__ void store_raw(T* dst, const T (&r)[K]) const {
     if constexpr (kFull) {
+      __builtin_assume(__isGlobal(dst));  // [Note: global accesses]
 #pragma unroll
       for (int j = 0; j < K; j += kVecElems) {
         Pack<T, kVecElems> p;
@@ -440,6 +452,19 @@ class CudaReducer {
 // that every lane joins each block reduction. They read the dynamic maps
 // from shared memory.
 //
+// [Note: full tiles first] A thread first walks its full tiles, in a loop of
+// their own, then the rest (the tensor's last unit, or every tile of a
+// misaligned tensor, without the next-tile prefetch). Only a thread's last
+// tile can be partial, yet in one loop holding both paths the element-wise
+// path's registers weighed on the steady state: at the 64 registers of two
+// blocks per multiprocessor, ptxas kept the blockwise kernels' loop index,
+// alignment flag and a list address in local memory (20-64 bytes of spills,
+// reloaded at every tile). Split, no blockwise kernel spills and the FP8
+// kernels spill 40 bytes instead of 52-64 (ptxas -v, sm_90). On an H200 (2^30
+// elements, fp32 parameters): 8-bit states 4.82-4.84 -> 4.59-4.61 ms (0.84 ->
+// 0.88 of copy), FP8 states 5.89-5.91 -> 5.68 ms, fp32 and bf16 unchanged
+// (benchmarks/RESULTS.md, "Storage kinds").
+//
 // [Note: next-tile prefetch] Blockwise kernels ask L2 for the thread's next
 // tile (one sweep on) of each list the op reads before they work on the
 // current one. Their tiles are long chains of dependent work (loads, map
@@ -474,17 +499,22 @@ __global__ void __launch_bounds__(kBlock, kMinBlocksFor<Dtypes, kBlocks>)
   const TensorRefs<Op::kLists, Dtypes> refs(tv, tensor, maps);
   auto state = op.template begin<K>(ctx, op.group_state(ctx.group));
   const int64_t lead = kBlocks ? int64_t(threadIdx.x & 31) * K : 0;  // this lane's offset in its warp's block
-  for (int64_t i = (c - first_chunk) * kSweep + int64_t(threadIdx.x) * K; i - lead < n; i += sweep_stride) {
-    if constexpr (kBlocks) {
-      if (i + sweep_stride + K <= n) refs.prefetch_l2(Op::kReadLists, i + sweep_stride);
-    }
-    if (vector_ok && n - i >= K) {
+  // [Note: full tiles first] A tile is full when its whole unit lies in the tensor (the warp's
+  // block in blockwise kernels, so that a warp takes one path; the thread's tile otherwise).
+  constexpr int64_t kUnit = kBlocks ? kQuantBlock : K;
+  int64_t i = (c - first_chunk) * kSweep + int64_t(threadIdx.x) * K;
+  if (vector_ok) {
+    for (; i - lead + kUnit <= n; i += sweep_stride) {
+      if constexpr (kBlocks) {
+        if (i + sweep_stride + K <= n) refs.prefetch_l2(Op::kReadLists, i + sweep_stride);
+      }
       op.template tile<K>(CudaIO<Op::kLists, K, Dtypes, true>(refs, i, K), state);
-    } else {
-      const int64_t left = n - i;
-      op.template tile<K>(CudaIO<Op::kLists, K, Dtypes, false>(refs, i, int(left < 0 ? 0 : (left < K ? left : K))),
-                          state);
     }
+  }
+  for (; i - lead < n; i += sweep_stride) {  // the tensor's last unit; every tile when misaligned
+    const int64_t left = n - i;
+    op.template tile<K>(CudaIO<Op::kLists, K, Dtypes, false>(refs, i, int(left < 0 ? 0 : (left < K ? left : K))),
+                        state);
   }
   CudaReducer red;
   op.template finish<K>(ctx, state, red);

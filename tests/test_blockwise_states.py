@@ -196,6 +196,42 @@ def test_steps_equal_adamw_on_quantized_states(device, lion):
             assert (opt.state[p][name].cpu().long() != codes).float().mean() < 0.01, name
 
 
+def _codes_at(codes: torch.Tensor, offset: int) -> torch.Tensor:
+    """codes copied into a view `offset` bytes into a buffer of fill bytes."""
+    buf = torch.full((codes.numel() + offset + 5,), 0xA5, dtype=torch.uint8, device=codes.device)
+    view = buf[offset:offset + codes.numel()]
+    view.copy_(codes)
+    return view
+
+
+@pytest.mark.parametrize("n", [300, 3 * 4096 + 1000])
+def test_misaligned_codes_step_as_aligned_ones(device, n):
+    """Codes 1 and 2 bytes off 16-byte alignment send every tile of the tensor
+    down the element-wise path; aligned, its whole blocks take the vector path
+    and only its last, partial block the element-wise one ([Note: full tiles
+    first] in cuda/multi_tensor_apply.cuh). Two steps give the same bits, and
+    the bytes around the views stay as they were."""
+    g = torch.Generator().manual_seed(3)
+    blocks = -(-n // BLOCK)
+    params, grads = torch.randn(n, generator=g).to(device), torch.randn(n, generator=g).to(device)
+    codes = [torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8).to(device) for _ in range(2)]
+    maxima = [(torch.rand(blocks, generator=g) * 0.1 + 1e-3).to(device) for _ in range(2)]
+    aligned = [params.clone(), grads, [c.clone() for c in codes], [m.clone() for m in maxima]]
+    shifted = [params.clone(), grads, [_codes_at(c, 1 + i) for i, c in enumerate(codes)],
+               [m.clone() for m in maxima]]
+    assert all(c.data_ptr() % 16 for c in shifted[2])
+    for step in (1, 2):
+        for p, gr, (m, v), (m_max, v_max) in (aligned, shifted):
+            kernels.adam([p], [gr], [m], [v], lr=1e-2, step=step, weight_decay=0.01,
+                         exp_avg_absmax=[m_max], exp_avg_sq_absmax=[v_max])
+    assert not torch.equal(aligned[0], params)
+    assert torch.equal(shifted[0], aligned[0])
+    for got, want, got_max, want_max in zip(shifted[2], aligned[2], shifted[3], aligned[3]):
+        assert torch.equal(got, want) and torch.equal(got_max, want_max)
+        off = got.storage_offset()
+        assert bool((got._base[:off] == 0xA5).all()) and bool((got._base[off + n:] == 0xA5).all())
+
+
 def test_skipped_step_writes_nothing(device):
     """GradScaler's found_inf: codes and maxima stay bit for bit."""
     model = nn.Linear(64, 48).to(device)
