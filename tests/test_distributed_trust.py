@@ -55,6 +55,15 @@ def _stepped(device, **options):
     return model, opt
 
 
+def _stepped_with_twin(device, **options):
+    """_stepped's model and optimizer, their snapshot, and a twin model that
+    has taken the untouched second iteration (_iteration's seed 2)."""
+    model, opt = _stepped(device, **options)
+    want_model, want_opt = _stepped(device, **options)
+    _iteration(want_model, want_opt, device, 2)
+    return model, opt, _snapshot(opt, model), want_model
+
+
 def _snapshot(opt, model):
     tensors = [p.detach().clone() for p in model.parameters()]
     tensors += [t.clone() for t in (opt.states["exp_avg"], opt.states["exp_avg_sq"], opt.master) if t is not None]
@@ -154,11 +163,7 @@ def test_a_gradient_set_after_the_hand_over_is_refused(group, contiguous):
     step() refuses it before writing anything, and once it is set back steps
     with backward's gradients, as an iteration without it does."""
     device = group
-    options = dict(HYPER, contiguous_grad_buffer=contiguous)
-    model, opt = _stepped(device, **options)
-    want_model, want_opt = _stepped(device, **options)
-    _iteration(want_model, want_opt, device, 2)
-    snap = _snapshot(opt, model)
+    model, opt, snap, want_model = _stepped_with_twin(device, **HYPER, contiguous_grad_buffer=contiguous)
     left = r"optimizer\.grad_buffer_view\(p\)" if contiguous else "None"
     with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['params'\]\[2\]: its gradient was set after "
                                            r"backward handed it over .*overlap_grad_sync=False; to step with what "
@@ -171,21 +176,55 @@ def test_a_gradient_set_after_the_hand_over_is_refused(group, contiguous):
         assert_bits_equal(got, want, f"parameter {i} after the step with backward's gradients")
 
 
-def test_a_gradient_set_after_a_host_step_in_backward_is_reported(group, monkeypatch):
+@pytest.mark.parametrize("change", ["clip_grad_norm_", "zero_grad(set_to_none=False)",
+                                    "clip_grad_norm_ after grad_norm()"])
+def test_an_in_place_change_of_a_buffer_gradient_after_the_hand_over_is_refused(group, change):
+    """[Note: gradients set after the hand-over]: with the contiguous gradient
+    buffer p.grad stays the parameter's view of it, so an in-place change
+    after backward handed it over (torch.nn.utils.clip_grad_norm_, zeroing)
+    would reach part of the step or none of it. step() refuses it before
+    writing anything, also when grad_norm() synchronised the gradients
+    before the change; zero_grad() and a new backward then step as an
+    iteration without the change does."""
+    device = group
+    model, opt, snap, want_model = _stepped_with_twin(device, **HYPER, contiguous_grad_buffer=True)
+
+    def poison(m):
+        if change.endswith("after grad_norm()"):
+            opt.grad_norm()
+        if change.startswith("zero_grad"):
+            m.zero_grad(set_to_none=False)
+        else:
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1e-3)
+
+    with pytest.raises(RuntimeError, match=r"DistributedFusedAdam: the contiguous gradient buffer was written in "
+                                           r"place after backward handed the gradients over .*so this step would "
+                                           r"not see the change .*Clip with optimizer\.clip_grad_norm\(\)"):
+        _iteration(model, opt, device, 2, poison=poison)
+    _assert_unchanged(opt, model, snap, "refused")
+    _iteration(model, opt, device, 2)
+    for i, (got, want) in enumerate(zip(model.parameters(), want_model.parameters())):
+        assert_bits_equal(got, want, f"parameter {i} after a new backward")
+
+
+@pytest.mark.parametrize("change", ["assigned", "in place"])
+def test_a_gradient_changed_after_a_host_step_in_backward_is_reported(group, monkeypatch, change):
     """With host_step_in_backward the buckets are stepped during backward:
     step() finishes that step (backward's gradients, as an iteration without
-    the assignment) and then says the assigned gradient was not used."""
+    the change) and then says the assigned gradient, or the change in place
+    of the contiguous gradient buffer, was not used."""
     from shardadam.distributed import _host_shards
     monkeypatch.setattr(_host_shards, "runs_pipeline", lambda where: True)  # the host pipeline on the CPU too
     device = group
-    options = dict(HYPER, state_device="cpu", host_step_in_backward=True)
-    model, opt = _stepped(device, **options)
-    want_model, want_opt = _stepped(device, **options)
-    _iteration(want_model, want_opt, device, 2)
-    with pytest.raises(RuntimeError, match=r"stepped this iteration with the gradients backward produced: the "
-                                           r"gradient of param_groups\[0\]\['params'\]\[2\] was set after "
-                                           r"backward handed it over, and was not used"):
-        _iteration(model, opt, device, 2, poison=_poison_last_weight)
+    model, opt, _, want_model = _stepped_with_twin(device, **HYPER, state_device="cpu", host_step_in_backward=True,
+                                                   contiguous_grad_buffer=change == "in place")
+    what = (r"the gradient of param_groups\[0\]\['params'\]\[2\] was set after backward handed it over"
+            if change == "assigned" else r"the contiguous gradient buffer was written in place after backward "
+                                         r"handed the gradients over .*")
+    with pytest.raises(RuntimeError, match=r"stepped this iteration with the gradients backward produced: "
+                                           + what + r", and (the change )?was not used"):
+        _iteration(model, opt, device, 2, poison=_poison_last_weight if change == "assigned"
+                   else lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 1e-3))
     for i, (got, want) in enumerate(zip(model.parameters(), want_model.parameters())):
         assert_bits_equal(got, want, f"parameter {i} after the host step")
 

@@ -44,7 +44,7 @@ from ._dtensor import PLAIN
 from ._fused_buckets import ALIGN_ELEMS, Bucket, GradFit
 from ._pinned import pinned_empty
 from ._plan import cpu_threads
-from ._tracked import DATA_PTR
+from ._tracked import DATA_PTR, VERSION
 
 # Elements per pipeline segment: large enough that a transfer runs at PCIe
 # speed and the CPU engine's launches are few, small enough that the pipeline
@@ -57,8 +57,6 @@ HOST_SEGMENT_ELEMS = 1 << 26
 # the host gradient staging slots that this takes.
 _LOOKAHEAD = 2
 _SLOTS = _LOOKAHEAD + 1
-
-VERSION = torch.Tensor._version.__get__
 
 
 def segment_bounds(params: list, limit: int) -> list[tuple[int, int]]:

@@ -31,6 +31,7 @@ import torch
 DATA_PTR = torch.Tensor.data_ptr
 GRAD = operator.attrgetter("grad")
 REQUIRES_GRAD = operator.attrgetter("requires_grad")
+VERSION = torch.Tensor._version.__get__
 
 
 def decoupled_grad(p: torch.Tensor):

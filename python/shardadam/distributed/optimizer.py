@@ -52,7 +52,7 @@ from .._dtensor import refuse_sharded_params
 from .._host_state import host_state_wanted, host_step_threads
 from .._pinned import pin
 from .._torch import check_tensor
-from .._tracked import DATA_PTR, GRAD, REQUIRES_GRAD, ReplacedParams, moved_indices
+from .._tracked import DATA_PTR, GRAD, REQUIRES_GRAD, VERSION, ReplacedParams, moved_indices
 from .._state_dict_check import check_state_dict
 from . import _amp, _apex_format, _host_shards, _watchdog, sharded_checkpoint
 from ._apex_methods import ApexMethods
@@ -75,6 +75,13 @@ _log = logging.getLogger("shardadam")
 
 # torch 2.13 renamed the flat-tensor collectives; older releases have only the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+# What the refusals of a change after backward's hand-over say ([Note: gradients set after the hand-over]).
+_CHANGE_BEFORE_HAND_OVER = ("change gradients before the hand-over, with a tensor hook (p.register_hook), or build "
+                            "the optimizer with overlap_grad_sync=False")
+_BUFFER_WRITTEN = ("the contiguous gradient buffer was written in place after backward handed the gradients over "
+                   "(torch.nn.utils.clip_grad_norm_, zero_grad(set_to_none=False) or another in-place change of a "
+                   "p.grad)")
 
 
 # [Note: the newest optimizer takes the gradients] An optimizer built over
@@ -103,7 +110,11 @@ def _grad_ready(optimizer: weakref.ref, k: int, param: torch.Tensor) -> None:
         if opt.iteration.host_step is None and opt.host_step_in_backward:
             opt._arm_host_step()
         opt._grad_sync.pack(k, param.grad)
-        param.grad = opt._grad_views[k] if opt.contiguous_grad_buffer else None
+        if opt.contiguous_grad_buffer:
+            param.grad = opt._grad_views[k]
+            opt._buffer_version = opt._grad_buffer_version()  # [Note: gradients set after the hand-over]
+        else:
+            param.grad = None
 
 
 # Modules whose forward reads a child's parameters without calling the child
@@ -268,6 +279,8 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
         self._grad_scaler = None  # the GradScaler step() last received: grad_norm() unscales with it
         self._hooks = _Hooks()
         self._taken_by_newer = None  # [Note: the newest optimizer takes the gradients]: a parameter's name once set
+        # [Note: gradients set after the hand-over]: the gradient buffer's version at the last hand-over.
+        self._buffer_version = None
         # Reads of a parameter outside its module's forward wait on first use ([Note: first-use guard]).
         self._first_use = self._hooks.first_use = FirstUseGuard(self._make_current) if overlap_param_sync else None
         weakref.finalize(self, self._hooks.remove)  # [Note: hooks die with their optimizer]
@@ -749,8 +762,11 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
         self._land_param_sync()  # the last all-gather reads the shards this step writes
         # Stepped during backward already: what changed after the hand-over is reported once the step is done.
         unused = self._gradients_set_after_hand_over() if self.iteration.host_step else ""
+        rewritten = self._buffer_written_after_hand_over() if self.iteration.host_step else False
         if self.iteration.grads is not Grads.REDUCED:  # the first one rebuilds the layout: before any state exists
             self.grad_sync()
+        elif not self.iteration.host_step:  # synchronised earlier (grad_norm(), clip_grad_norm(), unscale_grads())
+            self._refuse_buffer_written()
         if not all(self._initialized):
             self.init_params([p for p, done in zip(self.params, self._initialized) if not done])
         # Averaging, unscaling and clipping fold into the kernel's gradient
@@ -812,12 +828,12 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
         if self.overlap_param_sync:  # any other read waits on first use
             self._first_use.arm(self.params)
         self._end_iteration(stepped=True)
-        if unused:
+        if unused or rewritten:
+            what = (f"the gradient of {unused} was set after backward handed it over, and was not used" if unused
+                    else f"{_BUFFER_WRITTEN}, and the change was not used")
             raise RuntimeError(
                 f"{type(self).__name__}(host_step_in_backward=True) stepped this iteration with the gradients "
-                f"backward produced: the gradient of {unused} was set after backward handed it over, and was not "
-                "used. Change gradients before the hand-over, with a tensor hook (p.register_hook), "
-                "or build the optimizer with overlap_grad_sync=False")
+                f"backward produced: {what}: {_CHANGE_BEFORE_HAND_OVER}")
         if moved:
             raise RuntimeError(
                 f"{type(self).__name__}(host_step_in_backward=True) stepped this iteration with the "
@@ -945,9 +961,16 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
     # set after that (p.grad = t; model.zero_grad() with the contiguous
     # buffer) would be dropped silently: grad_sync() refuses it before anything
     # of the step is written, naming the parameter; a host step in backward,
-    # done by then, reports it once step() has finished. Not seen: in-place
-    # edits of a view of the contiguous buffer (torch.nn.utils.clip_grad_norm_:
-    # use clip_grad_norm()) and set_to_none where p.grad is None already.
+    # done by then, reports it once step() has finished. So is an in-place
+    # change of a view of the contiguous buffer after the hand-over
+    # (torch.nn.utils.clip_grad_norm_, zero_grad(set_to_none=False)): the
+    # views share the buffer's version counter, which every hand-over records
+    # after its own writes (autograd's accumulation and the reduce-scatter's
+    # launch bump it before that), and so does grad_sync() once it is done; a
+    # counter moved since then is someone else's write, refused by grad_sync()
+    # or, when grad_norm(), clip_grad_norm() or unscale_grads() synchronised
+    # earlier, by step(). Which parameter it touched the counter cannot tell.
+    # Not seen: set_to_none where p.grad is None already.
     def _gradients_set_after_hand_over(self) -> str:
         """The parameters whose .grad is no longer what the hand-over left,
         as "<first one's name> (and N more)", or "" ([Note: gradients set
@@ -961,6 +984,25 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
             return ""
         first = param_names(self.param_groups)[id(self.params[late[0]])]
         return first + (f" (and {len(late) - 1} more)" if len(late) > 1 else "")
+
+    def _grad_buffer_version(self) -> int:
+        """The contiguous gradient buffer's version counters, summed (they only grow)."""
+        return sum(map(VERSION, self.grad_buffer.tensors))
+
+    def _buffer_written_after_hand_over(self) -> bool:
+        """Whether the contiguous gradient buffer was written since this
+        iteration's last hand-over or synchronisation ([Note: gradients set
+        after the hand-over])."""
+        return (self.contiguous_grad_buffer and self.overlap_grad_sync and not self._probe.active
+                and any(self._grad_sync.arrived) and self._grad_buffer_version() != self._buffer_version)
+
+    def _refuse_buffer_written(self) -> None:
+        if self._buffer_written_after_hand_over():
+            raise RuntimeError(
+                f"{type(self).__name__}: {_BUFFER_WRITTEN}, so this step would not see the change "
+                "(overlap_grad_sync=True reduces each gradient as backward produces it). Clip with "
+                f"optimizer.clip_grad_norm(); {_CHANGE_BEFORE_HAND_OVER}; then call optimizer.zero_grad() and run "
+                "backward again")
 
     def _leave_consumed(self, params) -> None:
         """Before the first gradient of an iteration after a step that left
@@ -1134,12 +1176,15 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
             raise RuntimeError(
                 f"{late}: its gradient was set after "
                 f"backward handed it over ({type(self).__name__}(overlap_grad_sync=True) reduces each gradient as "
-                "backward produces it), so this step would not see it. Change gradients before the hand-over, "
-                f"with a tensor hook (p.register_hook), or build the optimizer with overlap_grad_sync=False; to "
+                f"backward produces it), so this step would not see it: {_CHANGE_BEFORE_HAND_OVER}; to "
                 f"step with what backward produced, set p.grad back to {left}")
+        if not self.iteration.host_step:
+            self._refuse_buffer_written()
         self._leave_consumed(range(len(self.params)))
         self._grad_sync.finish()
-        if not self.contiguous_grad_buffer:
+        if self.contiguous_grad_buffer:
+            self._buffer_version = self._grad_buffer_version()  # after the synchronisation's own writes
+        else:
             for p in self.params:  # handed over: the reduced shards hold them now
                 p.grad = None
         self.iteration.move_grads(Grads.REDUCED)
