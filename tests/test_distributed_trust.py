@@ -255,6 +255,25 @@ def test_a_change_of_requires_grad_after_building_is_refused(group, unfreeze):
     assert [int(g["step"]) for g in opt.param_groups] == [2]
 
 
+def test_a_group_added_after_building_is_refused(group):
+    """[Note: the trainable set]: a group added by add_param_group after
+    construction would have no shards (never trained; the next step failed
+    on its missing step counter). It is refused, nothing is added, and
+    training goes on as before."""
+    device = group
+    model, opt, snap, want_model = _stepped_with_twin(device, **HYPER)
+    groups = [dict(g) for g in opt.param_groups]
+    with pytest.raises(ValueError, match=r"DistributedFusedAdam\.add_param_group: the optimizer shards the "
+                                         r"parameters it was built with, so a group added now would never be "
+                                         r"trained"):
+        opt.add_param_group({"params": list(nn.Linear(3, 3).to(device).parameters()), "lr": 0.1})
+    assert [dict(g) for g in opt.param_groups] == groups
+    _assert_unchanged(opt, model, snap, "refused")
+    _iteration(model, opt, device, 2)
+    for i, (got, want) in enumerate(zip(model.parameters(), want_model.parameters())):
+        assert_bits_equal(got, want, f"parameter {i}")
+
+
 def test_a_newer_optimizer_over_the_same_parameters_takes_their_gradients(group):
     """[Note: the newest optimizer takes the gradients]: an optimizer still
     alive (an LR scheduler or a trainer may hold it) whose hooks took each

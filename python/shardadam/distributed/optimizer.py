@@ -885,6 +885,19 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
     # decay move it, where torch.optim leaves it alone), and one unfrozen
     # later has no shard, so its gradients would be ignored. step() refuses
     # both before anything is written: one C-level pass over the parameters.
+    # A group added after construction (add_param_group) would have no shards
+    # either, and a later step failed on its missing step counter:
+    # add_param_group refuses it, adding nothing.
+    def add_param_group(self, param_group: dict) -> None:
+        """torch.optim's while the constructor gathers the groups; refused
+        once the layout is built ([Note: the trainable set])."""
+        if getattr(self, "_grouped", None) is not None:
+            raise ValueError(f"{type(self).__name__}.add_param_group: the optimizer shards the parameters it was "
+                             "built with, so a group added now would never be trained. Build a new "
+                             f"{type(self).__name__} over every group (FusedAdam, which keeps whole tensors, "
+                             "takes groups added later)")
+        super().add_param_group(param_group)
+
     def _check_trainable_set(self) -> None:
         now = list(map(REQUIRES_GRAD, self._grouped))
         if now == self._trainable:
