@@ -829,11 +829,12 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
             self._first_use.arm(self.params)
         self._end_iteration(stepped=True)
         if unused or rewritten:
-            what = (f"the gradient of {unused} was set after backward handed it over, and was not used" if unused
-                    else f"{_BUFFER_WRITTEN}, and the change was not used")
-            raise RuntimeError(
-                f"{type(self).__name__}(host_step_in_backward=True) stepped this iteration with the gradients "
-                f"backward produced: {what}: {_CHANGE_BEFORE_HAND_OVER}")
+            what = (f"with the gradients backward produced: the gradient of {unused} was set after backward "
+                    "handed it over, and was not used" if unused else
+                    f"during backward: {_BUFFER_WRITTEN} while the host step was copying them down, so part of the "
+                    "change may have reached this step")
+            raise RuntimeError(f"{type(self).__name__}(host_step_in_backward=True) stepped this iteration {what}: "
+                               f"{_CHANGE_BEFORE_HAND_OVER}")
         if moved:
             raise RuntimeError(
                 f"{type(self).__name__}(host_step_in_backward=True) stepped this iteration with the "
@@ -983,6 +984,9 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
     # counter moved since then is someone else's write, refused by grad_sync()
     # or, when grad_norm(), clip_grad_norm() or unscale_grads() synchronised
     # earlier, by step(). Which parameter it touched the counter cannot tell.
+    # A host step in backward copies the reduced shards down while the caller
+    # goes on, so there a change in place races with those copies: step()
+    # reports it after the fact, saying that part of it may have been used.
     # Not seen: set_to_none where p.grad is None already.
     def _gradients_set_after_hand_over(self) -> str:
         """The parameters whose .grad is no longer what the hand-over left,
