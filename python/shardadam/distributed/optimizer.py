@@ -1036,7 +1036,9 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
                 raise RuntimeError(
                     f"{names[id(self.params[k])]}: a gradient was added into the contiguous gradient buffer while "
                     f"it still holds the last step's reduced shard ({type(self).__name__}(contiguous_grad_buffer="
-                    "True) reduces in place): call optimizer.zero_grad() between a step and the next backward")
+                    "True) reduces in place): call optimizer.zero_grad() between a step and the next backward "
+                    "(model.zero_grad(set_to_none=False) zeroes the views too, but the optimizer cannot tell that "
+                    "from gradients accumulated over the reduced shard)")
         self.grad_shards.zero_()
         self.iteration.move_grads(Grads.REDUCING)
 
