@@ -176,6 +176,27 @@ def test_a_gradient_set_after_the_hand_over_is_refused(group, contiguous):
         assert_bits_equal(got, want, f"parameter {i} after the step with backward's gradients")
 
 
+def test_a_gradient_set_after_grad_norm_synchronised_is_refused(group):
+    """[Note: gradients set after the hand-over]: once grad_norm() has
+    synchronised the gradients, step() does not synchronise again, so it
+    looks for a gradient set since then itself, before writing anything."""
+    device = group
+    model, opt, snap, want_model = _stepped_with_twin(device, **HYPER)
+
+    def poison(m):
+        opt.grad_norm()
+        _poison_last_weight(m)
+
+    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['params'\]\[2\]: its gradient was set after "
+                                           r"backward handed it over"):
+        _iteration(model, opt, device, 2, poison=poison)
+    _assert_unchanged(opt, model, snap, "refused")
+    model[2].weight.grad = None
+    opt.step()
+    for i, (got, want) in enumerate(zip(model.parameters(), want_model.parameters())):
+        assert_bits_equal(got, want, f"parameter {i} after the step with backward's gradients")
+
+
 @pytest.mark.parametrize("change", ["clip_grad_norm_", "zero_grad(set_to_none=False)",
                                     "clip_grad_norm_ after grad_norm()"])
 def test_an_in_place_change_of_a_buffer_gradient_after_the_hand_over_is_refused(group, change):

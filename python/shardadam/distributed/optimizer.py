@@ -761,12 +761,11 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
                 inv_loss_scale = _amp.inv_scale(grad_scaler, self.device)
         self._land_param_sync()  # the last all-gather reads the shards this step writes
         # Stepped during backward already: what changed after the hand-over is reported once the step is done.
-        unused = self._gradients_set_after_hand_over() if self.iteration.host_step else ""
-        rewritten = self._buffer_written_after_hand_over() if self.iteration.host_step else False
+        changed = self._host_step_changes() if self.iteration.host_step else ""
         if self.iteration.grads is not Grads.REDUCED:  # the first one rebuilds the layout: before any state exists
             self.grad_sync()
-        elif not self.iteration.host_step:  # synchronised earlier (grad_norm(), clip_grad_norm(), unscale_grads())
-            self._refuse_buffer_written()
+        else:  # synchronised earlier (grad_norm(), clip_grad_norm(), unscale_grads())
+            self._refuse_changes_after_hand_over()
         if not all(self._initialized):
             self.init_params([p for p, done in zip(self.params, self._initialized) if not done])
         # Averaging, unscaling and clipping fold into the kernel's gradient
@@ -828,13 +827,8 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
         if self.overlap_param_sync:  # any other read waits on first use
             self._first_use.arm(self.params)
         self._end_iteration(stepped=True)
-        if unused or rewritten:
-            what = (f"with the gradients backward produced: the gradient of {unused} was set after backward "
-                    "handed it over, and was not used" if unused else
-                    f"during backward: {_BUFFER_WRITTEN} while the host step was copying them down, so part of the "
-                    "change may have reached this step")
-            raise RuntimeError(f"{type(self).__name__}(host_step_in_backward=True) stepped this iteration {what}: "
-                               f"{_CHANGE_BEFORE_HAND_OVER}")
+        if changed:
+            raise RuntimeError(changed)
         if moved:
             raise RuntimeError(
                 f"{type(self).__name__}(host_step_in_backward=True) stepped this iteration with the "
@@ -981,9 +975,10 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
     # views share the buffer's version counter, which every hand-over records
     # after its own writes (autograd's accumulation and the reduce-scatter's
     # launch bump it before that), and so does grad_sync() once it is done; a
-    # counter moved since then is someone else's write, refused by grad_sync()
-    # or, when grad_norm(), clip_grad_norm() or unscale_grads() synchronised
-    # earlier, by step(). Which parameter it touched the counter cannot tell.
+    # counter moved since then is someone else's write. Both are refused by
+    # grad_sync() or, when grad_norm(), clip_grad_norm() or unscale_grads()
+    # synchronised earlier, by step(). Which parameter a write in place
+    # touched the counter cannot tell.
     # A host step in backward copies the reduced shards down while the caller
     # goes on, so there a change in place races with those copies: step()
     # reports it after the fact, saying that part of it may have been used.
@@ -1013,13 +1008,43 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
         return (self.contiguous_grad_buffer and self.overlap_grad_sync and not self._probe.active
                 and any(self._grad_sync.arrived) and self._grad_buffer_version() != self._buffer_version)
 
-    def _refuse_buffer_written(self) -> None:
+    def _refuse_changes_after_hand_over(self) -> None:
+        """grad_sync()'s and step()'s refusal of a gradient set, or of the
+        buffer written, after the hand-over, before anything of the step is
+        written; none with a host step in backward, done by then
+        (_host_step_changes). [Note: gradients set after the hand-over]"""
+        if self.iteration.host_step:
+            return
+        late = self._gradients_set_after_hand_over()
+        if late:
+            left = "optimizer.grad_buffer_view(p)" if self.contiguous_grad_buffer else "None"
+            raise RuntimeError(
+                f"{late}: its gradient was set after "
+                f"backward handed it over ({type(self).__name__}(overlap_grad_sync=True) reduces each gradient as "
+                f"backward produces it), so this step would not see it: {_CHANGE_BEFORE_HAND_OVER}; to "
+                f"step with what backward produced, set p.grad back to {left}")
         if self._buffer_written_after_hand_over():
             raise RuntimeError(
                 f"{type(self).__name__}: {_BUFFER_WRITTEN}, so this step would not see the change "
                 "(overlap_grad_sync=True reduces each gradient as backward produces it). Clip with "
                 f"optimizer.clip_grad_norm(); {_CHANGE_BEFORE_HAND_OVER}; then call optimizer.zero_grad() and run "
                 "backward again")
+
+    def _host_step_changes(self) -> str:
+        """What changed after the hand-over of an iteration a host step in
+        backward has stepped, as the message step() raises once it is done,
+        or "" ([Note: gradients set after the hand-over])."""
+        late = self._gradients_set_after_hand_over()
+        if late:
+            what = (f"with the gradients backward produced: the gradient of {late} was set after backward handed "
+                    "it over, and was not used")
+        elif self._buffer_written_after_hand_over():
+            what = (f"during backward: {_BUFFER_WRITTEN} while the host step was copying them down, so part of the "
+                    "change may have reached this step")
+        else:
+            return ""
+        return (f"{type(self).__name__}(host_step_in_backward=True) stepped this iteration {what}: "
+                f"{_CHANGE_BEFORE_HAND_OVER}")
 
     def _leave_consumed(self, params) -> None:
         """Before the first gradient of an iteration after a step that left
@@ -1188,17 +1213,7 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
         every bucket that backward has not started, and wait for all."""
         if self._probe.active:
             self._adopt_backward_order()
-        # A host step in backward is done by now: step() reports these once it has finished.
-        late = "" if self.iteration.host_step else self._gradients_set_after_hand_over()
-        if late:
-            left = "optimizer.grad_buffer_view(p)" if self.contiguous_grad_buffer else "None"
-            raise RuntimeError(
-                f"{late}: its gradient was set after "
-                f"backward handed it over ({type(self).__name__}(overlap_grad_sync=True) reduces each gradient as "
-                f"backward produces it), so this step would not see it: {_CHANGE_BEFORE_HAND_OVER}; to "
-                f"step with what backward produced, set p.grad back to {left}")
-        if not self.iteration.host_step:
-            self._refuse_buffer_written()
+        self._refuse_changes_after_hand_over()
         self._leave_consumed(range(len(self.params)))
         self._grad_sync.finish()
         if self.contiguous_grad_buffer:
