@@ -234,6 +234,19 @@ def test_cpu_scalar_tensor_for_any_device(device):
         assert_all_bits_equal(a[key], b[key], key)
 
 
+@pytest.mark.cuda
+def test_gpu_scalar_tensor_for_cpu_tensors():
+    """A GPU one-element tensor for CPU tensors (state in host memory with a
+    GPU lr) is read when called, as a number."""
+    params0 = [randn(100, device="cpu")]
+    grads = grads_seq([100], "cpu", steps=2)
+    a = kernel_run(params0, grads, lr=torch.tensor(1e-3, device="cuda"), grad_scale=torch.tensor(0.5, device="cuda"),
+                   weight_decay=0.01)
+    b = kernel_run(params0, grads, lr=float(torch.tensor(1e-3)), grad_scale=0.5, weight_decay=0.01)
+    for key in a:
+        assert_all_bits_equal(a[key], b[key], key)
+
+
 # ---------------------------------------------------------------- dtypes
 
 DTYPES = [F32, F16, BF16]

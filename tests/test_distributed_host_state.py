@@ -38,6 +38,9 @@ CASES = {
                       torch.float32),
     "fp8": (dict(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8), dict(), torch.float32),
     "lion-8-bit": (dict(optimizer="lion", exp_avg_dtype="blockwise8"), dict(), torch.float32),
+    # lr as a one-element tensor on the parameters' device, filled in place by
+    # the schedule: a host step reads it on the host.
+    "fp32-device-lr": (dict(), dict(tensor_lr=True), torch.float32),
 }
 
 
@@ -57,6 +60,9 @@ def _run(case: str, model, opt, rank: int, world: int, steps) -> None:
     training = dict(CASES[case][1])
     training.pop("model", None)
     scaler = torch.amp.GradScaler(opt.device.type, init_scale=2.0 ** 10) if training.pop("scaler", False) else None
+    if training.pop("tensor_lr", False):
+        for g in opt.param_groups:
+            g["lr"] = torch.tensor(float(g["lr"]), device=opt.device)
     _train(model, opt, rank, world, steps, scaler=scaler, schedule=_lr_schedule(opt), **training)
     opt.param_sync()
 
@@ -274,7 +280,8 @@ def test_gpu_host_shards_match_gpu_state(tmp_path):
 
 # [Note: host step in backward]: the configurations it takes (no clipping, no
 # GradScaler, accumulation in no_sync()).
-IN_BACKWARD_CASES = ["fp32-no_sync", "contiguous-both-overlap", "bf16-master", "8-bit-amsgrad", "lion-8-bit"]
+IN_BACKWARD_CASES = ["fp32-no_sync", "contiguous-both-overlap", "bf16-master", "8-bit-amsgrad", "lion-8-bit",
+                     "fp32-device-lr"]
 
 
 def _in_backward_worker(rank: int, world: int, port: int, cases: list, device: str, out) -> None:

@@ -349,6 +349,21 @@ def test_gpu_host_state_matches_gpu_state_and_torch(monkeypatch, segment_elems):
 
 
 @pytest.mark.cuda
+def test_gpu_host_state_reads_a_gpu_tensor_lr():
+    """lr as a one-element CUDA tensor that the schedule fills in place (as
+    for capturable steps): the host step reads its value every step, as the
+    GPU-state optimizer's kernel does."""
+    ref, host = _gpu_model(), _gpu_model()
+    opts = [shardadam.FusedAdam(m.parameters(), lr=torch.tensor(1e-3, device="cuda"), weight_decay=0.01, **kw)
+            for m, kw in ((ref, {}), (host, dict(state_device="cpu")))]
+    for model, opt in zip((ref, host), opts):
+        _train(model, opt, 5, scheduler=torch.optim.lr_scheduler.StepLR(opt, 2, 0.5))
+    assert opts[1].param_groups[0]["lr"].device.type == "cuda"
+    for a, b in zip(ref.parameters(), host.parameters()):
+        torch.testing.assert_close(b, a, rtol=2e-6, atol=2e-7)
+
+
+@pytest.mark.cuda
 def test_gpu_host_state_keeps_no_gpu_memory():
     model = _gpu_model()
     opt = shardadam.FusedAdam(model.parameters(), lr=1e-3, state_device="cpu")

@@ -126,12 +126,17 @@ def spec(name: str, tensors: list[torch.Tensor] | None, written: bool, reference
 
 
 def scalar(name: str, value, device: torch.device) -> _core.Scalar:
-    """A Python number, or a one-element tensor the kernel reads itself."""
+    """A Python number, or a one-element tensor the kernel reads itself. A
+    tensor on another device than the step's is read here: a host value for
+    a GPU step costs nothing; a GPU value for a host step (state in host
+    memory) waits for the current stream, as that step's inputs do anyway."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"{name} must be a number or a one-element tensor, got {value.numel()} elements")
         if value.device.type == "cpu" and device.type != "cpu":
             return _core.Scalar(float(value.item()))  # host value: no device sync involved
+        if value.device.type != "cpu" and device.type == "cpu":
+            return _core.Scalar(float(value.item()))
         if value.device != device:
             raise ValueError(f"{name} is on {value.device}; put it on {device} (or pass a number)")
         if value.dtype not in SCALAR_CODES:

@@ -850,8 +850,10 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
         self._land_param_sync()  # the copies up overwrite the rows the last all-gathers send
         # Values, not the groups' objects: a tensor lr changed in place later is
         # neither half applied by the worker nor missed by step()'s comparison.
-        read = [{k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in g.items() if k != "params"}
-                for g in self.param_groups]
+        # Read into host memory here, in this stream's order: the worker's
+        # thread would read a GPU tensor on a stream of its own.
+        read = [{k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
+                 for k, v in g.items() if k != "params"} for g in self.param_groups]
         hyper = self.rule.hyper([dict(g, step=g["step"] + 1) for g in read])
         grad_scale = torch.full((), 1.0 / self.world_size if self.average_grad_sync else 1.0, dtype=torch.float32)
         self._host.arm(self.plan, lambda plan: self.rule.launch(plan, hyper, grad_scale=grad_scale, found_inf=None,
