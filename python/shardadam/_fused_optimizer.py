@@ -17,6 +17,7 @@ from ._dtensor import agree_on_flag, check_param, is_dtensor, shards_for
 from ._fused_buckets import Bucket, storage_kind
 from ._host_state import HostStateBucket, host_state_wanted, host_step_threads
 from ._groups import check_step_groups, plain_value, run_closure
+from ._optimizer_copies import construction, reduced
 from ._rounding import refuse_masters, rounding_seed
 from ._rules import UpdateRule
 from ._state_dict import load_buckets_state, pack_state
@@ -41,6 +42,14 @@ class FusedOptimizer(torch.optim.Optimizer):
     parameter's gradient is read (``p.grad``; FusedAdam's use_decoupled_grad
     reads ``p.decoupled_grad``).
     """
+
+    def __new__(cls, *args, **kwargs):
+        self = super().__new__(cls)
+        self._construction = construction(args, kwargs)  # [Note: copies of an optimizer]
+        return self
+
+    def __reduce_ex__(self, protocol):
+        return reduced(self)  # [Note: copies of an optimizer] in _optimizer_copies.py
 
     def __init__(self, params, defaults: dict, rule: UpdateRule, *, capturable=False, master_weights=False,
                  master_weight_dtype=torch.float32, state_dtypes: dict | None = None, store_param_remainders=False,

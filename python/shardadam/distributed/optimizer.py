@@ -50,6 +50,7 @@ from .._rules import UpdateRule
 from .. import _storage
 from .._dtensor import refuse_sharded_params
 from .._host_state import host_state_wanted, host_step_threads
+from .._optimizer_copies import refuse_copy
 from .._pinned import pin
 from .._torch import check_tensor
 from .._tracked import DATA_PTR, GRAD, REQUIRES_GRAD, VERSION, ReplacedParams, moved_indices
@@ -1395,6 +1396,9 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
         """The transport of each direction, by name: {"grad_sync": ..., "param_sync": ...}
         (e.g. "nccl reduce-scatter", "copy-engine all-gather")."""
         return {"grad_sync": self._grad_sync.transport.name, "param_sync": self._param_sync.transport.name}
+
+    def __reduce_ex__(self, protocol):
+        refuse_copy(self)  # [Note: copies of an optimizer] in .._optimizer_copies
 
     def __repr__(self) -> str:
         def group_name(g, absent: str = "default") -> str:
