@@ -21,6 +21,7 @@ from ._optimizer_copies import construction, reduced
 from ._rounding import refuse_masters, rounding_seed
 from ._rules import UpdateRule
 from ._state_dict import load_buckets_state, pack_state
+from ._state_dict_hooks import run_load_post_hooks, state_dict_through_hooks, through_load_pre_hooks
 from ._storage import BLOCKWISE8
 from ._tracked import GRAD, ReplacedParams, moved_indices
 
@@ -258,12 +259,19 @@ class FusedOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """Per-parameter fp32 state (unscaled; masters as true fp32 values) and
         the groups' hyperparameters and step counters, independent of the state
-        dtypes chosen here."""
+        dtypes chosen here; through torch.optim's state-dict hooks ([Note:
+        state-dict hooks] in _state_dict_hooks.py)."""
+        return state_dict_through_hooks(self, self.plain_state_dict)
+
+    def plain_state_dict(self) -> dict:
+        """state_dict() without the hooks."""
         return pack_state(self, self._buckets or [])
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restores states and hyperparameters; the caller's dict is not modified."""
-        load_buckets_state(self, self._layout, state_dict)
+        """Restores states and hyperparameters; the caller's dict is not
+        modified. Runs torch.optim's load hooks ([Note: state-dict hooks])."""
+        load_buckets_state(self, self._layout, through_load_pre_hooks(self, state_dict))
+        run_load_post_hooks(self)
 
     def __repr__(self) -> str:
         lines = [f"{type(self).__name__} ("]

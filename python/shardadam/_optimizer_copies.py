@@ -10,8 +10,9 @@ same constructor over the (copied) groups and loads the (copied) state dict.
 Its buffers and plans are its own, so nothing in it refers to the original's
 memory; hyperparameters, step counters and state come over exactly (the
 state dict round trip is exact in every storage kind), as does
-skipped_steps. Like a copy of a torch optimizer it has no hooks, and the LR
-schedulers stay with the original. copy.deepcopy of the model and the
+skipped_steps. Like a copy of a torch optimizer it has no hooks (the state
+dict goes over without the original's state-dict hooks, which the copy could
+not undo), and the LR schedulers stay with the original. copy.deepcopy of the model and the
 optimizer in one call gives an optimizer over the copied model's
 parameters, as with torch.
 
@@ -33,7 +34,7 @@ def reduced(opt) -> tuple:
     """opt.__reduce_ex__: rebuilt(...) over its groups and state dict."""
     args, kwargs = opt._construction
     groups = [dict(g) for g in opt.param_groups]
-    return rebuilt, (type(opt), args, kwargs, groups, opt.state_dict(), opt.skipped_steps)
+    return rebuilt, (type(opt), args, kwargs, groups, opt.plain_state_dict(), opt.skipped_steps)
 
 
 def rebuilt(cls, args: tuple, kwargs: dict, groups: list, state_dict: dict, skipped_steps):

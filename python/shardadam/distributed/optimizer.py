@@ -38,6 +38,7 @@ import itertools
 import logging
 import operator
 import weakref
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -51,6 +52,7 @@ from .. import _storage
 from .._dtensor import refuse_sharded_params
 from .._host_state import host_state_wanted, host_step_threads
 from .._optimizer_copies import refuse_copy
+from .._state_dict_hooks import run_load_post_hooks, state_dict_through_hooks, through_load_pre_hooks
 from .._pinned import pin
 from .._torch import check_tensor
 from .._tracked import DATA_PTR, GRAD, REQUIRES_GRAD, VERSION, ReplacedParams, moved_indices
@@ -595,13 +597,13 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
         started through a portable state dict (the pieces move); the others
         still start from their values at their first step."""
         started = {id(p) for p, done in zip(self.params, self._initialized) if done}
-        saved = self.state_dict() if started else None
+        saved = self._portable_state_dict(gather_on_root=False) if started else None  # no user hooks
         self._build_layout(params, groups_of)
         if saved is None:
             return
         order = [id(p) for g in self.param_groups for p in g["params"]]  # the state dict's keys
         saved["state"] = {k: entry for k, entry in saved["state"].items() if order[k] in started}
-        self.load_state_dict(saved)
+        self._load(lambda: saved)
 
     def _state_row(self, name: str, b: int) -> torch.Tensor:
         """Bucket b of this rank's shard of a state, as true fp32 values (a new
@@ -1308,8 +1310,11 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
                              f"the same tensors), got {state_dict_format!r}: apex's format 1 pickles its internal "
                              f"buckets and is not written")
         self._refuse_mid_host_step("state_dict()")
-        portable = self._portable_state_dict(bool(gather_on_root))
-        return _apex_format.to_apex(portable) if portable is not None and state_dict_format else portable
+
+        def built():
+            portable = self._portable_state_dict(bool(gather_on_root))
+            return _apex_format.to_apex(portable) if portable is not None and state_dict_format else portable
+        return state_dict_through_hooks(self, built)  # [Note: state-dict hooks] in .._state_dict_hooks
 
     def _portable_state_dict(self, gather_on_root: bool) -> dict | None:
         if not all(self._initialized):  # the state a first step would start from
@@ -1352,7 +1357,6 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
                                    for name in self._state_names}
         return {"state": state, "param_groups": groups}
 
-    @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
         """Loads a state_dict() saved on any world size and bucket size (each
         rank takes its own pieces, no communication), apex's format 2, or a
@@ -1362,13 +1366,22 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
         not modified. Every rank checks the whole dict (structure, counts,
         shapes, tensor types, hyperparameters, steps: _state_dict_check.py),
         then the ranks agree (one small collective): if any rank refuses,
-        every rank raises the same ValueError and nothing is written."""
+        every rank raises the same ValueError and nothing is written. Runs
+        torch.optim's load hooks ([Note: state-dict hooks] in
+        .._state_dict_hooks: the pre hooks inside the ranks' agreement)."""
+        self._load(lambda: through_load_pre_hooks(self, state_dict))
+        run_load_post_hooks(self)
+
+    @torch.no_grad()
+    def _load(self, read_state_dict: Callable[[], dict]) -> None:
+        """load_state_dict() of the dict read_state_dict() returns, without the
+        post hooks; read_state_dict runs inside the ranks' agreement."""
         self._refuse_mid_host_step("load_state_dict()")
         self._land_param_sync()
         checked = validate_then_agree(
             f"{type(self).__name__}.load_state_dict",
-            lambda: check_state_dict(_apex_format.from_any(state_dict), self.param_groups, self.rule), self.group,
-            self.device)
+            lambda: check_state_dict(_apex_format.from_any(read_state_dict()), self.param_groups, self.rule),
+            self.group, self.device)
         for values, group in zip(checked.group_values, self.param_groups):
             set_group_values(group, values)
         # without a master in the checkpoint, the master is the parameter's current value
