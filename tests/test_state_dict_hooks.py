@@ -5,6 +5,8 @@ loaded. On DistributedFusedAdam a load pre hook that raises on one rank is
 raised on every rank, before anything is written."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -72,7 +74,6 @@ def test_fused_optimizers_run_the_hooks_as_torch_does(optimizer):
 def test_hooks_stay_out_of_copies():
     """A copy of the optimizer ([Note: copies of an optimizer]) carries the
     state without the original's hooks: it does not lose half the lr."""
-    import copy
     model = _model()
     opt = shardadam.FusedAdam(model.parameters(), lr=1e-2)
     _train(model, opt, [1])

@@ -133,9 +133,7 @@ def scalar(name: str, value, device: torch.device) -> _core.Scalar:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"{name} must be a number or a one-element tensor, got {value.numel()} elements")
-        if value.device.type == "cpu" and device.type != "cpu":
-            return _core.Scalar(float(value.item()))  # host value: no device sync involved
-        if value.device.type != "cpu" and device.type == "cpu":
+        if (value.device.type == "cpu") != (device.type == "cpu"):
             return _core.Scalar(float(value.item()))
         if value.device != device:
             raise ValueError(f"{name} is on {value.device}; put it on {device} (or pass a number)")
