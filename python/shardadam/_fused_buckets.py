@@ -26,7 +26,7 @@ from . import kernels
 from ._dtensor import PLAIN
 from ._storage import PARAM, REMAINDER, SEPARATE, StorageSpec, block_views, blocks_of
 from ._torch import check_tensor
-from ._tracked import DATA_PTR
+from ._tracked import DATA_PTR, NBYTES
 
 # Offsets of every parameter's state are multiples of this many elements, so
 # each view starts 64-byte aligned and the kernels can use vector access.
@@ -57,7 +57,7 @@ class GradFit:
         self.names = names
         self.device = params[0].device
         self._strides = [p.stride() for p in params]
-        self._numels = [p.numel() for p in params]
+        self.numels = [p.numel() for p in params]
         self._device_index = self.device.index if self.device.type == "cuda" else -1
         self._all_contiguous = all(p.is_contiguous() for p in params)
 
@@ -68,7 +68,7 @@ class GradFit:
         order. torch's ``p.grad = t`` checks some of this, ``p.grad.data = t``
         none of it. C-level passes for the common case; the checked path names
         the first offender. Returns the gradients' dtypes."""
-        numels = self._numels if idx is None else [self._numels[i] for i in idx]
+        numels = self.numels if idx is None else [self.numels[i] for i in idx]
         idx = range(len(self.params)) if idx is None else idx
         dtypes = [g.dtype for g in grads]
         try:
@@ -145,6 +145,7 @@ class Bucket:
         # What the plan's gradient column holds: addresses and dtypes.
         self._grad_ptrs: list | None = None
         self._grad_dtypes: list | None = None
+        self._grad_nbytes: list | None = None
 
     def _views_of(self, i: int) -> dict:
         """state[p] for parameter i: views into the flat buffers, scales as 0-d views."""
@@ -240,7 +241,15 @@ class Bucket:
             ptrs = list(map(DATA_PTR, grads))
         except (TypeError, RuntimeError):  # None (no gradient), or a sparse gradient: told apart below
             ptrs = None
-        if ptrs is not None and ptrs == self._grad_ptrs:
+        # The plan holds no gradient between steps ([Note: borrowed read lists]
+        # in _plan.py): tensors at the addresses the table holds may be new
+        # ones, so their sizes in bytes are compared too (one pass: the kernel
+        # then never reaches past a gradient's memory; the dtype cannot differ
+        # at equal bytes unless ``p.grad.data`` was set to a view of the old
+        # gradient's memory, which holding the gradients did not catch either).
+        if ptrs is not None and ptrs == self._grad_ptrs and list(map(NBYTES, grads)) == self._grad_nbytes:
+            if self._plan is not None:
+                self._plan.refresh_read_list(GRAD_LIST, grads, ptrs=ptrs)
             return grads
         if any(map(operator.is_, grads, [None] * len(grads))):
             return None
@@ -249,8 +258,9 @@ class Bucket:
             if dtypes != self._grad_dtypes:  # the table's dtype codes are fixed: a new table
                 self._plan = None
             else:
-                self._plan.refresh_read_list(GRAD_LIST, grads)
+                self._plan.refresh_read_list(GRAD_LIST, grads, ptrs=ptrs)
         self._grad_ptrs, self._grad_dtypes = ptrs, dtypes
+        self._grad_nbytes = list(map(NBYTES, grads))
         return grads
 
     # ------------------------------------------------------------ the step
@@ -312,6 +322,8 @@ class Bucket:
         plan, idx = prepared
         self.rule.launch(plan, hyper, grad_scale=grad_scale, found_inf=found_inf, unscale_grads=unscale_grads,
                          rounding_seed=rounding_seed)
+        if idx is None and self._flat_views is None:
+            plan.release_read_list(GRAD_LIST)  # [Note: borrowed read lists] in _plan.py
         if idx is not None:
             for name, scales in self.scales.items():  # the kernel chose new scales for the subset's copy
                 scales[idx] = plan.subset_scales[name]

@@ -37,6 +37,19 @@ def cpu_threads(count: int):
         _CPU_THREADS.reset(token)
 
 
+# [Note: borrowed read lists] An optimizer's plan reads the gradients, which
+# torch frees at zero_grad(set_to_none=True): a plan that kept them between
+# steps kept one gradient per parameter alive into the next backward (+4
+# bytes per fp32 parameter at the peak). So the optimizers borrow the
+# gradient list for one launch: refresh_read_list hands the step's gradients
+# (patching the table only where an address changed), release_read_list lets
+# go of them after the launch, and a plan with a released list refuses to
+# launch until it is handed the list again. The table keeps the addresses;
+# whoever hands the list again checks that the tensors at those addresses
+# are what the table says (element counts and dtypes: Bucket._current_grads),
+# since a released gradient's memory may hold another tensor by then.
+
+
 class TensorPlan:
     """Lists of equally sized tensors for one kernel family.
 
@@ -117,6 +130,11 @@ class TensorPlan:
             self._dtypes = list(map(dtype_of, self._watched))
         self._roots = version_roots([t for n, ts in self.lists.items() if ts is not None and self._written[n]
                                      for t in ts])
+        # [Note: borrowed read lists] The addresses each read list's column of
+        # the table holds, and the lists whose tensors were let go since.
+        self._columns = {n: list(map(data_ptr_of, ts)) for n, ts in self.lists.items()
+                         if ts is not None and not self._written[n]}
+        self._released: set[str] = set()
 
     @property
     def check_addresses(self) -> bool:
@@ -139,11 +157,12 @@ class TensorPlan:
             seen = set(map(id, self._roots))
             self._roots.extend(r for r in version_roots([tensor]) if id(r) not in seen)
 
-    def refresh_read_list(self, index: int, tensors: list[torch.Tensor]) -> None:
+    def refresh_read_list(self, index: int, tensors: list[torch.Tensor], *, ptrs: list[int] | None = None) -> None:
         """Point a read-only list (gradients) at new tensors of the validated
-        sizes and dtypes: O(n), patching only that column of the device table.
-        The plan keeps the new tensors alive (and, with check_addresses,
-        checks them now and watches their addresses from now on)."""
+        sizes and dtypes: O(n), patching only that column of the device table,
+        and only when an address changed. The plan keeps the new tensors alive
+        (and, with check_addresses, checks them now and watches their addresses
+        from now on). ptrs: their data pointers, when the caller has them."""
         names = list(self.lists)
         if not isinstance(index, int) or not 0 <= index < len(names):
             raise ValueError(f"refresh_read_list: index {index!r} is not a list of this {self.kind} plan "
@@ -152,7 +171,13 @@ class TensorPlan:
         tensors = list(tensors)
         if self._check_addresses:
             self._check_refresh(name, tensors)
-        ptrs = list(map(data_ptr_of, tensors))
+        if ptrs is None or self._check_addresses:
+            ptrs = list(map(data_ptr_of, tensors))
+        self._released.discard(name)
+        if ptrs == self._columns[name]:  # the table already points there: nothing to copy
+            self._hold(name, tensors)
+            return
+        self._columns[name] = ptrs
         if self.table.refresh_read_list(index, ptrs) or self._blob is None:
             if self._blob is not None:  # an alignment flag changed too: copy the whole table
                 raw = torch.frombuffer(bytearray(self.table.blob()), dtype=torch.uint8)
@@ -163,12 +188,29 @@ class TensorPlan:
             # Pageable source: the copy is staged before this returns, in stream
             # order after earlier launches that read the old column.
             self._blob[offset:offset + column.numel()].copy_(column, non_blocking=True)
-        # The table now points at these tensors: keep them alive, watch them.
+        self._hold(name, tensors)
+        if self._check_addresses:
+            start, end, _ = self._spans[name]
+            self._ptrs[start:end] = ptrs
+
+    def _hold(self, name: str, tensors: list[torch.Tensor]) -> None:
+        """The table points at these tensors: keep them alive, watch them."""
         start, end, _ = self._spans[name]
         self.lists[name] = tensors
         self._watched[start:end] = tensors
-        if self._check_addresses:
-            self._ptrs[start:end] = ptrs
+
+    def release_read_list(self, index: int) -> None:
+        """Let go of a read list's tensors (the gradients, once a step has
+        been launched) so that the plan keeps none of them alive: [Note:
+        borrowed read lists]. The table keeps their addresses, which no launch
+        uses until ``refresh_read_list`` hands the list tensors again."""
+        name = list(self.lists)[index]
+        if self._written[name]:
+            raise ValueError(f"release_read_list: {name} is written; the plan keeps it")
+        start, end, _ = self._spans[name]
+        self.lists[name] = []
+        self._watched[start:end] = [None] * (end - start)
+        self._released.add(name)
 
     def _check_refresh(self, name: str, tensors: list[torch.Tensor]) -> None:
         """The new tensors of a read list match the old ones: count, element
@@ -199,9 +241,15 @@ class TensorPlan:
             return
         spec(name, tensors, False, ref, ref_name, self.device, self._allowed[name])
 
+    def _refuse_released(self) -> None:
+        if self._released:
+            raise RuntimeError(f"{type(self).__name__}: the tensors of {sorted(self._released)} were released "
+                               "(release_read_list); hand them again with refresh_read_list before launching")
+
     def _check_launch(self) -> None:
         """Before a launch: every watched tensor still has the address the
         table holds (one C-level pass)."""
+        self._refuse_released()
         if list(map(data_ptr_of, self._watched)) != self._ptrs:
             self._diagnose()
 
@@ -250,6 +298,7 @@ class TensorPlan:
 
     def target(self) -> tuple[int, int, int, int]:
         """(device, stream, blob, threads) for a core call, on the current stream."""
+        self._refuse_released()
         return (self._device_index, stream_of(self.device), self._blob_ptr,
                 _CPU_THREADS.get() or torch.get_num_threads())
 

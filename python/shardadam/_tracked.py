@@ -29,6 +29,7 @@ import weakref
 import torch
 
 DATA_PTR = torch.Tensor.data_ptr
+NBYTES = torch.Tensor.nbytes.__get__
 GRAD = operator.attrgetter("grad")
 REQUIRES_GRAD = operator.attrgetter("requires_grad")
 VERSION = torch.Tensor._version.__get__
