@@ -21,6 +21,10 @@ the states, read the gradient):
   are then bf16 too: 14 B);
 - FusedAdam (the optimizer, its per-step checks included) with 8-bit
   blockwise and with FP8 states, as the optimizers below are timed;
+- mixed state dtypes (TE's and Megatron's choices), with fp32 parameters and
+  with bf16 parameters that are their own master: bf16 for both states, FP8
+  exp_avg with fp32 or bf16 exp_avg_sq, scaled fp16 for both (bytes by
+  _mixed_bytes; scaled states take two passes);
 - where torchao is installed, its AdamW8bit (blocks of 256, 16.06 B) and
   AdamWFp8 (FP8 E4M3 states scaled per block of 256, 16.06 B) on the same
   fp32 tensors: one compiled kernel per parameter.
@@ -51,13 +55,14 @@ def _split(numel: int, n: int) -> list[int]:
     return [numel // n + (i < numel % n) for i in range(n)]
 
 
-def _shardadam(sizes, dev, param_dtype, state_dtype, seed=None):
+def _shardadam(sizes, dev, param_dtype, state_dtype, seed=None, exp_avg_sq_dtype=None):
+    """kernels.adam on a plan; exp_avg_sq_dtype: another dtype for exp_avg_sq (mixed states)."""
+    dtypes = (state_dtype, exp_avg_sq_dtype or state_dtype)
     params = [torch.randn(n, device=dev).to(param_dtype) for n in sizes]
     grads = [torch.randn(n, device=dev).to(param_dtype) for n in sizes]
-    states = [[torch.zeros(n, device=dev, dtype=state_dtype) for n in sizes] for _ in range(2)]
-    scales = [torch.ones(len(sizes), device=dev) for _ in range(2)] if state_dtype == F8 else [None, None]
-    blocks = [[torch.zeros(-(-n // 256), device=dev) for n in sizes] for _ in range(2)] \
-        if state_dtype == torch.uint8 else [None, None]
+    states = [[torch.zeros(n, device=dev, dtype=dt) for n in sizes] for dt in dtypes]
+    scales = [torch.ones(len(sizes), device=dev) if dt in SCALED else None for dt in dtypes]
+    blocks = [[torch.zeros(-(-n // 256), device=dev) for n in sizes] if dt == torch.uint8 else None for dt in dtypes]
     plan = kernels.AdamPlan(params, grads, *states, exp_avg_scales=scales[0], exp_avg_sq_scales=scales[1],
                             exp_avg_absmax=blocks[0], exp_avg_sq_absmax=blocks[1])
     step = iter(range(1, 1 << 30))
@@ -110,9 +115,43 @@ def _copy_gbs(numel: int, dev: str, reps: int) -> float:
     return 2 * numel * 4 / ms / 1e6
 
 
-# Bytes per element a kind moves where it is more than it must move: the FP8
-# step's two passes ([Note: params in the measure pass] in cpp/ops.h).
-MOVED = {"shardadam FP8 states": 22, "FusedAdam FP8 states": 22}
+SCALED = (F8, torch.float16)  # states kept with per-tensor scales: two passes
+
+
+def _mixed_bytes(param_dtype, exp_avg_dtype, exp_avg_sq_dtype) -> tuple[int, int]:
+    """(bytes per element a step must move, bytes it moves). Must: read and
+    write the parameter and both states, read the gradient (of the
+    parameter's dtype). With a scaled state the step takes two passes ([Note:
+    params in the measure pass] in cpp/ops.h): the first reads everything and
+    writes the parameter, the second reads the gradient and the states again
+    and writes the states."""
+    p, m, v = (torch.empty(0, dtype=d).element_size() for d in (param_dtype, exp_avg_dtype, exp_avg_sq_dtype))
+    must = 2 * p + p + 2 * (m + v)
+    if exp_avg_dtype not in SCALED and exp_avg_sq_dtype not in SCALED:
+        return must, must
+    return must, (p + p + m + v + p) + (p + 2 * (m + v))
+
+
+def _mixed_kinds() -> dict:
+    """The state-dtype combinations of TE and Megatron, with fp32 and with bf16
+    parameters (their own master): name -> (must move, moved, builder)."""
+    kinds = {}
+    for pname, pdt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        for sname, (m, v) in (("bf16 states", (torch.bfloat16, torch.bfloat16)),
+                              ("FP8 exp_avg + fp32 exp_avg_sq", (F8, torch.float32)),
+                              ("FP8 exp_avg + bf16 exp_avg_sq", (F8, torch.bfloat16)),
+                              ("fp16 scaled states", (torch.float16, torch.float16))):
+            must, moved = _mixed_bytes(pdt, m, v)
+            kinds[f"shardadam {pname} params, {sname}"] = (
+                must, moved, lambda s, d, pdt=pdt, m=m, v=v: _shardadam(s, d, pdt, m, exp_avg_sq_dtype=v))
+    return kinds
+
+
+MIXED = _mixed_kinds()
+# Bytes per element a kind moves where it is more than it must move: the
+# two passes of scaled states ([Note: params in the measure pass] in cpp/ops.h).
+MOVED = {"shardadam FP8 states": 22, "FusedAdam FP8 states": 22,
+         **{name: moved for name, (_, moved, _) in MIXED.items()}}
 # name -> (bytes per element it must move, builder(sizes, dev))
 KINDS = {
     "shardadam fp32": (28, lambda s, d: _shardadam(s, d, torch.float32, torch.float32)),
@@ -127,6 +166,7 @@ KINDS = {
     "FusedAdam FP8 states": (16, lambda s, d: _fused_adam(s, d, exp_avg_dtype=F8, exp_avg_sq_dtype=F8)),
     "torchao AdamW8bit": (16.06, lambda s, d: _torchao(s, d, "AdamW8bit")),
     "torchao AdamWFp8": (16.06, lambda s, d: _torchao(s, d, "AdamWFp8")),
+    **{name: (must, build) for name, (must, _, build) in MIXED.items()},
 }
 
 

@@ -23,6 +23,20 @@ struct OpFastDtypes<AdamOp> {
       FixedDtypes<F32, BF16, F8, F8, None, BF16, None>,      // fp32 master, bf16 model, FP8 states
       FixedDtypes<F32, F32, F8, F8, None, BF16, None>,       // fp32 grads, bf16 param copy (sharded), FP8 states
       FixedDtypes<BF16, BF16, F8, F8, None, None, None>,     // bf16 own master, FP8 states
+      // Mixed state dtypes (TE's and Megatron's choices): bf16 for both; FP8
+      // exp_avg with fp32 or bf16 exp_avg_sq; scaled fp16 for both.
+      FixedDtypes<F32, F32, BF16, BF16, None, None, None>,     // fp32, bf16 states
+      FixedDtypes<F32, BF16, BF16, BF16, None, BF16, None>,    // fp32 master, bf16 model, bf16 states
+      FixedDtypes<F32, F32, BF16, BF16, None, BF16, None>,     // fp32 grads, bf16 param copy (sharded), bf16 states
+      FixedDtypes<BF16, BF16, BF16, BF16, None, None, None>,   // bf16 own master, bf16 states
+      FixedDtypes<F32, F32, F8, F32, None, None, None>,        // fp32, FP8 exp_avg
+      FixedDtypes<F32, BF16, F8, F32, None, BF16, None>,       // fp32 master, bf16 model, FP8 exp_avg
+      FixedDtypes<F32, F32, F8, F32, None, BF16, None>,        // fp32 grads, bf16 param copy (sharded), FP8 exp_avg
+      FixedDtypes<BF16, BF16, F8, F32, None, None, None>,      // bf16 own master, FP8 exp_avg
+      FixedDtypes<F32, F32, F8, BF16, None, None, None>,       // fp32, FP8 exp_avg, bf16 exp_avg_sq
+      FixedDtypes<BF16, BF16, F8, BF16, None, None, None>,     // bf16 own master, FP8 exp_avg, bf16 exp_avg_sq
+      FixedDtypes<F32, F32, F16, F16, None, None, None>,       // fp32, scaled fp16 states
+      FixedDtypes<BF16, BF16, F16, F16, None, None, None>,     // bf16 own master, scaled fp16 states
       // blockwise 8-bit states (+ their block maxima)
       FixedDtypes<F32, F32, Q8S, Q8U, None, None, None, F32, F32>,     // fp32
       FixedDtypes<F32, BF16, Q8S, Q8U, None, BF16, None, F32, F32>,    // fp32 master, bf16 model
