@@ -187,7 +187,17 @@ struct FixedDtypes {
     return false;
   }
   static constexpr bool has_blockwise() { return has(DType::Q8S, DType::Q8U); }
-  static constexpr int tile() { return has_blockwise() ? kBlockTile : (has(DType::F8E4M3) ? kF8Tile : kTile); }
+  // Bytes of one element over every list (each read once).
+  static constexpr int64_t element_bytes() {
+    int64_t bytes = 0;
+    for (int l = 0; l < kCount; ++l) bytes += at(l) == DType::None ? 0 : dtype_size(at(l));
+    return bytes;
+  }
+  // [Note: FP8 tiles]: tables of few bytes per element (FP8 lists, or every
+  // list 16-bit) take the longer tile.
+  static constexpr int tile() {
+    return has_blockwise() ? kBlockTile : (has(DType::F8E4M3) || element_bytes() <= 8 ? kF8Tile : kTile);
+  }
 };
 
 // Which FixedDtypes an op gets kernels for: a list of them in OpFastDtypes<Op>
