@@ -5,7 +5,9 @@ that nothing may keep it alive, or the rebuild's peak grows by a whole buffer
 (4 bytes per fp32 parameter: the largest model that trains shrinks)."""
 from __future__ import annotations
 
+import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -50,3 +52,52 @@ def test_each_old_buffer_is_let_go_before_the_next_new_one_is_allocated(one_rank
         "the new parameter buffer is allocated while both old buffers hold data; the new gradient buffer "
         "only once the parameters have moved out of theirs")
     assert all(ref.expired() for ref in old.values())
+
+
+class ReverseRegisteredStack(nn.Module):
+    """Several layers registered in the opposite order of use (the first step rebuilds)."""
+
+    def __init__(self, width: int, depth: int):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x):
+        for layer in reversed(self.layers):
+            x = torch.relu(layer(x))
+        return x
+
+
+@pytest.mark.cuda
+def test_first_step_rebuild_on_the_gpu_allocates_at_most_a_bucket_more():
+    """[Note: gradients through host memory at a rebuild]: with 8-bit states
+    (smaller than either buffer) the rebuild held the old gradient buffer
+    while the new one was filled, a whole buffer over the steady memory; the
+    first step's peak may now exceed it by at most the buckets in flight."""
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda:0"))
+    try:
+        torch.manual_seed(0)
+        model = ReverseRegisteredStack(1024, 8).cuda()
+        bucket_mb = 1.0
+        opt = shardadam.DistributedFusedAdam(model.parameters(), lr=1e-3, bucket_cap_mb=bucket_mb,
+                                             contiguous_param_buffer=True, contiguous_grad_buffer=True,
+                                             exp_avg_dtype=shardadam.BLOCKWISE8, exp_avg_sq_dtype=shardadam.BLOCKWISE8)
+        guess = [id(p) for p in opt.params]
+        x = torch.randn(8, 1024, device="cuda")
+        model(x).square().mean().backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        opt.step()
+        torch.cuda.synchronize()
+        assert [id(p) for p in opt.params] != guess, "the first step rebuilt the layout"
+        buffer_bytes = sum(p.numel() for p in model.parameters()) * 4
+        transient = torch.cuda.max_memory_allocated() - before
+        in_flight = opt.pipeline_size * int(bucket_mb * 2 ** 20) * 2  # a gathered and a reduced bucket each
+        assert transient <= in_flight, (f"the first step took {transient} bytes over its start "
+                                        f"(a buffer is {buffer_bytes})")
+        # The gradients that waited in host memory are the ones the step used: the new buffer holds them.
+        for p, g in zip(model.parameters(), grads):
+            torch.testing.assert_close(p.grad, g, rtol=0, atol=0)
+    finally:
+        dist.destroy_process_group()

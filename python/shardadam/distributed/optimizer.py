@@ -409,6 +409,26 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
                 sync.close()
             setattr(self, name, None)
 
+    def _grads_to_host(self) -> dict:
+        """[Note: gradients through host memory at a rebuild] The first step
+        rebuilds a contiguous gradient buffer in backward's order, and the
+        gradients the first backward left in the old buffer must reach the new
+        one. Kept on the device, the old buffer lived until the new one was
+        filled: with the parameter buffer's own move, one whole buffer of
+        transient at the first step (2.65 GiB for GPT-1.4B with 8-bit states,
+        benchmarks/RESULTS.md, "Memory per phase"). On a GPU they wait in host
+        memory instead (one copy down and up, once), so the old buffer is gone
+        before any new one is allocated. Returns id(param) -> host gradient;
+        the parameters' .grad are then None until the new buffer is attached."""
+        if getattr(self, "grad_buffer", None) is None or self.device.type != "cuda":  # none yet at construction
+            return {}
+        staged = {}
+        for p in self.params:
+            if p.grad is not None:
+                staged[id(p)] = p.grad.detach().to("cpu")
+                p.grad = None
+        return staged
+
     def _build_layout(self, params: list, groups_of: list) -> None:
         """Buckets, shards, buffers, the fused plan, the sync objects and hooks
         for the parameters in this order: bucket 0 takes params[0], and the
@@ -416,9 +436,11 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
         # A rebuild lets go of the old layout's buffers first: the new ones are
         # as large, and both at once would raise peak memory by the whole state.
         self._close_syncs()
+        staged_grads = self._grads_to_host()  # [Note: gradients through host memory at a rebuild]
         self.plan = self._host = None
         self.grad_shards = self.master = self.remainders = self.states = self.state_blocks = None
         self.param_shards = self.param_buffer = self.grad_buffer = None
+        self._grad_views, self._norm_plan, self._subset_norm_plans = None, None, {}
         self.params = params
         self.param_groups_of = groups_of
         # One bucket key per sync class, all of one bucket size ([Note: sync classes] in _rows.py).
@@ -436,7 +458,6 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
             self._nccl_pool.close()
         self._nccl_pool = RegisteredPool(self.dist_group, dev) if self.nccl_ub else None
         own = slice(self.rank * self.shard_size, (self.rank + 1) * self.shard_size)
-        self.param_buffer, self.grad_buffer, self._grad_views = None, None, None
         # The peers map this rank's memory before the parameters move in: a refusal leaves them as they were.
         reduce = self._copy_engine_connect("grad_sync_copy_engine", lambda: PeerGradReduce.connect(
             self.shard_size, grad_dtypes[0], dev, self.dist_group, timeout=self.copy_engine_timeout))
@@ -456,8 +477,9 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
             if self.nccl_ub:
                 self._nccl_pool.register()
             for p, view in zip(self.params, self._grad_views):  # gradients so far move along
-                if p.grad is not None:
-                    view.copy_(p.grad)
+                grad = staged_grads.get(id(p), p.grad)
+                if grad is not None:
+                    view.copy_(grad)
             self._attach_grad_views()
         # Persistent: this rank's shards only. Full-size bucket buffers exist
         # only while their collective runs (at most pipeline_size at a time).
@@ -535,7 +557,6 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
                          for frags in self._shard_fragments_by_bucket]
         else:
             self.plan = self._plan_over(shard, self.grad_shards, dev)
-        self._norm_plan, self._subset_norm_plans = None, {}
         self._grad_sync = GradSync(self.params, self.layout, self.grad_shards, self.dist_group, self.pipeline_size,
                                    self.redundant_group, self.grad_buffer, self._grad_views, reduce,
                                    on_reduced=self._host.grads_reduced if host else None)
