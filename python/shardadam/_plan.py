@@ -46,7 +46,7 @@ def cpu_threads(count: int):
 # go of them after the launch, and a plan with a released list refuses to
 # launch until it is handed the list again. The table keeps the addresses;
 # whoever hands the list again checks that the tensors at those addresses
-# are what the table says (element counts and dtypes: Bucket._current_grads),
+# are what the table says (their sizes in bytes: Bucket._current_grads),
 # since a released gradient's memory may hold another tensor by then.
 
 
@@ -173,11 +173,9 @@ class TensorPlan:
             self._check_refresh(name, tensors)
         if ptrs is None or self._check_addresses:
             ptrs = list(map(data_ptr_of, tensors))
-        self._released.discard(name)
         if ptrs == self._columns[name]:  # the table already points there: nothing to copy
             self._hold(name, tensors)
             return
-        self._columns[name] = ptrs
         if self.table.refresh_read_list(index, ptrs) or self._blob is None:
             if self._blob is not None:  # an alignment flag changed too: copy the whole table
                 raw = torch.frombuffer(bytearray(self.table.blob()), dtype=torch.uint8)
@@ -188,6 +186,7 @@ class TensorPlan:
             # Pageable source: the copy is staged before this returns, in stream
             # order after earlier launches that read the old column.
             self._blob[offset:offset + column.numel()].copy_(column, non_blocking=True)
+        self._columns[name] = ptrs
         self._hold(name, tensors)
         if self._check_addresses:
             start, end, _ = self._spans[name]
@@ -198,6 +197,7 @@ class TensorPlan:
         start, end, _ = self._spans[name]
         self.lists[name] = tensors
         self._watched[start:end] = tensors
+        self._released.discard(name)
 
     def release_read_list(self, index: int) -> None:
         """Let go of a read list's tensors (the gradients, once a step has
