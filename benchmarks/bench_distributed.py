@@ -256,30 +256,38 @@ def measure(iteration, cuda: bool, iters: int) -> dict:
                 wall_ms=wall, losses=torch.stack(losses).float().tolist())
 
 
-def optimizer_bytes(opt) -> int:
-    """Bytes of the tensors the optimizer keeps on this rank between steps.
-
-    torch optimizers: the tensors in `state` (ZeroRedundancyOptimizer keeps this
-    rank's partition in its inner optimizer, `opt.optim`; FSDP2's states are
-    DTensors, of which this rank holds its shard). DistributedFusedAdam has no
-    public per-rank view: its `state` is empty and state_dict() gathers the full
-    states on every rank, so this counts the tensors it holds as attributes, i.e.
-    its sharded states (and fp32 master, where it keeps one) plus its gradient
-    and parameter shards where they are not parts of the model's buffers (its
-    rule's states by name in `states`). Each storage counts once."""
+def held_tensors(opt) -> list[torch.Tensor]:
+    """The tensors an optimizer keeps between steps: torch optimizers' `state`
+    (ZeroRedundancyOptimizer keeps this rank's partition in its inner
+    optimizer, `opt.optim`; FSDP2's states are DTensors), FusedAdam's and
+    FusedLion's flat buckets (with state on the host, their segments'
+    buckets), and DistributedFusedAdam's attributes: sharded states (by name
+    in `states`, fp16 scales in `state_scales`), masters, shards and buffers
+    (BucketRows). Its `state` is empty and its state_dict() gathers the full
+    states on every rank, so there is no public per-rank view to read."""
     inner = getattr(opt, "optim", opt)
     tensors = [v for s in inner.state.values() for v in s.values() if torch.is_tensor(v)]
+    for b in getattr(opt, "_buckets", None) or []:
+        for bucket in [b] + [seg.bucket for seg in getattr(b, "segments", [])]:
+            tensors += [t for t in vars(bucket).values() if torch.is_tensor(t)]
+            for held in ("states", "scales", "blocks"):
+                for v in getattr(bucket, held, {}).values():
+                    tensors += v if isinstance(v, list) else [v]
     tensors += [v for v in vars(opt).values() if torch.is_tensor(v)]
     tensors += [t for v in vars(opt).values() if isinstance(v, BucketRows) for t in v.tensors]
-    # The ZeRO engine keeps the rule's states and fp16 scales by name.
     for held in (getattr(opt, "states", None), getattr(opt, "state_scales", None)):
-        tensors += list((held or {}).values())
-    # param_buffer holds the model's parameters themselves, grad_buffer its
-    # gradients: not optimizer memory, nor the shards that are parts of them.
+        tensors += list((held or {}).values()) if isinstance(held, dict) else []
+    return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+
+
+def optimizer_bytes(opt) -> int:
+    """Bytes of the tensors the optimizer keeps on this rank between steps
+    (held_tensors), each storage once, leaving out DistributedFusedAdam's
+    param_buffer and grad_buffer and the shards that are parts of them: they
+    hold the model's own parameters and gradients, not optimizer memory."""
     model = {t.untyped_storage().data_ptr() for name in ("param_buffer", "grad_buffer")
              if isinstance(getattr(opt, name, None), BucketRows) for t in getattr(opt, name).tensors}
-    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in local if t.numel()}
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held_tensors(opt) if t.numel()}
     return sum(size for ptr, size in storages.items() if ptr not in model)  # each storage once
 
 

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_distributed import GPT  # noqa: E402  (the benchmarks' GPT)
+from bench_distributed import GPT, held_tensors  # noqa: E402  (the benchmarks' GPT and optimizer tensors)
 
 import shardadam  # noqa: E402
 
@@ -82,25 +82,6 @@ CASES = {
             ps, lr=lr, bf16_stochastic_round=True, exp_avg_dtype=B8, exp_avg_sq_dtype=B8), "torch AdamW bf16"),
 }
 PHASES = ("forward", "backward", "step", "zero_grad")
-
-
-def held_tensors(opt) -> list[torch.Tensor]:
-    """The tensors an optimizer holds between steps (its own account of itself)."""
-    found = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
-    for b in getattr(opt, "_buckets", None) or []:  # FusedAdam / FusedLion buckets (host state: inner buckets)
-        for bucket in [b] + [seg.bucket for seg in getattr(b, "segments", [])]:
-            found += [t for t in vars(bucket).values() if torch.is_tensor(t)]
-            for held in ("states", "scales", "blocks"):
-                for v in getattr(bucket, held, {}).values():
-                    found += v if isinstance(v, list) else [v]
-    found += [v for v in vars(opt).values() if torch.is_tensor(v)]
-    for v in vars(opt).values():  # DistributedFusedAdam: shards and buffers (BucketRows), states by name
-        found += [t for t in getattr(v, "tensors", []) if torch.is_tensor(t)]
-    for held in ("states", "state_scales"):
-        value = getattr(opt, held, None)
-        if isinstance(value, dict):
-            found += [t for t in value.values() if torch.is_tensor(t)]
-    return found
 
 
 def accounted_bytes(model, opt, device: torch.device) -> int:
