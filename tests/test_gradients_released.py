@@ -182,30 +182,52 @@ def test_distributed_optimizers_let_go_of_the_gradients(case, optimizer, one_ran
 
 # ---------------------------------------------------------------- the checks the release must keep
 
-def test_new_gradient_of_another_dtype_at_the_old_address_is_not_read_as_the_old_one(device):
-    """After the release, a gradient at the address the table holds may be a
-    new tensor: one of another dtype is followed (a new table), and the step
-    equals torch's on the converted gradient."""
+def _stepped_once(device):
+    """A FusedAdam and torch's Adam one step in, on the same parameter and
+    gradient; the gradient (the caller keeps its memory) and the address the
+    plan's table holds for it."""
     torch.manual_seed(0)
     p = nn.Parameter(torch.randn(64, device=device))
     ref = nn.Parameter(p.detach().clone())
     opt = shardadam.FusedAdam([p], lr=1e-2)
     ref_opt = torch.optim.Adam([ref], lr=1e-2)
     g = torch.randn(64, device=device)
-    p.grad, ref.grad = g.clone(), g.clone()
+    p.grad, ref.grad = g, g.clone()
     opt.step()
     ref_opt.step()
-    old = opt._buckets[0]._grad_ptrs[0]
-    # Same bytes, another dtype: an fp32 gradient's storage seen as bf16 pairs.
-    p.grad = None
-    half = torch.randn(64, device=device).to(torch.bfloat16)
+    assert opt._buckets[0]._grad_ptrs[0] == g.data_ptr()
+    return p, ref, opt, ref_opt, g
+
+
+def test_new_gradient_of_another_dtype_at_the_old_address_is_followed(device):
+    """After the release, the tensor at the address the table holds may be a
+    new one: here a bf16 gradient in the old fp32 gradient's memory (the
+    plan no longer keeps that memory, so it may hold anything). It is not read
+    as the old one: the step takes a new table and equals torch's on the
+    same values."""
+    p, ref, opt, ref_opt, g = _stepped_once(device)
+    half = g.view(torch.bfloat16)[:64]  # the old address, 64 bf16 values
+    half.copy_(torch.randn(64, device=device).to(torch.bfloat16))
     p.grad = torch.empty_like(p)
     p.grad.data = half
+    assert p.grad.data_ptr() == opt._buckets[0]._grad_ptrs[0]
     ref.grad = half.float()
     opt.step()
     ref_opt.step()
     torch.testing.assert_close(p.detach(), ref.detach(), rtol=0, atol=1e-6)
-    assert old != 0
+
+
+def test_new_gradient_of_another_size_at_the_old_address_is_refused(device):
+    """The same memory seen as 128 bf16 values: the parameter has 64, so the
+    step refuses it, naming the parameter, and changes nothing."""
+    p, ref, opt, ref_opt, g = _stepped_once(device)
+    before = p.detach().clone()
+    p.grad = torch.empty_like(p)
+    p.grad.data = g.view(torch.bfloat16)
+    assert p.grad.data_ptr() == opt._buckets[0]._grad_ptrs[0]
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\].*128 elements"):
+        opt.step()
+    assert torch.equal(p.detach(), before)
 
 
 def test_released_plan_refuses_to_launch(device):

@@ -26,7 +26,7 @@ from . import kernels
 from ._dtensor import PLAIN
 from ._storage import PARAM, REMAINDER, SEPARATE, StorageSpec, block_views, blocks_of
 from ._torch import check_tensor
-from ._tracked import DATA_PTR, NBYTES
+from ._tracked import DATA_PTR, DTYPE, NBYTES
 
 # Offsets of every parameter's state are multiples of this many elements, so
 # each view starts 64-byte aligned and the kernels can use vector access.
@@ -243,11 +243,13 @@ class Bucket:
             ptrs = None
         # The plan holds no gradient between steps ([Note: borrowed read lists]
         # in _plan.py): tensors at the addresses the table holds may be new
-        # ones, so their sizes in bytes are compared too (one pass: the kernel
-        # then never reaches past a gradient's memory; the dtype cannot differ
-        # at equal bytes unless ``p.grad.data`` was set to a view of the old
-        # gradient's memory, which holding the gradients did not catch either).
-        if ptrs is not None and ptrs == self._grad_ptrs and list(map(NBYTES, grads)) == self._grad_nbytes:
+        # ones, so their sizes in bytes and dtypes are compared too (equal
+        # dtypes and bytes: equal element counts). Bytes alone would keep the
+        # kernel inside the gradient's memory, but read a bf16 view of an
+        # old fp32 gradient's memory (``p.grad.data = g.view(torch.bfloat16)``)
+        # as fp32 values.
+        if (ptrs is not None and ptrs == self._grad_ptrs and list(map(NBYTES, grads)) == self._grad_nbytes
+                and list(map(DTYPE, grads)) == self._grad_dtypes):
             if self._plan is not None:
                 self._plan.refresh_read_list(GRAD_LIST, grads, ptrs=ptrs)
             return grads

@@ -46,7 +46,7 @@ def cpu_threads(count: int):
 # go of them after the launch, and a plan with a released list refuses to
 # launch until it is handed the list again. The table keeps the addresses;
 # whoever hands the list again checks that the tensors at those addresses
-# are what the table says (their sizes in bytes: Bucket._current_grads),
+# are what the table says (sizes in bytes and dtypes: Bucket._current_grads),
 # since a released gradient's memory may hold another tensor by then.
 
 

@@ -30,6 +30,7 @@ import torch
 
 DATA_PTR = torch.Tensor.data_ptr
 NBYTES = torch.Tensor.nbytes.__get__
+DTYPE = operator.attrgetter("dtype")
 GRAD = operator.attrgetter("grad")
 REQUIRES_GRAD = operator.attrgetter("requires_grad")
 VERSION = torch.Tensor._version.__get__
