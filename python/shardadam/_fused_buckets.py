@@ -57,7 +57,7 @@ class GradFit:
         self.names = names
         self.device = params[0].device
         self._strides = [p.stride() for p in params]
-        self.numels = [p.numel() for p in params]
+        self._numels = [p.numel() for p in params]
         self._device_index = self.device.index if self.device.type == "cuda" else -1
         self._all_contiguous = all(p.is_contiguous() for p in params)
 
@@ -68,7 +68,7 @@ class GradFit:
         order. torch's ``p.grad = t`` checks some of this, ``p.grad.data = t``
         none of it. C-level passes for the common case; the checked path names
         the first offender. Returns the gradients' dtypes."""
-        numels = self.numels if idx is None else [self.numels[i] for i in idx]
+        numels = self._numels if idx is None else [self._numels[i] for i in idx]
         idx = range(len(self.params)) if idx is None else idx
         dtypes = [g.dtype for g in grads]
         try:

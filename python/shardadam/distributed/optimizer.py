@@ -424,7 +424,7 @@ class ShardedOptimizer(ApexMethods, torch.optim.Optimizer):
         gradients the first backward left in the old buffer must reach the new
         one. Kept on the device, the old buffer lived until the new one was
         filled: with the parameter buffer's own move, one whole buffer of
-        transient at the first step (2.65 GiB for GPT-1.4B with 8-bit states,
+        transient at the first step (2.64 GiB for GPT-1.4B with 8-bit states,
         benchmarks/RESULTS.md, "Memory per phase"). On a GPU they wait in host
         memory instead (one copy down and up, once), so the old buffer is gone
         before any new one is allocated. Returns id(param) -> host gradient;
