@@ -19,10 +19,11 @@ struct OpFastDtypes<AdamOp> {
       FixedDtypes<F32, F32, F32, F32, None, F32, None>,     // fp32 grads, fp32 param copy (sharded)
       FixedDtypes<BF16, BF16, F32, F32, None, None, I16>,   // bf16 params + remainders
       FixedDtypes<BF16, BF16, F32, F32, None, None, None>,   // bf16 params as their own master
-      FixedDtypes<F32, F32, F8, F8, None, None, None>,       // fp32, FP8 states
-      FixedDtypes<F32, BF16, F8, F8, None, BF16, None>,      // fp32 master, bf16 model, FP8 states
-      FixedDtypes<F32, F32, F8, F8, None, BF16, None>,       // fp32 grads, bf16 param copy (sharded), FP8 states
-      FixedDtypes<BF16, BF16, F8, F8, None, None, None>,     // bf16 own master, FP8 states
+      // FP8 states: FP8 exp_avg, blockwise exp_avg_sq ([Note: FP8 second moments] in _storage.py)
+      FixedDtypes<F32, F32, F8, Q8U, None, None, None, None, F32>,     // fp32
+      FixedDtypes<F32, BF16, F8, Q8U, None, BF16, None, None, F32>,    // fp32 master, bf16 model
+      FixedDtypes<F32, F32, F8, Q8U, None, BF16, None, None, F32>,     // fp32 grads, bf16 param copy (sharded)
+      FixedDtypes<BF16, BF16, F8, Q8U, None, None, None, None, F32>,   // bf16 own master
       // Mixed state dtypes (TE's and Megatron's choices): bf16 for both; FP8
       // exp_avg with fp32 or bf16 exp_avg_sq; scaled fp16 for both.
       FixedDtypes<F32, F32, BF16, BF16, None, None, None>,     // fp32, bf16 states

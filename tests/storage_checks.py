@@ -4,10 +4,66 @@ steps on random gradients, checkpoints through fp32 storage, a captured step
 against eager ones, and short training runs."""
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 
 import shardadam
+from shardadam import kernels
+
+
+BLOCK = 256  # elements per block of the blockwise 8-bit states
+
+
+def blockwise_reference_map(signed: bool) -> torch.Tensor:
+    """The documented map of the blockwise 8-bit states: magnitude code c in
+    [2^k, 2^(k+1)) is decade z = top - k, the j-th of 2^k grid points above
+    10^-(z+1) (0 for the bottom decade) up to 10^-z; signed codes keep the
+    sign in bit 7."""
+    top = 6 if signed else 7
+    magnitude = [0.0]
+    for c in range(1, 2 << top):
+        k = int(math.floor(math.log2(c)))
+        z, n, j = top - k, 2 ** k, c - 2 ** k + 1
+        lower, upper = (10.0 ** -(z + 1) if z < top else 0.0), 10.0 ** -z
+        magnitude.append(upper if j == n else lower + j * (upper - lower) / n)
+    values = torch.tensor(magnitude, dtype=torch.float64).float()
+    return torch.cat([values, -values]) if signed else values
+
+
+def blockwise_rows(x: torch.Tensor) -> torch.Tensor:
+    """x flat, zero-padded to whole blocks, one row per block."""
+    flat = x.reshape(-1).double()
+    return torch.nn.functional.pad(flat, (0, -flat.numel() % BLOCK)).view(-1, BLOCK)
+
+
+def blockwise_quantized(t: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """t as blockwise storage keeps it, and its codes: the nearest map value
+    per element (reference search, float64) times its block's maximum."""
+    table = blockwise_reference_map(signed).double()
+    rows = blockwise_rows(t.cpu())
+    absmax = rows.abs().amax(dim=1, keepdim=True)
+    y = torch.where(absmax > 0, rows / absmax, torch.zeros_like(rows)).reshape(-1, 1)
+    codes = (y - table[None, :]).abs().argmin(dim=1).view_as(rows)
+    values = (table[codes].float() * absmax.float()).reshape(-1)[:t.numel()].view_as(t).to(t.device)
+    return values, codes.reshape(-1)[:t.numel()].view_as(t)
+
+
+def assert_blockwise_state(opt, p: torch.Tensor, name: str, expect: torch.Tensor) -> None:
+    """opt's state `name` of p is blockwise and decodes to the reference's
+    quantized value `expect` (a value that fp32 rounding put on the other side
+    of a tie may differ by one map step; the block maxima may differ in the
+    last bit where the compiler fused a multiply-add that torch rounds twice)."""
+    signed = name != "exp_avg_sq"
+    assert opt.state[p][name].dtype == torch.uint8, name
+    assert opt.state[p][f"{name}_absmax"].numel() == -(-p.numel() // BLOCK), name
+    got = torch.empty_like(p, dtype=torch.float32)
+    kernels.blockwise_dequantize(opt.state[p][name], opt.state[p][f"{name}_absmax"], got, signed=signed)
+    step = expect.abs().max() * 0.9 / 64  # one step of the finest decade
+    assert (got - expect).abs().max() <= step, name
+    codes = blockwise_quantized(expect, signed=signed)[1]
+    assert (opt.state[p][name].cpu().long() != codes).float().mean() < 0.01, name
 
 
 def random_steps(opt, params, steps: int = 3) -> None:

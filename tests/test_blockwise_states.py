@@ -13,33 +13,18 @@ import torch.nn as nn
 
 import shardadam
 from shardadam import kernels
-from storage_checks import (captured_against_eager, distributed_equals_fused, distributed_reloaded_through_fp32,
-                            lion_or_adamw, reloaded_through_fp32, small_model_run, steps_on_cpu_and_cuda,
-                            steps_on_quantized_states)
+from storage_checks import (BLOCK, assert_blockwise_state, blockwise_quantized, blockwise_reference_map,
+                            blockwise_rows, captured_against_eager, distributed_equals_fused,
+                            distributed_reloaded_through_fp32, lion_or_adamw, reloaded_through_fp32, small_model_run,
+                            steps_on_cpu_and_cuda, steps_on_quantized_states)
 
-BLOCK = 256
 Q8 = shardadam.BLOCKWISE8
-
-
-def _reference_map(signed: bool) -> torch.Tensor:
-    """The documented map: magnitude code c in [2^k, 2^(k+1)) is decade
-    z = top - k, the j-th of 2^k grid points above 10^-(z+1) (0 for the
-    bottom decade) up to 10^-z; signed codes keep the sign in bit 7."""
-    top = 6 if signed else 7
-    magnitude = [0.0]
-    for c in range(1, 2 << top):
-        k = int(math.floor(math.log2(c)))
-        z, n, j = top - k, 2 ** k, c - 2 ** k + 1
-        lower, upper = (10.0 ** -(z + 1) if z < top else 0.0), 10.0 ** -z
-        magnitude.append(upper if j == n else lower + j * (upper - lower) / n)
-    values = torch.tensor(magnitude, dtype=torch.float64).float()
-    return torch.cat([values, -values]) if signed else values
 
 
 @pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
 def test_map_is_the_documented_one(signed):
     got = kernels.q8_map(signed)
-    assert torch.equal(got, _reference_map(signed))
+    assert torch.equal(got, blockwise_reference_map(signed))
     magnitudes = got.abs().unique()
     assert magnitudes[0] == 0 and magnitudes[-1] == 1.0
     assert len(magnitudes) == (128 if signed else 256)
@@ -47,18 +32,12 @@ def test_map_is_the_documented_one(signed):
                                                                         1e-6 if signed else 1e-7, rel_tol=1e-6)
 
 
-def _blocks(x: torch.Tensor) -> torch.Tensor:
-    """x flat, zero-padded to whole blocks, one row per block."""
-    flat = x.reshape(-1).double()
-    return torch.nn.functional.pad(flat, (0, -flat.numel() % BLOCK)).view(-1, BLOCK)
-
-
 def _check_nearest(values: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> None:
     """absmax is each block's largest magnitude exactly, and every code's map
     value is the nearest to value / absmax (as the kernel forms it in float32),
     up to one float32 rounding of a tie."""
-    table = _reference_map(signed).double()
-    rows = _blocks(values.cpu())
+    table = blockwise_reference_map(signed).double()
+    rows = blockwise_rows(values.cpu())
     assert torch.equal(absmax.cpu().double(), rows.abs().amax(dim=1))
     inv = torch.where(absmax.cpu() > 0, 1.0 / absmax.cpu(), torch.zeros_like(absmax.cpu()))
     y = (rows.float() * inv[:, None]).double().reshape(-1)[:values.numel()]
@@ -90,7 +69,7 @@ def test_quantize_rounds_to_the_nearest_map_value(device, signed):
     _check_nearest(values, codes, absmax, signed)
     decoded = torch.empty_like(values)
     kernels.blockwise_dequantize(codes, absmax, decoded, signed=signed)
-    table = _reference_map(signed)
+    table = blockwise_reference_map(signed)
     expect = table[codes.cpu().long()] * absmax.cpu().repeat_interleave(BLOCK)[:values.numel()]
     assert torch.equal(decoded.cpu(), expect)
     # Encoding decoded values gives back the same codes and maxima.
@@ -107,7 +86,7 @@ def test_blocks_follow_each_tensors_memory_order(device):
     absmax = torch.empty(-(-x.numel() // BLOCK), device=device)
     kernels.blockwise_quantize([x], [codes], [absmax])
     in_memory = x.permute(0, 2, 3, 1).reshape(-1)
-    assert torch.equal(absmax.cpu().double(), _blocks(in_memory.cpu()).abs().amax(dim=1))
+    assert torch.equal(absmax.cpu().double(), blockwise_rows(in_memory.cpu()).abs().amax(dim=1))
 
 
 def test_unsigned_map_takes_zero_and_negatives_as_zero(device):
@@ -156,18 +135,6 @@ def test_quantize_refuses_bad_maxima(kw, match):
     assert codes.eq(0).all() and absmax.eq(0).all()
 
 
-def _quantized(t: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """t as blockwise storage keeps it, and its codes: the nearest map value
-    per element (reference search, float64) times its block's maximum."""
-    table = _reference_map(signed).double()
-    rows = _blocks(t.cpu())
-    absmax = rows.abs().amax(dim=1, keepdim=True)
-    y = torch.where(absmax > 0, rows / absmax, torch.zeros_like(rows)).reshape(-1, 1)
-    codes = (y - table[None, :]).abs().argmin(dim=1).view_as(rows)
-    values = (table[codes].float() * absmax.float()).reshape(-1)[:t.numel()].view_as(t).to(t.device)
-    return values, codes.reshape(-1)[:t.numel()].view_as(t)
-
-
 @pytest.mark.parametrize("lion", [False, True], ids=["adam", "lion"])
 def test_steps_equal_adamw_on_quantized_states(device, lion):
     """Four steps of a model whose tensors hold several blocks: the
@@ -180,20 +147,11 @@ def test_steps_equal_adamw_on_quantized_states(device, lion):
     model = nn.Linear(64, 48).to(device)
     opt, reference, want, names = lion_or_adamw(model, lion, exp_avg_dtype=Q8, exp_avg_sq_dtype=Q8)
     steps_on_quantized_states(model, opt, reference, want, names,
-                              lambda state, name: _quantized(state, signed=name != "exp_avg_sq")[0])
+                              lambda state, name: blockwise_quantized(state, signed=name != "exp_avg_sq")[0])
     for p, q in zip(model.parameters(), want):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
         for name in names:
-            assert opt.state[p][name].dtype == torch.uint8
-            assert opt.state[p][f"{name}_absmax"].numel() == -(-p.numel() // BLOCK)
-            got = torch.empty_like(p, dtype=torch.float32)
-            kernels.blockwise_dequantize(opt.state[p][name], opt.state[p][f"{name}_absmax"], got,
-                                         signed=name != "exp_avg_sq")
-            expect = reference.state[q][name]
-            step = expect.abs().max() * 0.9 / 64  # one step of the finest decade
-            assert (got - expect).abs().max() <= step, name
-            codes = _quantized(expect, signed=name != "exp_avg_sq")[1]
-            assert (opt.state[p][name].cpu().long() != codes).float().mean() < 0.01, name
+            assert_blockwise_state(opt, p, name, reference.state[q][name])
 
 
 def _codes_at(codes: torch.Tensor, offset: int) -> torch.Tensor:

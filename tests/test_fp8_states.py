@@ -1,9 +1,10 @@
 """FP8 E4M3 optimizer states (TransformerEngine's exp_avg_dtype=torch.uint8,
 stored as torch.float8_e4m3fn with a power-of-two scale per tensor:
-[Note: storage codecs] in _storage.py). References: torch's own float8_e4m3fn
-conversion for the core's encode and decode, and torch's AdamW whose states
-are replaced, after every step, by their FP8-quantized values (what the
-storage keeps), for the update."""
+[Note: storage codecs] in _storage.py; an FP8 exp_avg_sq is kept in the
+blockwise 8-bit code: [Note: FP8 second moments]). References: torch's own
+float8_e4m3fn conversion for the core's encode and decode, and torch's AdamW
+whose states are replaced, after every step, by their quantized values (what
+the storage keeps), for the update."""
 from __future__ import annotations
 
 import math
@@ -15,8 +16,9 @@ import torch.nn as nn
 import shardadam
 from conftest import assert_all_bits_equal
 from shardadam import kernels
-from storage_checks import (distributed_equals_fused, distributed_reloaded_through_fp32, lion_or_adamw,
-                            reloaded_through_fp32, steps_on_cpu_and_cuda, steps_on_quantized_states)
+from storage_checks import (assert_blockwise_state, blockwise_quantized, distributed_equals_fused,
+                            distributed_reloaded_through_fp32, lion_or_adamw, reloaded_through_fp32,
+                            steps_on_cpu_and_cuda, steps_on_quantized_states)
 
 F8 = torch.float8_e4m3fn
 
@@ -85,21 +87,31 @@ def _quantized(t: torch.Tensor) -> torch.Tensor:
     return codes.float() / scale
 
 
+def _kept(state: torch.Tensor, name: str) -> torch.Tensor:
+    """What FP8 storage keeps of a state: E4M3 under a per-tensor scale, or
+    for exp_avg_sq the blockwise 8-bit code ([Note: FP8 second moments])."""
+    return blockwise_quantized(state, signed=False)[0] if name == "exp_avg_sq" else _quantized(state)
+
+
+@pytest.mark.parametrize("kind", [torch.uint8, F8], ids=["te-uint8", "float8_e4m3fn"])
 @pytest.mark.parametrize("lion", [False, True], ids=["adam", "lion"])
-def test_steps_equal_adamw_on_quantized_states(device, lion):
+def test_steps_equal_adamw_on_quantized_states(device, lion, kind):
     """Four steps of a two-tensor model: the parameters equal the reference's
     within fp32 rounding, and the stored states dequantize to the
     reference's quantized states (one FP8 step apart at most, where fp32
-    rounding of the update put a value on the other side of a tie)."""
+    rounding of the update put a value on the other side of a tie; the
+    second moment as the blockwise states are checked)."""
     torch.manual_seed(0)
     model = nn.Linear(32, 16).to(device)
-    # TE's spelling (uint8) for Adam, torch's for Lion
-    kind = F8 if lion else torch.uint8
     opt, reference, want, names = lion_or_adamw(model, lion, exp_avg_dtype=kind, exp_avg_sq_dtype=kind)
-    steps_on_quantized_states(model, opt, reference, want, names, lambda state, name: _quantized(state))
+    steps_on_quantized_states(model, opt, reference, want, names, _kept)
     for p, q in zip(model.parameters(), want):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
+        assert "exp_avg_sq_scale" not in opt.state[p]
         for name in names:
+            if name == "exp_avg_sq":
+                assert_blockwise_state(opt, p, name, reference.state[q][name])
+                continue
             assert opt.state[p][name].dtype == F8
             got = opt.state[p][name].float() / opt.state[p][f"{name}_scale"]
             expect = reference.state[q][name]
@@ -190,7 +202,8 @@ def test_distributed_fp8_states_are_fused_adams_where_fragments_are_whole(one_ra
     """One rank, one bucket: every shard fragment is a whole parameter, so its
     scale is FusedAdam's per-tensor scale and the runs agree bit for bit."""
     dist_opt = distributed_equals_fused(dict(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8))
-    assert dist_opt.states["exp_avg"].dtype == F8 and set(dist_opt.state_scales) == {"exp_avg", "exp_avg_sq"}
+    assert dist_opt.states["exp_avg"].dtype == F8 and set(dist_opt.state_scales) == {"exp_avg"}
+    assert dist_opt.states["exp_avg_sq"].dtype == torch.uint8 and set(dist_opt.state_blocks) == {"exp_avg_sq"}
 
 
 def test_distributed_fp8_checkpoint_loads_into_other_storage(one_rank):
@@ -211,3 +224,38 @@ def test_distributed_state_dtype_refusals(one_rank, kw, match):
     cls = shardadam.DistributedFusedLion if "sq" in next(iter(kw)) else shardadam.DistributedFusedAdam
     with pytest.raises(ValueError, match=match):
         cls(model.parameters(), **kw)
+
+
+def test_second_moments_over_decades_follow_adamw(device):
+    """Rare tokens of an embedding: blocks of a tensor whose gradients lie
+    three decades apart, all with gradients on the first step and only the
+    first block after. Under one E4M3 scale per tensor the small blocks'
+    second moments rounded to zero while their first moments did not, and
+    the next steps moved them by m / eps (about 10^3 lr); kept blockwise
+    ([Note: FP8 second moments]) every entry moves as it does with an fp32
+    exp_avg_sq (within the 8-bit code's rounding), and no entry further than
+    torch's fp32 AdamW moves any. (Entries whose first moment falls below
+    E4M3's range under the tensor's scale stop early in both: FP8 exp_avg's
+    own limit, 2^-17 below the tensor's largest.)"""
+    gen = torch.Generator().manual_seed(0)
+    scale = torch.logspace(0, -3, 4).repeat_interleave(256)
+    grads = [torch.randn(1024, generator=gen) * scale * 1e-2 for _ in range(5)]
+    for g in grads[1:]:
+        g[256:] = 0
+    p0 = torch.randn(1024, generator=gen)
+
+    def moved(make) -> torch.Tensor:
+        p = p0.clone().to(device).requires_grad_()
+        opt = make(p)
+        for g in grads:
+            p.grad = g.to(device)
+            opt.step()
+        return p.detach().cpu() - p0
+
+    fp8 = moved(lambda p: shardadam.FusedAdam([p], lr=1e-3, exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8))
+    exact_v = moved(lambda p: shardadam.FusedAdam([p], lr=1e-3, exp_avg_dtype=torch.uint8))
+    adamw = moved(lambda p: torch.optim.AdamW([p], lr=1e-3, weight_decay=0.0, foreach=False))
+    assert adamw.abs().max() < 5e-3  # about lr a step
+    assert fp8.abs().max() <= 1.05 * adamw.abs().max()
+    assert (fp8 - exact_v).abs().max() <= 0.1 * adamw.abs().max()
+    assert torch.linalg.vector_norm(fp8 - exact_v) <= 0.02 * torch.linalg.vector_norm(adamw)

@@ -22,7 +22,7 @@ from ._rounding import refuse_masters, rounding_seed
 from ._rules import UpdateRule
 from ._state_dict import load_buckets_state, pack_state
 from ._state_dict_hooks import run_load_post_hooks, state_dict_through_hooks, through_load_pre_hooks
-from ._storage import BLOCKWISE8
+from ._storage import BLOCKWISE8, state_storage
 from ._tracked import GRAD, ReplacedParams, moved_indices
 
 _log = logging.getLogger("shardadam")
@@ -62,9 +62,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.rounding_seed = rounding_seed(bf16_stochastic_round, stochastic_round_seed)
         state_dtypes = dict(state_dtypes or {})
         for name, dtype, allowed in [("master_weight_dtype", master_weight_dtype, (torch.float32, torch.float16))] + [
-                (f"{state}_dtype", dtype, STATE_DTYPES) for state, dtype in state_dtypes.items()]:
+                (f"{state}_dtype", dtype, STATE_DTYPES + (torch.uint8,)) for state, dtype in state_dtypes.items()]:
             if dtype not in allowed:
                 raise ValueError(f"{name} must be one of {[str(a) for a in allowed]}, got {dtype}")
+        state_dtypes = {state: state_storage(state, dtype) for state, dtype in state_dtypes.items()}
         if store_param_remainders and master_weight_dtype != torch.float32:
             raise ValueError("store_param_remainders makes bf16 params exact fp32 masters: it needs "
                              "master_weight_dtype=torch.float32")

@@ -38,12 +38,6 @@ def check_options(betas, exp_avg_dtype, exp_avg_sq_dtype, *, set_grad_none, use_
                          "use_decoupled_grad=True reads p.decoupled_grad: use one of them")
 
 
-def state_dtype(dtype: torch.dtype) -> torch.dtype:
-    """TE's spelling of FP8 states, torch.uint8 (E4M3 bytes with a per-tensor
-    scale), as the storage dtype: torch.float8_e4m3fn."""
-    return torch.float8_e4m3fn if dtype == torch.uint8 else dtype
-
-
 def check_plain_params(where: str, params) -> None:
     """TE's quantized parameters (Float8Tensor, MXFP8 and block-scaled tensors)
     hold their bytes in another format than their nominal dtype: refused."""

@@ -42,7 +42,8 @@ class FusedAdam(FusedOptimizer):
     remainders instead of an fp32 master (2 bytes per element).
     exp_avg_dtype / exp_avg_sq_dtype: fp32, bf16, fp16 (per-tensor scales),
     FP8 E4M3 with per-tensor scales: torch.float8_e4m3fn, or torch.uint8 (TE's
-    spelling of the same storage), or "blockwise8" (shardadam.BLOCKWISE8):
+    spelling of the same storage; an FP8 exp_avg_sq is kept blockwise, as
+    "blockwise8": [Note: FP8 second moments] in _storage.py), or "blockwise8" (shardadam.BLOCKWISE8):
     8-bit codes of a dynamic map with a float32 maximum per block of 256
     elements (1.016 bytes per element), exp_avg signed, exp_avg_sq unsigned;
     ``state[p]`` then holds the uint8 codes and ``exp_avg_absmax`` /
@@ -101,8 +102,7 @@ class FusedAdam(FusedOptimizer):
                         bias_correction=bias_correction, maximize=maximize)
         super().__init__(params, defaults, AdamRule(adam_w_mode, amsgrad), capturable=capturable,
                          master_weights=bool(master_weights), master_weight_dtype=master_weight_dtype,
-                         state_dtypes=dict(exp_avg=_te_apex.state_dtype(exp_avg_dtype),
-                                           exp_avg_sq=_te_apex.state_dtype(exp_avg_sq_dtype)),
+                         state_dtypes=dict(exp_avg=exp_avg_dtype, exp_avg_sq=exp_avg_sq_dtype),
                          store_param_remainders=store_param_remainders, flat_grads=flat_grads,
                          skip_nonfinite_grads=skip_nonfinite_grads,
                          grad_of=decoupled_grad if use_decoupled_grad else GRAD,

@@ -18,8 +18,8 @@ class FusedLion(FusedOptimizer):
     ``exp_avg = beta2 * exp_avg + (1 - beta2) * grad``. The one state is
     ``exp_avg``. The keyword options are FusedAdam's where they apply:
     maximize, capturable, master_weights / master_weight_dtype,
-    exp_avg_dtype (fp32, bf16, fp16 or FP8 E4M3 with per-tensor scales, or
-    "blockwise8"),
+    exp_avg_dtype (fp32, bf16, fp16 or FP8 E4M3 with per-tensor scales, as
+    torch.float8_e4m3fn or TransformerEngine's torch.uint8, or "blockwise8"),
     store_param_remainders, flat_grads, skip_nonfinite_grads.
     """
 

@@ -96,8 +96,10 @@ def resolve_store_params(store_params: bool | None, dtype, store_param_remainder
 def state_dtypes(rule, **given) -> dict:
     """exp_avg_dtype / exp_avg_sq_dtype (None: `dtype`): a state's storage of
     its own, by state name. FP8 E4M3 (torch.float8_e4m3fn, or torch.uint8 as
-    TransformerEngine spells it) always carries a scale per shard fragment;
-    "blockwise8" keeps a maximum per block of 256 elements of each fragment."""
+    TransformerEngine spells it) carries a scale per shard fragment, but an
+    FP8 exp_avg_sq is kept blockwise ([Note: FP8 second moments] in
+    _storage.py); "blockwise8" keeps a maximum per block of 256 elements of
+    each fragment."""
     chosen = {}
     for option, value in given.items():
         if value is None:
@@ -105,12 +107,11 @@ def state_dtypes(rule, **given) -> dict:
         name = option.removesuffix("_dtype")
         if name not in rule.states:
             raise ValueError(f"{option}: {rule.title} keeps no {name} (its states: {', '.join(rule.states)})")
-        value = torch.float8_e4m3fn if value == torch.uint8 else value
-        if value not in STATE_DTYPES + (torch.float8_e4m3fn, _storage.BLOCKWISE8):
+        if value not in STATE_DTYPES + (torch.float8_e4m3fn, torch.uint8, _storage.BLOCKWISE8):
             raise ValueError(f"{option} must be torch.float32, torch.float16, torch.bfloat16, FP8 "
                              f"(torch.float8_e4m3fn, or torch.uint8 as TransformerEngine spells it) or "
                              f"{_storage.BLOCKWISE8!r} (8-bit blockwise), got {value!r}")
-        chosen[name] = value
+        chosen[name] = _storage.state_storage(name, value)
     return chosen
 
 
