@@ -254,12 +254,17 @@ def test_cpu_and_cuda_agree():
 
 
 @pytest.mark.cuda
-def test_a_captured_step_equals_the_eager_one():
-    """capturable=True: graph replays step the blockwise states exactly as eager steps."""
+@pytest.mark.parametrize("exp_avg_dtype", [Q8, torch.uint8], ids=["blockwise8", "fp8-exp_avg"])
+def test_a_captured_step_equals_the_eager_one(exp_avg_dtype):
+    """capturable=True: graph replays step the blockwise states exactly as
+    eager steps, with a blockwise exp_avg or an FP8 one (scaled: two passes)
+    beside the blockwise exp_avg_sq that FP8 second moments are kept in
+    ([Note: FP8 second moments] in _storage.py)."""
     def make():
         p = nn.Parameter(torch.randn(3000, generator=torch.Generator().manual_seed(0)).cuda())
         p.grad = torch.randn(3000, generator=torch.Generator().manual_seed(1)).cuda()
-        return p, shardadam.FusedAdam([p], lr=1e-2, capturable=True, exp_avg_dtype=Q8, exp_avg_sq_dtype=Q8)
+        return p, shardadam.FusedAdam([p], lr=1e-2, capturable=True, exp_avg_dtype=exp_avg_dtype,
+                                      exp_avg_sq_dtype=torch.uint8 if exp_avg_dtype == torch.uint8 else Q8)
     (eager_p, eager), (p, opt) = captured_against_eager(make)
     assert torch.equal(p.detach(), eager_p.detach())
     for name, value in eager.state[eager_p].items():
