@@ -114,3 +114,19 @@ def rand_pos(shape, dtype=torch.float32, device="cpu", low=1e-4, high=1e-2):
         shape = (shape,)
     t = (torch.rand(shape, dtype=torch.float64) * (high - low) + low).to(dtype)
     return t.to(device)
+
+
+def saved_steps(state_dict: dict) -> list[int]:
+    """The step of each group of a FusedAdam state dict, which saves it per
+    parameter as torch.optim.AdamW does ([Note: torch.optim's checkpoint
+    schema] in _rules.py): float32 tensors, equal within a group, and no group
+    step (None for a group without state: torch saves no step for it)."""
+    steps = []
+    for g in state_dict["param_groups"]:
+        assert "step" not in g, "a group step: not torch.optim.AdamW's schema"
+        saved = [state_dict["state"][k]["step"] for k in g["params"] if k in state_dict["state"]]
+        assert all(t.dtype == torch.float32 for t in saved)
+        values = {t.item() for t in saved}
+        assert len(values) <= 1, f"one step per group, got {values}"
+        steps.append(int(values.pop()) if values else None)
+    return steps

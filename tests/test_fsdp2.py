@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
@@ -286,6 +287,8 @@ def _checkpoints(mesh, rank: int, world: int, path: str, checks: _Checks) -> dic
     ref = _model(mesh)
     ref_opt = torch.optim.AdamW(_groups(ref), foreach=False, **adamw)
     _train(ref, ref_opt, range(SAVED_AT), rank, world)
+    dcp.save({"model": get_model_state_dict(ref), "optim": get_optimizer_state_dict(ref, ref_opt)},
+             checkpoint_id=_torch_path(path))
     full = StateDictOptions(full_state_dict=True)
     sharded, whole = get_optimizer_state_dict(ref, ref_opt), get_optimizer_state_dict(ref, ref_opt, options=full)
     loaded = {}
@@ -309,9 +312,26 @@ def _checkpoints(mesh, rank: int, world: int, path: str, checks: _Checks) -> dic
             set_optimizer_state_dict(model_, opt_, get_optimizer_state_dict(loaded["full"][0], loaded["full"][1],
                                                                             options=full), options=full)
         loaded[name] = (model_, opt_)
+    # Through DCP ([Note: torch.optim's checkpoint schema] in _rules.py): torch AdamW's checkpoint into
+    # FusedAdam's own keys, a partial load (which would keep FusedAdam's values where keys differ) too
+    for name, planner in (("dcp", None), ("dcp-partial", DefaultLoadPlanner(allow_partial_load=True))):
+        model_ = _model(mesh)
+        opt_ = shardadam.FusedAdam(_groups(model_), **adamw)
+        _load(model_, opt_, _torch_path(path), planner)
+        loaded[name] = (model_, opt_)
     for name, (model_, opt_) in loaded.items():
         _train(model_, opt_, range(SAVED_AT, STEPS), rank, world)
     _train(ref, ref_opt, range(SAVED_AT, STEPS), rank, world)
+    # and FusedAdam's checkpoint into torch AdamW's keys
+    adamw_from_fused = _model(mesh)
+    adamw_from_fused_opt = torch.optim.AdamW(_groups(adamw_from_fused), foreach=False, **adamw)
+    _load(adamw_from_fused, adamw_from_fused_opt, path)
+    checks.true("dcp.load of FusedAdam's checkpoint into torch AdamW: its step",
+                all(s["step"].item() == SAVED_AT for s in adamw_from_fused_opt.state.values()),
+                f"steps {[s['step'].item() for s in adamw_from_fused_opt.state.values()]}")
+    _train(adamw_from_fused, adamw_from_fused_opt, range(SAVED_AT, STEPS), rank, world)
+    checks.close("dcp.load of FusedAdam's checkpoint into torch AdamW continues the run",
+                 [p.detach().full_tensor().cpu() for p in adamw_from_fused.parameters()], final)
     for name, (model_, _) in loaded.items():
         checks.close(f"torch AdamW's state dicts continue in FusedAdam ({name})", _locals(model_.parameters()),
                      _locals(ref.parameters()))
@@ -319,15 +339,23 @@ def _checkpoints(mesh, rank: int, world: int, path: str, checks: _Checks) -> dic
     # state_dict() / load_state_dict() on the optimizer itself: DTensor values, local pieces copied
     again = shardadam.FusedAdam(_groups(_model(mesh)), **adamw)
     again.load_state_dict(opt.state_dict())
-    checks.close("load_state_dict(state_dict()) round trip",
-                 [_locals(s.values()) for s in again.state_dict()["state"].values()],
-                 [_locals(s.values()) for s in opt.state_dict()["state"].values()], rtol=0, atol=0)
-    return dict(final=[t.numpy() for t in final])
+    def states(entries) -> list:  # DTensor states; the step per parameter is a plain tensor, as torch's
+        return [(_locals(v for k, v in e.items() if k != "step"), e["step"]) for e in entries.values()]
+
+    checks.close("load_state_dict(state_dict()) round trip", states(again.state_dict()["state"]),
+                 states(opt.state_dict()["state"]), rtol=0, atol=0)
+    return dict(final=[t.numpy() for t in final],
+                torch_final=[p.detach().full_tensor().cpu().numpy() for p in ref.parameters()])
 
 
-def _load(model, opt, path: str) -> None:
+def _torch_path(path: str) -> str:
+    """Where torch AdamW's DCP checkpoint of the same run goes."""
+    return f"{path}/torch-adamw"
+
+
+def _load(model, opt, path: str, planner=None) -> None:
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
-    dcp.load(state, checkpoint_id=path)
+    dcp.load(state, checkpoint_id=path, planner=planner)
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, opt, state["optim"])
 
@@ -395,8 +423,9 @@ def _assert_checks(two_ranks, prefix: str) -> None:
 
 
 def test_dcp_checkpoint_of_2_ranks_continues_on_1(two_ranks):
-    """The checkpoint saved by 2 ranks loads into a 1-rank FSDP2 model (this
-    process) and continues on the global batch as the 2 ranks did."""
+    """The checkpoints saved by 2 ranks load into a 1-rank FSDP2 model (this
+    process) and continue on the global batch as the 2 ranks did: FusedAdam's
+    into FusedAdam and into torch AdamW, torch AdamW's into FusedAdam."""
     results, path, device = two_ranks
     if device == "cuda":
         dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda:0"))
@@ -404,15 +433,21 @@ def test_dcp_checkpoint_of_2_ranks_continues_on_1(two_ranks):
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         mesh = init_device_mesh(device, (1,))
-        model = _model(mesh)
-        opt = shardadam.FusedAdam(_groups(model), lr=LR, betas=(0.9, 0.99))
-        _load(model, opt, path)
-        assert opt.param_groups[1]["step"] == SAVED_AT
-        _train(model, opt, range(SAVED_AT, STEPS), 0, 1)
-        got = [p.detach().full_tensor().cpu() for p in model.parameters()]
+        got = {}
+        # FusedAdam's checkpoint into FusedAdam and into torch AdamW, torch AdamW's into FusedAdam
+        for name, checkpoint, make in (("final", path, shardadam.FusedAdam),
+                                       ("final", path, lambda g, **kw: torch.optim.AdamW(g, foreach=False, **kw)),
+                                       ("torch_final", _torch_path(path), shardadam.FusedAdam)):
+            model = _model(mesh)
+            opt = make(_groups(model), lr=LR, betas=(0.9, 0.99))
+            _load(model, opt, checkpoint)
+            _train(model, opt, range(SAVED_AT, STEPS), 0, 1)
+            got.setdefault(name, []).append([p.detach().full_tensor().cpu() for p in model.parameters()])
     finally:
         dist.destroy_process_group()
-    torch.testing.assert_close(got, [torch.from_numpy(np.asarray(t)) for t in results[0]["final"]], **F32_TOL)
+    for name, runs in got.items():
+        for run in runs:
+            torch.testing.assert_close(run, [torch.from_numpy(np.asarray(t)) for t in results[0][name]], **F32_TOL)
 
 
 # ---------------------------------------------------------------- one GPU: a captured step

@@ -14,8 +14,21 @@ only what differs between Adam and another element-wise optimizer:
 
 A new optimizer is one element functor in the core (cpp/), one rule here, and
 constructors that hand the rule to the shared optimizers.
+
+[Note: torch.optim's checkpoint schema] torch.distributed.checkpoint loads
+into the keys of the loading optimizer's own state dict and refuses a
+checkpoint that lacks one ("Missing key in checkpoint state_dict"); with
+allow_partial_load it silently keeps the loading optimizer's value. So a run
+moves between torch.optim.AdamW and FusedAdam through DCP, in either
+direction, only if both save the same keys: FusedAdam saves torch's schema
+(AdamRule.to_torch_schema: the step per parameter, torch's group keys), and
+a group key torch does not save (bias_correction) is saved only where its
+value is not what its absence means (absent_group_values), which a load
+then restores. The loaders take every format (_state_dict_check.py).
 """
 from __future__ import annotations
+
+import torch
 
 from . import kernels
 from ._validate import check_adam_group, check_lion_group
@@ -61,6 +74,14 @@ class UpdateRule:
         """What the rule was built with, for reprs."""
         return {}
 
+    # Group keys a checkpoint may leave out, and what their absence means.
+    absent_group_values: dict = {}
+
+    def to_torch_schema(self, groups: list[dict], state: dict) -> None:
+        """Reshape a fused optimizer's packed state dict, in place, into the
+        schema of the torch optimizer it replaces ([Note: torch.optim's
+        checkpoint schema]); by default it stays as packed."""
+
 
 class AdamRule(UpdateRule):
     """Adam (adam_w_mode=False: L2 weight decay) and AdamW, with AMSGrad."""
@@ -103,6 +124,25 @@ class AdamRule(UpdateRule):
 
     def options(self):
         return dict(adam_w_mode=self.adam_w_mode, amsgrad=self.amsgrad)
+
+    # torch.optim.Adam/AdamW always correct the bias and save no such key.
+    absent_group_values = {"bias_correction": True}
+
+    def to_torch_schema(self, groups, state):
+        """torch.optim.AdamW's keys: the step per parameter (a float32
+        tensor), none in the groups; torch's group options with the values
+        that mean this optimizer (foreach and fused left to the loading
+        optimizer: None); bias_correction only where it is False."""
+        for g in groups:
+            step = g.pop("step")
+            for key in g["params"]:
+                if key in state:
+                    state[key]["step"] = torch.tensor(float(step), dtype=torch.float32)
+            if g.get("bias_correction", True):
+                g.pop("bias_correction", None)
+            g.update(amsgrad=self.amsgrad, foreach=None, capturable=False, differentiable=False, fused=None,
+                     decoupled_weight_decay=self.adam_w_mode)
+            g["params"] = g.pop("params")  # last, as torch lists it
 
 
 class LionRule(UpdateRule):

@@ -5,7 +5,9 @@ Saved: for every parameter with state, each state of the update rule (Adam:
 fp32 values (fp16 states unscaled),
 and ``master_param`` as the exact fp32 master (remainders joined with the bf16
 param; fp16 masters unscaled) where the parameter has a separate master.
-Groups carry their hyperparameters and step counter as plain numbers. So a
+Groups carry their hyperparameters as plain numbers; the step counter is
+saved where the rule's torch optimizer saves it (Adam: per parameter, Lion:
+per group; [Note: torch.optim's checkpoint schema] in _rules.py). So a
 checkpoint loads into any choice of state dtypes, master weights or remainders.
 The states of a DTensor parameter are DTensors of its mesh and placements
 ([Note: DTensor parameters] in _dtensor.py): torch.distributed.checkpoint
@@ -39,8 +41,11 @@ def _bucket_state(b, j: int) -> dict:
 
 
 def pack_state(opt, buckets) -> dict:
+    """The fused optimizer's state dict, in the schema of the torch optimizer
+    its rule replaces ([Note: torch.optim's checkpoint schema] in _rules.py)."""
     groups, index = pack_groups(opt.param_groups, plain_value)
     state = {index[id(p)]: _bucket_state(b, j) for b in buckets for j, p in enumerate(b.owners)}
+    opt.rule.to_torch_schema(groups, state)
     return {"state": state, "param_groups": groups}
 
 
@@ -83,16 +88,17 @@ def load_buckets_state(opt, layout, state_dict: dict) -> None:
 def torch_adam_state_dict(state_dict: dict) -> dict:
     """A FusedAdam or DistributedFusedAdam state dict in torch.optim.Adam/AdamW's
     format: each parameter's state gets the group's step as ``step`` (a float32
-    tensor), fp32 masters are dropped (torch has none: load the model's
+    tensor; FusedAdam's state dicts have it already), fp32 masters are dropped (torch has none: load the model's
     parameters from the model checkpoint), groups lose shardadam's keys and
     say ``amsgrad`` when the states have max_exp_avg_sq. FusedAdam's
     ``maximize`` and ``adam_w_mode`` are options of the optimizer, not of the
     groups: construct the torch optimizer to match."""
     state = {}
-    steps = {key: g["step"] for g in state_dict["param_groups"] for key in g["params"]}
+    steps = {key: g["step"] for g in state_dict["param_groups"] if "step" in g for key in g["params"]}
     for key, entry in state_dict["state"].items():
-        out = {k: v.clone() for k, v in entry.items() if k in AdamRule.known_states}
-        out["step"] = torch.tensor(float(steps[key]))
+        out = {k: v.clone() for k, v in entry.items() if k in AdamRule.known_states + ("step",)}
+        if "step" not in out:  # DistributedFusedAdam's portable dict: the step is its group's
+            out["step"] = torch.tensor(float(steps[key]))
         state[key] = out
     groups = []
     for g in state_dict["param_groups"]:

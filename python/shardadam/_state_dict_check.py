@@ -156,6 +156,9 @@ def check_group_values(where: str, saved: Mapping, group: dict, rule, entry_step
     step; without a saved group step (torch.optim.Adam/AdamW), the largest of
     its parameters' steps (all equal after ordinary training)."""
     values = {k: v for k, v in saved.items() if k in group and k != "params"}
+    for k, meaning in rule.absent_group_values.items():  # [Note: torch.optim's checkpoint schema] in _rules.py
+        if k in group and k not in saved:
+            values[k] = meaning
     if "lr" in values and isinstance(values["lr"], torch.Tensor):
         lr = values["lr"]
         if lr.device.type == "meta" or lr.numel() != 1 or not lr.is_floating_point():
