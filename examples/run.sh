@@ -6,6 +6,22 @@
 # process. Writes the loss log and the loss curves to examples/out/ (--out).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/machine.sh
+# Build what this machine can run: with no GPU visible the CUDA kernels would
+# never launch, and compiling them (when nvcc is installed) takes minutes; with
+# a GPU, only its own architecture. SHARDADAM_CUDA / CMAKE_CUDA_ARCHITECTURES
+# set by the caller win.
+if [ -z "${SHARDADAM_CUDA:-}" ]; then
+  if gpu_visible; then
+    export SHARDADAM_CUDA=AUTO
+    if [ -z "${CMAKE_CUDA_ARCHITECTURES:-}" ]; then
+      CMAKE_CUDA_ARCHITECTURES="$(gpu_architectures)"
+      export CMAKE_CUDA_ARCHITECTURES
+    fi
+  else
+    export SHARDADAM_CUDA=OFF
+  fi
+fi
 bash scripts/install.sh
 # One thread per process (train.py sets it too); exporting it also keeps
 # torchrun from warning that it chose this for us.
