@@ -66,6 +66,42 @@ def test_fused_adam_under_trainer_equals_torch_adamw(tmp_path, device):
         torch.testing.assert_close(_params(got)[name], p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
+LOW_BIT = {"8-bit": dict(exp_avg_dtype=shardadam.BLOCKWISE8, exp_avg_sq_dtype=shardadam.BLOCKWISE8),
+           "FP8": dict(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8)}
+
+
+@pytest.mark.parametrize("kind", LOW_BIT)
+def test_low_bit_fused_adam_checkpoint_resumes_under_trainer(tmp_path, kind):
+    """FusedAdam with low-bit states built by Trainer (optimizer_cls_and_kwargs):
+    a checkpoint saved at step 2 holds fp32 state, and resume_from_checkpoint
+    continues to step 4 as the uninterrupted run. 8-bit codes re-encode to
+    themselves (bit for bit); FP8's per-tensor scale is chosen again from the
+    loaded values and may be half the kernel's, so its run agrees to fp32
+    rounding of the update."""
+    from transformers import Trainer
+    runs = {}
+    for name in ("uninterrupted", "resumed"):
+        model = tiny_gpt2()
+        args = _args(str(tmp_path / "run"), save_strategy="steps", save_steps=2)
+        trainer = Trainer(model=model, args=args, train_dataset=token_rows(8),
+                          optimizer_cls_and_kwargs=(shardadam.FusedAdam, dict(OPTIM_KW, **LOW_BIT[kind])))
+        if name == "resumed":
+            with torch.no_grad():  # everything must come from the checkpoint
+                for p in model.parameters():
+                    p.add_(1.0)
+            trainer.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
+        else:
+            trainer.train()
+        runs[name] = _params(model)
+    saved = torch.load(tmp_path / "run" / "checkpoint-2" / "optimizer.pt", weights_only=True)
+    assert all(v.dtype == torch.float32 for e in saved["state"].values() for v in e.values())
+    before = _params(tiny_gpt2())
+    for name, want in runs["uninterrupted"].items():
+        assert not torch.equal(want, before[name]), f"{name} did not train"
+        tol = dict(rtol=0, atol=0) if kind == "8-bit" else dict(rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(runs["resumed"][name], want, **tol, msg=lambda m: f"{name}: {m}")
+
+
 def _trainer_worker(rank: int, world: int, port: int, tmp: str, device: str, out) -> None:
     """Rank `rank` of 2 gloo ranks: DDP + torch AdamW (Trainer's own
     optim="adamw_torch") and DistributedFusedAdamTrainer + DistributedFusedAdam
