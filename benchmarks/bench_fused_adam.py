@@ -117,8 +117,8 @@ def markdown(cases: list[dict]) -> str:
     return md_table(["case", "impl", "wall ms/step", "host ms/step", "torch fused wall / this",
                      "torch fused host / this"],
                     [[c["case"], r["impl"], f"{r['wall_ms']:.3f}", f"{r['host_ms']:.3f}",
-                      f"{c['rows'][0]['wall_ms'] / r['wall_ms']:.2f}x", f"{c['rows'][0]['host_ms'] / r['host_ms']:.2f}x"]
-                     for c in cases for r in c["rows"]], "llrrrr")
+                      f"{c['rows'][0]['wall_ms'] / r['wall_ms']:.2f}x",
+                      f"{c['rows'][0]['host_ms'] / r['host_ms']:.2f}x"] for c in cases for r in c["rows"]], "llrrrr")
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""FusedAdam (or DistributedFusedAdam) with its state in host memory against its state on the GPU, with the iteration's floors.
+"""An optimizer with its state in host memory against its state on the GPU, with the iteration's floors.
 
 Goal (issue): an iteration with state on the host within 1.2x of its largest
 floor. Judged by the iteration over the largest floor (forward and backward;
@@ -174,9 +174,6 @@ def main() -> None:
                     help="rounds of the host-state iteration interleaved with the host floors (each --reps calls)")
     ap.add_argument("--out")
     ap.add_argument("--timeline", help="write one host-state iteration's timeline here (JSON)")
-    ap.add_argument("--segment-elems", default="",
-                    help="also time the host-state iteration of the first kind at these pipeline segment sizes "
-                         "(elements, comma-separated; the default is _host_state.HOST_SEGMENT_ELEMS)")
     args = ap.parse_args()
 
     distributed = args.optimizer == "distributed"
@@ -290,17 +287,6 @@ def main() -> None:
                            over_host_memory_floor_median=statistics.median(by_round_memory))
         result["kinds"][kind] = row
         print(kind, json.dumps(row), flush=True)
-        if args.segment_elems and kind == args.kinds.split(",")[0] and not distributed:
-            default = _host_state.HOST_SEGMENT_ELEMS
-            sweep = {}
-            for elems in map(int, args.segment_elems.split(",")):
-                _host_state.HOST_SEGMENT_ELEMS = elems
-                opt = shardadam.FusedAdam(params, lr=1e-5, **kind_options(kind), state_device="cpu")
-                sweep[elems] = timed(iteration(opt), args.reps, 2)
-                del opt
-                print("segment elements", elems, "iteration ms", round(sweep[elems], 1), flush=True)
-            _host_state.HOST_SEGMENT_ELEMS = default
-            row["host_state_ms_by_segment_elems"] = sweep
     if not distributed or dist.get_rank() == 0:
         write_json(args.out, **result)
     if distributed:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import pathlib
 import statistics
 import sys
@@ -28,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 import shardadam
-from harness import describe, fmt, gpt_meta, init_distributed, md_table
+from harness import describe, fmt, gpt_meta, init_distributed, md_table, write_json
 from models import add_size_args, build_model, count_params, fill_defaults, lm_loss
 from quality_storage import KINDS
 
@@ -54,11 +53,6 @@ def write_plot(path: pathlib.Path, curves: dict[str, list[float]], title: str) -
     windows = {name: [c[max(0, i + 1 - SMOOTH):i + 1] for i in range(len(c))] for name, c in curves.items()}
     shown = {name: [min(cap, sum(w) / len(w)) for w in ws] for name, ws in windows.items()}
     write_loss_svg(path, f"{title}; running mean of {SMOOTH} steps, capped at the first loss", shown)
-
-
-def read_curves(path: pathlib.Path) -> dict[str, list[float]]:
-    rows = [line.split(",") for line in path.read_text().splitlines()]
-    return {name: [float(r[i]) for r in rows[1:]] for i, name in enumerate(rows[0]) if i > 0}
 
 
 def train_kind(name: str, args, data: torch.Tensor, dev: torch.device, cuda: bool) -> dict:
@@ -95,11 +89,6 @@ def train_kind(name: str, args, data: torch.Tensor, dev: torch.device, cuda: boo
     return dict(losses=losses, ms=statistics.median(times[len(times) // 10:]), peak_gib=peak)
 
 
-def plot_title(meta: dict) -> str:
-    return (f"GPT {meta['params'] / 1e9:.2f}B, {meta['config']['steps']} steps, {meta['world_size']} x "
-            f"{meta['device']}, DistributedFusedAdam")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_size_args(ap)
@@ -112,12 +101,7 @@ def main() -> None:
     ap.add_argument("--kinds", default=",".join(DISTRIBUTED_KINDS),
                     help="comma-separated subset of: " + ", ".join(DISTRIBUTED_KINDS))
     ap.add_argument("--out", type=pathlib.Path, help="rank 0 writes <out>.csv, <out>.svg and <out>.json")
-    ap.add_argument("--replot", action="store_true", help="only redraw <out>.svg from <out>.csv and <out>.json")
     args = ap.parse_args()
-    if args.replot:
-        meta = json.loads(args.out.with_suffix(".json").read_text())["meta"]
-        write_plot(args.out.with_suffix(".svg"), read_curves(args.out.with_suffix(".csv")), plot_title(meta))
-        return
     fill_defaults(args, SIZES, keys=SIZES)
     kinds = args.kinds.split(",")
     unknown = [k for k in kinds if k not in DISTRIBUTED_KINDS]
@@ -144,9 +128,10 @@ def main() -> None:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             curves = {name: r["losses"] for name, r in runs.items()}
             write_loss_csv(args.out.with_suffix(".csv"), curves)
-            write_plot(args.out.with_suffix(".svg"), curves, plot_title(meta))
+            write_plot(args.out.with_suffix(".svg"), curves, f"GPT {meta['params'] / 1e9:.2f}B, {args.steps} steps, "
+                       f"{meta['world_size']} x {meta['device']}, DistributedFusedAdam")
             summary = {name: dict(final=final[name], ms=r["ms"], peak_gib=r["peak_gib"]) for name, r in runs.items()}
-            args.out.with_suffix(".json").write_text(json.dumps(dict(meta=meta, kinds=summary), indent=2))
+            write_json(args.out.with_suffix(".json"), indent=2, meta=meta, kinds=summary)
     dist.destroy_process_group()
 
 

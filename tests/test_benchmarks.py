@@ -18,7 +18,12 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 SCRIPTS = sorted(p.stem for p in BENCH.glob("*.py"))
-sys.path.insert(0, str(BENCH))
+
+
+@pytest.fixture(autouse=True)
+def benchmarks_on_path(monkeypatch):
+    """The benchmarks import each other by name, as their scripts do."""
+    monkeypatch.syspath_prepend(str(BENCH))
 
 
 def free_port() -> int:
