@@ -189,9 +189,11 @@ def main() -> None:
     best = {c: search(args, c, record) for c in candidates}
     print(f"\nlargest GPT that trains (d_model {args.d_model}, batch {args.batch} x {args.seq} per rank, "
           f"{args.nproc} rank(s)):")
-    print(md_table(["candidate", "layers", "parameters", "GPU peak, GiB"], [
-        [c, f"none of {args.layers[0]}-{args.layers[-1]}", "-", "-"] if r is None else
-        [c, r["layers"], f"{r['params'] / 1e9:.2f}B", fmt(r.get("gpu_peak_gib"), ".1f")] for c, r in best.items()]))
+    ddp = best.get("ddp")
+    print(md_table(["candidate", "layers", "parameters", "GPU peak, GiB", "parameters vs DDP"], [
+        [c, f"none of {args.layers[0]}-{args.layers[-1]}", "-", "-", "-"] if r is None else
+        [c, r["layers"], f"{r['params'] / 1e9:.2f}B", fmt(r.get("gpu_peak_gib"), ".1f"),
+         fmt(r["params"] / ddp["params"] if ddp else None, ".2f")] for c, r in best.items()]))
 
 
 if __name__ == "__main__":

@@ -1,25 +1,19 @@
 #!/usr/bin/env python
 """DistributedFusedAdam eager and captured in one CUDA graph, per storage mode, against DDP + fused AdamW.
 
-Goal: every storage mode captures and replays, its losses within
-LOSS_TOLERANCE of its eager run's, with the host time of an iteration gone.
-Judged by "vs DDP" (ms / DDP's eager ms), "host vs DDP" and, for a captured
-run, "vs eager" and its loss difference to the eager run.
+Goal: every storage mode captures and replays, its losses within LOSS_TOLERANCE
+of its eager run's, with the iteration's host time gone. Judged by "vs DDP"
+(ms / DDP's eager ms), "host vs DDP" and, for a captured run, "vs eager" and
+its loss difference to the eager run.
 
-The GPT of models.py (batch 4 per GPU), bf16 autocast, a GradScaler and
-clipping; DistributedFusedAdam(capturable=True, both overlaps,
-contiguous_param_buffer) eager, and captured (3 iterations on a side stream,
-one captured with torch.cuda.graph, then replayed: README, "CUDA graphs").
-Configurations: fp32; bf16 (param_sync_dtype bf16, fp32 master);
-bf16_remainders; bf16_scaled_states; bf16_no_master; ddp_fused (DDP + AdamW
-fused, scaler.unscale_ + clip_grad_norm_, eager only: the reference). Per run:
-median GPU ms of a back-to-back iteration (CUDA events), median host ms for the
-same call to return from an idle device, peak and resident memory, optimizer
-bytes per parameter; the maximum over ranks. A failed check or configuration
-makes the run exit 1 after the table and the JSON are written.
+The GPT of models.py, bf16 autocast, a GradScaler and clipping;
+DistributedFusedAdam(capturable=True, both overlaps, contiguous_param_buffer)
+eager and captured (README, "CUDA graphs") in each storage configuration, and
+DDP + AdamW(fused=True) eager as the reference. Medians of back-to-back
+iterations (CUDA events) and of the host time for the call to return from an
+idle device, the maximum over ranks. A failed check exits 1 after the table.
 
     torchrun --nproc_per_node 2 benchmarks/bench_capture.py --out results.json
-    torchrun --nproc_per_node 2 benchmarks/bench_capture.py --configs ddp_fused,bf16_remainders --modes captured
     torchrun --nproc_per_node 2 benchmarks/bench_capture.py --tiny      # smoke run, CPU (gloo, eager only) or GPU
 """
 from __future__ import annotations

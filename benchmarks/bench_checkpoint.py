@@ -1,27 +1,18 @@
 #!/usr/bin/env python
 """Checkpoint save and load of DistributedFusedAdam: time and peak host/device memory per rank.
 
-Goal: a checkpoint of a large model saves and loads in seconds, restores the
-state bit for bit, and needs no more than one bucket of extra device memory;
-the sharded format without gathering the state into host memory. Judged by
-the seconds and GB/s of each format's save and load, and their peak host and
-device memory.
+Goal: a large model's checkpoint saves and loads in seconds, bit for bit, with
+at most one bucket of extra device memory (the sharded format without gathering
+the state into host memory). Judged by each format's save and load seconds and
+GB/s, and their peak host and device memory (maximum over ranks).
 
-The GPT of models.py with DistributedFusedAdam(overlap_param_sync=False,
-contiguous_param_buffer=True) after one iteration (batch 1). Formats:
-- portable: state_dict(gather_on_root=True), rank 0 writes it with
-  shardadam.checkpoint.save; every rank reads it with shardadam.checkpoint.load
-  and calls load_state_dict;
-- portable, every rank: state_dict(), the whole state on every rank (gather only);
-- sharded: torch.distributed.checkpoint of opt.sharded_state_dict(); dcp.load
-  into a fresh one, then load_sharded_state_dict.
-Every phase runs between barriers; per rank: seconds, peak resident set above
-the phase's start (sampled every 5 ms), peak device memory above the start; the
-table holds the maximum over ranks. Files are evicted from the page cache
-before each load (--warm-cache keeps them). Between save and load one more
-iteration changes the state; after the load it must equal the saved one bit
-for bit (with --tiny the portable state_dict() too), or the run fails. Rank 0
-rewrites --out after every phase, so a run cut short keeps what it measured.
+The GPT of models.py after one iteration, in three formats: portable
+(state_dict(gather_on_root=True), rank 0 writes it, every rank reads it),
+portable on every rank (the gather only), sharded (torch.distributed.checkpoint
+of sharded_state_dict()). Every phase runs between barriers; files are evicted
+from the page cache before each load (--warm-cache keeps them). Between save
+and load one more iteration changes the state; the load must restore it bit for
+bit. Rank 0 rewrites --out after every phase.
 
     torchrun --nproc_per_node 2 benchmarks/bench_checkpoint.py --out results.json --dir /tmp/ckpt
     torchrun --nproc_per_node 2 benchmarks/bench_checkpoint.py --tiny --dir /tmp/ckpt_tiny   # smoke run

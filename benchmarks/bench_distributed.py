@@ -6,17 +6,10 @@ exposed communication under 10%, optimizer memory 12/N bytes per parameter plus
 buffers. Judged by "vs DDP" (ms / ddp_fused's ms) and exposed comm = (ms -
 compute_only's fwd+bwd - its step / N for sharded steps) / ms.
 
-The GPT of models.py (default about 1.4B parameters; fp32 parameters, bf16
-autocast on the GPU) trained for a few iterations with each implementation, the
-model rebuilt from the same seed each time:
-- ddp_fused: DistributedDataParallel + AdamW(fused=True)
-- fsdp2:     fully_shard(reshard_after_forward=False) per block and root + AdamW(fused=True)
-- zero1:     DistributedDataParallel + ZeroRedundancyOptimizer(AdamW, fused=True)
-- shardadam: DistributedFusedAdam (no wrapper), both overlaps, contiguous_param_buffer
-- shardadam_contiguous_grads / _contiguous_masters: the same with contiguous_grad_buffer
-  (and store_params=True); shardadam_nccl_grads / shardadam_nccl: the reduce-scatter
-  (and the all-gather) on NCCL instead of the copy engines
-plus compute_only: the same iteration on one rank's model with no collective.
+The GPT of models.py (default 1.4B parameters, bf16 autocast on the GPU),
+rebuilt from the same seed for each implementation (IMPLS: DDP, FSDP2, ZeRO-1,
+DistributedFusedAdam with both overlaps and its buffer and transport variants)
+and compute_only (one rank, no collective: the baseline of exposed comm).
 
     torchrun --nproc_per_node 2 benchmarks/bench_distributed.py --out results.json
     torchrun --nproc_per_node 2 benchmarks/bench_distributed.py --impls ddp_fused,shardadam --batches 8

@@ -1,21 +1,15 @@
 #!/usr/bin/env python
 """Memory per phase, measured on the allocator, side by side with torch.optim.AdamW.
 
-Goal: the memory the README promises is what the allocator holds. FusedAdam's
-steady and peak memory equal torch fused AdamW's at equal precision (within
-1%); each low-bit kind's peak is below torch's by its whole state saving;
-DistributedFusedAdam's steady memory equals its accounting (within 2%) and its
-first step adds no transient beyond one bucket. Judged by steady / accounted
-(1.00 is the goal) and, per case, steady and peak over torch's case of the same
-parameter dtype.
+Goal: FusedAdam's steady and peak memory equal torch fused AdamW's at equal
+precision; each low-bit kind's peak is below torch's by its state saving;
+steady memory equals the accounting. Judged by steady / accounted (1.00) and
+steady and peak over torch's case of the same parameter dtype.
 
-Each case builds the same GPT from the same seed and runs 3 iterations of
-forward (bf16 autocast on the GPU), backward, step() and
-zero_grad(set_to_none=True): memory_allocated() after each phase,
-max_memory_allocated() within it. The accounting: the bytes of every distinct
-storage the model and the optimizer hold between steps. DistributedFusedAdam
-runs on a one-rank process group of this process. On the CPU there is no
-allocator to ask: the run prints the accounting and checks that every case trains.
+Each case trains the same GPT for 3 iterations: memory_allocated() after each
+phase (forward, backward, step, zero_grad), max_memory_allocated() within it,
+beside the bytes of every distinct storage the model and optimizer hold.
+DistributedFusedAdam runs on a one-rank group. On the CPU: the accounting only.
 
     python benchmarks/bench_memory.py --out $OUT/bench_memory.json        # one GPU; d_model 2048, 24 layers
     python benchmarks/bench_memory.py --device cpu --tiny                  # the accounting alone, on the CPU

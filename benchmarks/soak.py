@@ -1,24 +1,18 @@
 #!/usr/bin/env python
 """Soak run: DistributedFusedAdam trains for many steps while each rank's memory is sampled.
 
-Goal: no leak: memory flat after a warm-up over thousands of steps of training
-with checkpoint round trips. Judged per rank by the growth of host RSS (and GPU
-allocated and reserved memory) after the warm-up, end to end and along a
-least-squares line, against its limit: the run exits 1 if any exceeds it.
+Goal: no leak. Judged per rank by the growth of host RSS (and GPU allocated and
+reserved memory) after a 10% warm-up, end to end and along a least-squares line,
+against its limit: the run exits 1 if any exceeds it.
 
-Every --sample-every steps each rank records its host RSS, the bytes glibc's
-malloc has in use, the number of tracked Python objects and, on CUDA,
-memory_allocated / memory_reserved; every --checkpoint-every steps a
-state_dict() + load_state_dict() round trip. The optimizer runs as in training:
-several small buckets, both overlaps, contiguous_param_buffer, an LR scheduler,
-clip_grad_norm and zero_grad(set_to_none=True). CPU (default): gloo, a small
-MLP. CUDA: NCCL, a small GPT under bf16 autocast, the copy engines used where
-they can be (required with --copy-engines). The first 10% of samples are
-warm-up (allocator pools, the bucket-order rebuild, lazily built plans). The
-JSON holds every sample; plot_soak.py draws it (an SVG beside the JSON).
+The optimizer runs as in training (small buckets, both overlaps,
+contiguous_param_buffer, a scheduler, clipping, a fresh batch every step, a
+state_dict() round trip every --checkpoint-every steps); every --sample-every
+steps each rank records RSS, malloc's bytes in use, tracked Python objects and
+GPU memory. CPU: gloo and a small MLP; CUDA: NCCL and a small GPT, the copy
+engines required with --copy-engines. plot_soak.py draws the JSON.
 
     torchrun --standalone --nproc_per_node 2 benchmarks/soak.py --steps 5000 --out benchmarks/results/soak_gloo.json
-    torchrun --standalone --nproc_per_node 2 benchmarks/soak.py --steps 200             # smoke run
     NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc_per_node 2 benchmarks/soak.py --device cuda --copy-engines \\
         --steps 1000 --out benchmarks/results/soak_2xh200.json
 """
