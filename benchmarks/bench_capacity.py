@@ -1,23 +1,21 @@
 #!/usr/bin/env python
-"""Capacity: the largest GPT of bench_distributed.py's architecture that
-trains at --batch sequences per rank (bf16 autocast, two iterations with
-finite losses) on these GPUs, per optimizer: DistributedFusedAdam in each
-storage kind (both contiguous buffers: the leanest layout), next to DDP and
-FSDP2 with torch's fused AdamW.
+"""Capacity: the largest GPT that trains on these GPUs, per optimizer and storage kind.
 
-The model grows in depth at a fixed width (--d-model, --layers: the depths to
-try, ascending). Each attempt is a fresh torchrun (an out-of-memory error
-leaves torch's caches and NCCL in no state to go on); per candidate the
-driver starts at --start layers, walks up while the model trains and down
-while it does not, and stops where the two meet. Every attempt is one JSON
-line in --out; the summary lists each candidate's largest model.
+Goal: DistributedFusedAdam's low-bit kinds train larger models than DDP and
+FSDP2 with fp32 AdamW on the same GPUs. Judged by the largest depth (and
+parameters) that trains per candidate, against DDP's.
+
+The GPT of models.py at a fixed width (--d-model) grown in depth (--layers:
+the depths to try, ascending), batch --batch per rank, bf16 autocast, two
+iterations with finite losses. Candidates: "ddp", "fsdp2" (resharded after
+forward: ZeRO-3) and "shardadam:<kind>" (both contiguous buffers) for the
+kinds in KINDS. Each attempt is a fresh torchrun (an out-of-memory error leaves
+torch's caches and NCCL in no state to go on); per candidate the driver starts
+at --start layers, walks up while the model trains and down while it does not.
+Every attempt is one JSON line in --out, with GPU memory after each phase.
 
     python benchmarks/bench_capacity.py --nproc 2 --out results/capacity_2xh200.jsonl
     python benchmarks/bench_capacity.py --nproc 2 --tiny          # smoke run, CPU (gloo) or GPU
-
-Candidates (--candidates): "ddp", "fsdp2" (fully_shard per block and root,
-parameters resharded after forward: ZeRO-3) and "shardadam:<kind>" for the
-kinds in KINDS.
 """
 from __future__ import annotations
 
@@ -32,10 +30,10 @@ import traceback
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from bench_distributed import (GPT, agree_on_error, build_ddp_fused, build_fsdp2, build_shardadam, init_distributed,
-                               max_over_ranks)
+from bench_distributed import build_ddp_fused, build_fsdp2, build_shardadam
+from harness import agree_on_error, fmt, init_distributed, max_over_ranks, md_table
+from models import build_model, lm_loss
 from quality_storage import KINDS as QUALITY_KINDS
 
 # name -> (parameter dtype, DistributedFusedAdam options)
@@ -77,11 +75,7 @@ def attempt(args) -> None:
             torch.cuda.reset_peak_memory_stats(dev)
 
     try:
-        torch.manual_seed(0)  # the same model on every rank (FSDP2 shards each rank's own copy)
-        torch.set_default_dtype(param_dtype(args.candidate))  # built in its dtype: no fp32 copy first
-        with dev:
-            model = GPT(args.d_model, args.layers, args.heads, args.vocab, args.seq)
-        torch.set_default_dtype(torch.float32)
+        model = build_model(args, dev, param_dtype(args.candidate))  # seed 0 on every rank: FSDP2 shards copies
         result["params"] = sum(p.numel() for p in model.parameters())
         reached("model")
         module, opt = build(args.candidate, model, args, cuda)
@@ -90,9 +84,7 @@ def attempt(args) -> None:
                                generator=torch.Generator(dev).manual_seed(dist.get_rank()))
         losses = []
         for i in range(1, 3):
-            with torch.autocast(dev.type, dtype=torch.bfloat16):
-                logits = module(tokens[:, :-1])
-            loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+            loss = lm_loss(module, tokens[:, :-1], tokens[:, 1:], cuda)
             reached(f"forward {i}")
             loss.backward()
             reached(f"backward {i}")
@@ -197,14 +189,11 @@ def main() -> None:
     best = {c: search(args, c, record) for c in candidates}
     print(f"\nlargest GPT that trains (d_model {args.d_model}, batch {args.batch} x {args.seq} per rank, "
           f"{args.nproc} rank(s)):")
-    print("| candidate | layers | parameters | GPU peak, GiB |")
-    print("|---|---:|---:|---:|")
-    for c, r in best.items():
-        if r is None:
-            print(f"| {c} | none of {args.layers[0]}-{args.layers[-1]} | - | - |")
-        else:
-            peak = r.get("gpu_peak_gib")
-            print(f"| {c} | {r['layers']} | {r['params'] / 1e9:.2f}B | {'-' if peak is None else f'{peak:.1f}'} |")
+    ddp = best.get("ddp")
+    print(md_table(["candidate", "layers", "parameters", "GPU peak, GiB", "parameters vs DDP"], [
+        [c, f"none of {args.layers[0]}-{args.layers[-1]}", "-", "-", "-"] if r is None else
+        [c, r["layers"], f"{r['params'] / 1e9:.2f}B", fmt(r.get("gpu_peak_gib"), ".1f"),
+         fmt(r["params"] / ddp["params"] if ddp else None, ".2f")] for c, r in best.items()]))
 
 
 if __name__ == "__main__":

@@ -1,79 +1,27 @@
 #!/usr/bin/env python
 """DistributedFusedAdam eager and captured in one CUDA graph, per storage mode, against DDP + fused AdamW.
 
-The GPT of bench_distributed.py (default: d_model 2048, 24 layers, 16 heads,
-vocab 50304, sequence 1024, untied head: about 1.4B parameters; batch 4 per
-GPU), trained with bf16 autocast, a GradScaler and clipping. One iteration:
+Goal: every storage mode captures and replays, its losses within LOSS_TOLERANCE
+of its eager run's, with the iteration's host time gone. Judged by "vs DDP"
+(ms / DDP's eager ms), "host vs DDP" and, for a captured run, "vs eager" and
+its loss difference to the eager run.
 
-    opt.zero_grad()
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        loss = F.cross_entropy(model(static_x).flatten(0, 1).float(), static_y.flatten())
-    scaler.scale(loss).backward()
-    opt.clip_grad_norm(1.0)
-    scaler.step(opt)
-    scaler.update()
-
-with DistributedFusedAdam(capturable=True, overlap_grad_sync=True,
-overlap_param_sync=True, contiguous_param_buffer=True, lr=1e-4,
-weight_decay=0.1), in two modes:
-
-- eager:    the iteration called normally;
-- captured: 3 iterations on a side stream, one captured with
-            torch.cuda.graph, then replayed (README, "CUDA graphs").
-
-Both modes copy the batch (one fixed batch per rank, as in
-bench_distributed.py) into static input and target tensors before every
-iteration. Storage configurations (--configs), each on a fresh model from the
-same seed:
-
-- fp32:               fp32 parameters, fp32 master and states
-- bf16:               model in bf16, param_sync_dtype bf16, fp32 master
-- bf16_remainders:    bf16 + store_param_remainders=True
-- bf16_scaled_states: bf16 + with_scaled_states=True
-- bf16_no_master:     bf16 + store_params=False
-- ddp_fused:          DDP + torch.optim.AdamW(fused=True), fp32 parameters,
-                      scaler.unscale_ + torch.nn.utils.clip_grad_norm_, eager
-                      only: the reference of the "vs DDP" ratios
-
-Each run: 3 warm-up iterations, --iters (default 10) back to back, then
---iters more, each from an idle device. Per configuration and mode, the
-maximum over ranks of:
-- ms/iter: median GPU time of a back-to-back iteration (CUDA events around the
-  batch copy and the iteration, or the batch copy and graph.replay());
-- host ms/iter: median time for that same call to return, in the second
-  loop: synchronised before the call, never inside it, so that a full launch
-  queue cannot stall it;
-- peak GiB (warm-up and capture included), resident bytes per parameter
-  (allocated after the last iteration, gradients freed), optimizer bytes per
-  parameter (bench_distributed.optimizer_bytes: shards of master, states,
-  remainders and gradients; the contiguous parameter buffer is the model's).
-Rank 0's losses (each rank has its own batch): every one must be finite and
-the last below the first; a captured run's must be its configuration's eager
-run's within LOSS_TOLERANCE. A failed check, or a configuration that raised,
-makes the run exit with status 1 after the table and the JSON are written.
-The JSON also holds every iteration's loss and wall_ms (the wall clock per
-iteration over the back-to-back loop, synchronised around it).
+The GPT of models.py, bf16 autocast, a GradScaler and clipping;
+DistributedFusedAdam(capturable=True, both overlaps, contiguous_param_buffer)
+eager and captured (README, "CUDA graphs") in each storage configuration, and
+DDP + AdamW(fused=True) eager as the reference. Medians of back-to-back
+iterations (CUDA events) and of the host time for the call to return from an
+idle device, the maximum over ranks. A failed check exits 1 after the table.
 
     torchrun --nproc_per_node 2 benchmarks/bench_capture.py --out results.json
-    torchrun --nproc_per_node 2 benchmarks/bench_capture.py --configs ddp_fused,bf16_remainders --modes captured
-    torchrun --nproc_per_node 2 benchmarks/bench_capture.py --tiny      # smoke run, CPU (gloo) or GPU
-
-NCCL with one GPU per rank (cuda:LOCAL_RANK) when CUDA is available. Without
-CUDA: gloo, no autocast, GradScaler("cpu"), capturable=False and eager mode
-only (CUDA graphs need CUDA): the CPU run checks the wiring, its timings mean
-little.
+    torchrun --nproc_per_node 2 benchmarks/bench_capture.py --tiny      # smoke run, CPU (gloo, eager only) or GPU
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
-import math
-import os
 import statistics
 import sys
 import time
-import traceback
 import warnings
 from functools import partial
 
@@ -82,11 +30,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import shardadam
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_distributed import (FULL, WARMUP, WEIGHT_DECAY, Stopwatch, add_size_args, agree_on_error,  # noqa: E402
-                               build_ddp_fused, build_model, describe, fill_defaults, fmt, free,
-                               init_distributed, make_batch, max_over_ranks, optimizer_bytes, run_meta, sync)
+from bench_distributed import WARMUP, WEIGHT_DECAY, build_ddp_fused
+from harness import (agree_on_error, attempt, describe, fmt, gpt_meta, init_distributed, losses_ok, max_over_ranks,
+                     md_table, optimizer_bytes, write_json)
+from models import FULL, add_size_args, autocast, build_model, count_params, fill_defaults, make_batch
+from timing import Stopwatch, free, sync
 
 REFERENCE = "ddp_fused"
 BF16 = dict(param_sync_dtype=torch.bfloat16)
@@ -104,16 +52,13 @@ MAX_NORM = 1.0
 # Eager and captured runs do the same arithmetic, up to the order of atomic
 # additions in a few kernels (different implementations of the same training
 # ended 2e-3 apart in bench_distributed.py). A broken capture (stale
-# parameters, a step not applied) departs by far more: the full model's loss
-# falls by several units in its first iterations.
+# parameters, a step not applied) departs by far more.
 LOSS_TOLERANCE = 0.02
 
 # GradScaler warns that it will stop passing itself to step(grad_scaler=...),
 # which is how DistributedFusedAdam receives it: once per rank, not actionable here.
 warnings.filterwarnings("ignore", message="GradScaler is going to stop passing itself", category=FutureWarning)
 
-
-# ------------------------------------------------------------------ training
 
 def build(config: str, args, dev: torch.device):
     """A fresh model from the seed, its optimizer, the GradScaler, and the
@@ -150,11 +95,9 @@ def static_batch(args, batch: int, dev: torch.device):
 
 
 def make_iteration(module, opt, scaler, clip, inputs, targets, cuda: bool):
-    amp = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
-
     def iteration() -> torch.Tensor:
         opt.zero_grad()
-        with amp:
+        with autocast(cuda):
             # fp32 loss: a bf16 model's bf16 loss (CPU run) is too coarse to show a few iterations' fall.
             loss = F.cross_entropy(module(inputs).flatten(0, 1).float(), targets.flatten())
         scaler.scale(loss).backward()
@@ -181,10 +124,10 @@ def capture(warm_step, iteration):
 
 
 def measure(step, cuda: bool, iters: int) -> tuple[dict, list]:
-    """`iters` calls of step() back to back, each between two Stopwatch marks,
-    with the wall clock around them; then `iters` more, each from an idle
-    device, timed on the host until step() returns. Returns the medians and
-    every call's loss (cloned: a replay overwrites its static loss)."""
+    """`iters` calls back to back between Stopwatch marks, with the wall clock
+    around them; then `iters` more, each from an idle device, timed on the host
+    until step() returns. The medians and every call's loss (cloned: a replay
+    overwrites its static loss)."""
     losses, watches = [], []
     sync(cuda)
     t0 = time.perf_counter()
@@ -234,36 +177,31 @@ def run_one(config: str, mode: str, batch: int, args, dev: torch.device, n_param
     """Build `config` on a fresh model, train it in `mode`, and report its figures."""
     cuda = dev.type == "cuda"
     free(cuda)
-    error = None
-    try:
+
+    def run():
         module, opt, scaler, clip = build(config, args, dev)
         (inputs, targets), load = static_batch(args, batch, dev)
         figures, losses = train(mode, make_iteration(module, opt, scaler, clip, inputs, targets, cuda), load,
                                 cuda, args.iters)
         opt.zero_grad()  # gradients freed, as between iterations (DDP keeps them until then)
         sync(cuda)
-        resident = torch.cuda.memory_allocated() if cuda else 0
-        peak = torch.cuda.max_memory_allocated() if cuda else 0
-        opt_bytes = optimizer_bytes(opt)
-        losses = torch.stack(losses).float().tolist()
-    except Exception as e:  # recorded, and the other configurations still run
-        traceback.print_exc()
-        error = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+        memory = [torch.cuda.max_memory_allocated() if cuda else 0, torch.cuda.memory_allocated() if cuda else 0]
+        return figures, losses, optimizer_bytes(opt), memory
+    out, error = attempt(run)
     result = dict(config=config, mode=mode, batch=batch, capturable=cuda and config != REFERENCE,
                   error=agree_on_error(error, dev))
     if result["error"]:
         return result
+    figures, losses, opt_bytes, (peak, resident) = out
+    losses = torch.stack(losses).float().tolist()  # rank 0's: each rank has its own batch
     ms, wall, host, opt_bytes, peak, resident = max_over_ranks(
         [figures["ms"], figures["wall_ms"], figures["host_ms"], opt_bytes, peak, resident], dev)
     result.update(ms=ms, wall_ms=wall, host_ms=host, opt_bytes_per_param=opt_bytes / n_params,
                   peak_gib=peak / 2**30 if cuda else None,
                   resident_bytes_per_param=resident / n_params if cuda else None,
-                  losses=losses, loss_first=losses[0], loss_last=losses[-1],  # rank 0's: each rank has its own batch
-                  loss_ok=all(math.isfinite(x) for x in losses) and losses[-1] < losses[0])
+                  losses=losses, loss_first=losses[0], loss_last=losses[-1], loss_ok=losses_ok(losses))
     return result
 
-
-# ------------------------------------------------------------------ report
 
 def add_ratios(results: list[dict]) -> None:
     """Time and host time against DDP's eager run and, for a captured run,
@@ -297,31 +235,23 @@ def failures(results: list[dict]) -> list[str]:
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| config | mode | batch | ms/iter | vs DDP | vs eager | host ms/iter | host vs DDP | host vs eager | "
-             "peak GiB | opt B/param | resident B/param | loss first -> last | loss diff vs eager |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
-    for r in results:
-        if r["error"]:
-            lines.append(f"| {r['config']} | {r['mode']} | {r['batch']} | failed: {r['error']} |"
-                         + " |" * 10)
-            continue
-        lines.append(f"| {r['config']} | {r['mode']} | {r['batch']} | {r['ms']:.1f} | {fmt(r['vs_ddp'], '.3f')} | "
-                     f"{fmt(r['vs_eager'], '.3f')} | {r['host_ms']:.2f} | {fmt(r['host_vs_ddp'], '.3f')} | "
-                     f"{fmt(r['host_vs_eager'], '.3f')} | {fmt(r['peak_gib'], '.2f')} | "
-                     f"{r['opt_bytes_per_param']:.2f} | {fmt(r['resident_bytes_per_param'], '.2f')} | "
-                     f"{r['loss_first']:.4f} -> {r['loss_last']:.4f} | {fmt(r['loss_diff_vs_eager'], '.2e')} |")
-    return "\n".join(lines)
+    rows = [[r["config"], r["mode"], r["batch"], f"failed: {r['error']}"] + [""] * 10 if r["error"] else
+            [r["config"], r["mode"], r["batch"], f"{r['ms']:.1f}", fmt(r["vs_ddp"], ".3f"), fmt(r["vs_eager"], ".3f"),
+             f"{r['host_ms']:.2f}", fmt(r["host_vs_ddp"], ".3f"), fmt(r["host_vs_eager"], ".3f"),
+             fmt(r["peak_gib"], ".2f"), f"{r['opt_bytes_per_param']:.2f}", fmt(r["resident_bytes_per_param"], ".2f"),
+             f"{r['loss_first']:.4f} -> {r['loss_last']:.4f}", fmt(r["loss_diff_vs_eager"], ".2e")]
+            for r in results]
+    return md_table(["config", "mode", "batch", "ms/iter", "vs DDP", "vs eager", "host ms/iter", "host vs DDP",
+                     "host vs eager", "peak GiB", "opt B/param", "resident B/param", "loss first -> last",
+                     "loss diff vs eager"], rows, "llrrrrrrrrrrlr")
 
-
-# ------------------------------------------------------------------ main
 
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_size_args(ap)
     ap.add_argument("--batches", help="batch sizes per GPU, comma-separated (default 4)")
-    ap.add_argument("--iters", type=int,
-                    help=f"timed iterations, twice (GPU time, then host time), after {WARMUP} warm-up ones "
-                         "(default 10)")
+    ap.add_argument("--iters", type=int, help=f"timed iterations, twice (GPU time, then host time), after {WARMUP} "
+                                              "warm-up ones (default 10)")
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of " + ",".join(CONFIGS))
     ap.add_argument("--modes", default=",".join(MODES),
                     help="comma-separated subset of " + ",".join(MODES) + f" ({REFERENCE} runs eager only)")
@@ -336,33 +266,28 @@ def parse_args():
     if args.iters < 1:
         ap.error("--iters must be at least 1")
     for option, chosen, known in (("--configs", args.configs, CONFIGS), ("--modes", args.modes, MODES)):
-        unknown = set(chosen) - set(known)
-        if unknown:
-            ap.error(f"unknown {option} {sorted(unknown)}; choose from {known}")
+        if set(chosen) - set(known):
+            ap.error(f"unknown {option} {sorted(set(chosen) - set(known))}; choose from {known}")
     return args
-
-
-def runs(args, cuda: bool) -> list[tuple[str, str]]:
-    """(config, mode) in order: the reference first, each captured run after its eager one."""
-    modes = [m for m in MODES if m in args.modes and (cuda or m == "eager")]
-    return [(c, m) for c in CONFIGS if c in args.configs for m in (["eager"] if c == REFERENCE else modes)]
 
 
 def main() -> None:
     args = parse_args()
     dev, cuda = init_distributed()
     rank = dist.get_rank()
-    n_params = sum(p.numel() for p in build_model(args, torch.device("meta")).parameters())
-    meta = run_meta(args, dev, cuda, n_params)
+    n_params = count_params(args)
+    meta = gpt_meta(args, dev, n_params)
     if rank == 0:
         print(describe(meta, args), flush=True)
         if not cuda and "captured" in args.modes:
             print("captured mode skipped: CUDA graphs need CUDA (this run is eager only, capturable=False)",
                   flush=True)
-
+    # (config, mode) in order: the reference first, each captured run after its eager one
+    modes = [m for m in MODES if m in args.modes and (cuda or m == "eager")]
+    runs = [(c, m) for c in CONFIGS if c in args.configs for m in (["eager"] if c == REFERENCE else modes)]
     results = []
     for batch in args.batches:
-        for config, mode in runs(args, cuda):
+        for config, mode in runs:
             r = run_one(config, mode, batch, args, dev, n_params)
             results.append(r)
             if rank == 0:
@@ -371,7 +296,6 @@ def main() -> None:
                           f"loss {r['loss_first']:.4f} -> {r['loss_last']:.4f}")
                 print(f"{config} {mode} batch {batch}: {status}", flush=True)
     add_ratios(results)
-
     failed = failures(results)
     if rank == 0:
         print()
@@ -379,9 +303,7 @@ def main() -> None:
         compared = sum(r.get("loss_matches_eager") is not None for r in results)
         print("\n".join(failed) or "every loss finite and falling" + (
             f"; {compared} captured runs within {LOSS_TOLERANCE} of their eager runs' losses" if compared else ""))
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(dict(meta=meta, results=results), f, indent=1)
+        write_json(args.out, meta=meta, results=results)
     dist.destroy_process_group()
     if rank == 0 and failed:
         sys.exit(1)

@@ -1,60 +1,27 @@
 #!/usr/bin/env python
 """Checkpoint save and load of DistributedFusedAdam: time and peak host/device memory per rank.
 
-The GPT of bench_distributed.py (d_model 2048, 24 layers, 16 heads, vocab
-50304, sequence 1024: 1,416,744,960 parameters, the figure printed at run
-time; fp32 parameters, bf16 autocast on the GPU) with
-DistributedFusedAdam(lr=1e-4, weight_decay=0.1, overlap_param_sync=False,
-contiguous_param_buffer=True) after one training iteration (batch 1), so
-that every state exists. Three ways to checkpoint its optimizer state:
+Goal: a large model's checkpoint saves and loads in seconds, bit for bit, with
+at most one bucket of extra device memory (the sharded format without gathering
+the state into host memory). Judged by each format's save and load seconds and
+GB/s, and their peak host and device memory (maximum over ranks).
 
-- portable: state_dict(gather_on_root=True) (gather), rank 0 writes it with
-  shardadam.checkpoint.save (write: SHA-256, fsync, rename); every rank reads
-  the file with shardadam.checkpoint.load (read) and calls load_state_dict.
-- portable, every rank: state_dict() (gather_on_root=False), the whole state
-  on every rank; gather only, nothing written.
-- sharded: torch.distributed.checkpoint of {"optimizer": opt.sharded_state_dict()}
-  into a directory (each rank writes its own pieces); dcp.load into a fresh
-  sharded_state_dict() (timed with the load), then load_sharded_state_dict.
-
-Every phase runs between barriers (and CUDA synchronisations) and is measured
-on each rank: wall seconds, peak host memory (the process's resident set,
-sampled every 5 ms, above its value at the phase's start) and peak device
-memory (max_memory_allocated above memory_allocated at the start). The table
-holds the maximum over ranks (JSON: every rank's values too); "save" and
-"load" rows are each rank's phases together, memory above the first phase's
-start. Before each load the files are evicted from the page cache (they are
-fsynced, so the kernel can drop them; on tmpfs it cannot), so loads read the
-disk as a restart would (--warm-cache keeps them: loads then time the
-software path rather than the disk). Between save and load one more training
-iteration changes the state; after the load the state (every rank's pieces, the
-groups' steps and hyperparameters, the model's parameters) must equal the
-saved one bit for bit, and with --tiny the portable state_dict() too, or the
-run fails. Each format's files are removed once it is measured.
+The GPT of models.py after one iteration, in three formats: portable
+(state_dict(gather_on_root=True), rank 0 writes it, every rank reads it),
+portable on every rank (the gather only), sharded (torch.distributed.checkpoint
+of sharded_state_dict()). Every phase runs between barriers; files are evicted
+from the page cache before each load (--warm-cache keeps them). Between save
+and load one more iteration changes the state; the load must restore it bit for
+bit. Rank 0 rewrites --out after every phase.
 
     torchrun --nproc_per_node 2 benchmarks/bench_checkpoint.py --out results.json --dir /tmp/ckpt
     torchrun --nproc_per_node 2 benchmarks/bench_checkpoint.py --tiny --dir /tmp/ckpt_tiny   # smoke run
-    torchrun --nproc_per_node 2 benchmarks/bench_checkpoint.py --d-model 512 --layers 8 --heads 8 \
-        --dir /tmp/ckpt --formats portable,sharded        # 77M parameters (a CPU run in about 30 s)
-
-Rank 0 prints every phase's figures as soon as it is measured and rewrites
---out after each, so a run cut short by a time limit keeps what it measured;
---formats runs a subset (portable, every-rank, sharded).
-
---dir needs room for one checkpoint (12 bytes per parameter: about 17 GB for
-the full model). NCCL with one GPU per rank (cuda:LOCAL_RANK) when CUDA is
-available, gloo on the CPU otherwise.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
-import gc
-import json
 import os
 import shutil
-import sys
 import threading
 import time
 from functools import partial
@@ -65,104 +32,85 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 
 import shardadam
+from bench_distributed import WEIGHT_DECAY
+from harness import (describe, fmt, gpt_meta, init_distributed, md_table, release_host_memory, rss_bytes,
+                     write_json)
+from models import FULL, add_size_args, autocast, build_model, fill_defaults, make_batch
 from shardadam.distributed.sharded_checkpoint import local_pieces
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_distributed import (FULL, WEIGHT_DECAY, add_size_args, build_model, describe, fill_defaults,  # noqa: E402
-                               fmt, init_distributed, make_batch, run_meta, sync)
+from timing import sync
 
 LR = 1e-4
 MODEL_KEYS = ("d_model", "layers", "heads", "vocab", "seq", "bucket_cap_mb")
 STATE_BYTES_PER_PARAM = 12  # fp32 master, exp_avg, exp_avg_sq: what every format moves
 PORTABLE, EVERY_RANK, SHARDED = "portable", "portable, every rank", "sharded (DCP)"
 FORMATS = ("portable", "every-rank", "sharded")  # --formats names of the three
-PAGE = os.sysconf("SC_PAGE_SIZE")
 MIB = 2**20
-_LIBC = ctypes.CDLL(None)
+
 
 # ------------------------------------------------------------------ measurement
-
-def rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * PAGE
-
 
 class PeakRss:
     """The process's peak resident set while a phase runs, sampled by a thread
     (ru_maxrss only ever grows, so it cannot tell one phase's peak)."""
 
     def __init__(self, interval: float = 0.005):
-        self.start = self.peak = rss()
-        self._interval = interval
-        self._done = threading.Event()
+        self.start = self.peak = rss_bytes()
+        self._interval, self._done = interval, threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
 
     def _sample(self) -> None:
         while not self._done.wait(self._interval):
-            self.peak = max(self.peak, rss())
+            self.peak = max(self.peak, rss_bytes())
 
     def stop(self) -> tuple[int, int]:
         self._done.set()
         self._thread.join()
-        self.peak = max(self.peak, rss())
+        self.peak = max(self.peak, rss_bytes())
         return self.start, self.peak
 
 
-def release_host_memory() -> None:
-    """Hand freed heap memory back to the kernel, so that what one phase freed
-    neither raises the next phase's starting RSS nor hides its growth."""
-    gc.collect()
-    trim = getattr(_LIBC, "malloc_trim", None)  # glibc only
-    if trim is not None:
-        trim(0)
+class Phases:
+    """Each phase timed on every rank between barriers, its records kept; rank
+    0 prints each phase's row (maximum over ranks) as soon as it ends, and
+    rewrites --out with everything so far."""
 
+    def __init__(self, out: str | None, meta: dict, cuda: bool):
+        self.out, self.meta, self.cuda, self.t0, self.records = out, meta, cuda, time.perf_counter(), []
 
-def phase(records: list, fmt_name: str, name: str, part: str | None, fn, cuda: bool):
-    """fn() on every rank between barriers; appends this rank's record of it
-    (wall seconds, host and device memory at the start and at the peak) and
-    returns fn's result and the record. `part` ("save" or "load") groups
-    phases into the totals."""
-    release_host_memory()
-    sync(cuda)
-    dist.barrier()
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    device_start = torch.cuda.memory_allocated() if cuda else None
-    host = PeakRss()
-    t0 = time.perf_counter()
-    result = fn()
-    sync(cuda)
-    seconds = time.perf_counter() - t0
-    host_start, host_peak = host.stop()
-    record = dict(format=fmt_name, phase=name, part=part, seconds=seconds, host_start=host_start,
-                  host_peak=host_peak, device_start=device_start,
-                  device_peak=torch.cuda.max_memory_allocated() if cuda else None, bytes=None, file_bytes=None)
-    records.append(record)
-    dist.barrier()  # after the record: a rank's time is its own work, not its wait for the others
-    if PROGRESS is not None:
-        PROGRESS.report(records)
-    return result, record
+    def run(self, fmt_name: str, name: str, part: str | None, fn):
+        """fn() on every rank; returns fn's result and this rank's record of it
+        (wall seconds, host and device memory at the start and at the peak).
+        `part` ("save" or "load") groups phases into the totals."""
+        release_host_memory()
+        sync(self.cuda)
+        dist.barrier()
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        device_start = torch.cuda.memory_allocated() if self.cuda else None
+        host = PeakRss()
+        t0 = time.perf_counter()
+        result = fn()
+        sync(self.cuda)
+        seconds = time.perf_counter() - t0
+        host_start, host_peak = host.stop()
+        record = dict(format=fmt_name, phase=name, part=part, seconds=seconds, host_start=host_start,
+                      host_peak=host_peak, device_start=device_start,
+                      device_peak=torch.cuda.max_memory_allocated() if self.cuda else None, bytes=None,
+                      file_bytes=None)
+        self.records.append(record)
+        dist.barrier()  # after the record: a rank's time is its own work, not its wait for the others
+        self.report()
+        return result, record
 
-
-class Progress:
-    """Rank 0 prints each phase's figures (maximum over ranks) as soon as the
-    phase ends, and each format's save/load sums after its last phase, and
-    rewrites --out with everything so far: a run stopped by a time limit
-    still leaves what it measured."""
-
-    def __init__(self, out: str | None, meta: dict):
-        self.out, self.meta, self.t0 = out, meta, time.perf_counter()
-
-    def report(self, records: list, sums: bool = False) -> None:
+    def report(self, sums: bool = False) -> None:
         """Every rank's records so far (one collective, outside the timed
         phases); prints the last phase's row, or with sums its format's sums."""
         per_rank = [None] * dist.get_world_size()
-        dist.all_gather_object(per_rank, records)
+        dist.all_gather_object(per_rank, self.records)
         if dist.get_rank() != 0:
             return
-        rows = summarise(per_rank)
-        last = records[-1]
+        rows, last = summarise(per_rank), self.records[-1]
         for r in rows:
             if r["format"] == last["format"] and (" = " in r["phase"] if sums else r["phase"] == last["phase"]):
                 print(f"  {r['format']:<22} {r['phase']:<45} {r['seconds']:8.3f} s   peak host "
@@ -171,25 +119,21 @@ class Progress:
         self.write(per_rank, rows)
 
     def write(self, per_rank: list, rows: list) -> None:
-        if self.out:
-            meta = dict(self.meta, wall_seconds=time.perf_counter() - self.t0)
-            with open(self.out, "w") as f:
-                json.dump(dict(meta=meta, rows=rows, records=per_rank), f, indent=1)
+        write_json(self.out, meta=dict(self.meta, wall_seconds=time.perf_counter() - self.t0), rows=rows,
+                   records=per_rank)
 
 
-PROGRESS: Progress | None = None  # set by main(): phase() reports through it
+def files(path: str) -> list[str]:
+    return [path] if os.path.isfile(path) else [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
 
 
 def size_of(path: str) -> int:
-    if os.path.isfile(path):
-        return os.path.getsize(path)
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+    return sum(os.path.getsize(name) for name in files(path))
 
 
 def evict_page_cache(path: str) -> None:
     """Drop a file's (or a directory's files') clean pages from the page cache."""
-    files = [path] if os.path.isfile(path) else [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
-    for name in files:
+    for name in files(path):
         fd = os.open(name, os.O_RDONLY)
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -199,13 +143,11 @@ def evict_page_cache(path: str) -> None:
 
 def filesystem(path: str) -> str:
     """The type of the filesystem holding path (tmpfs: files live in host memory)."""
-    path = os.path.realpath(path)
-    best, kind = "", "unknown"
+    path, best, kind = os.path.realpath(path), "", "unknown"
     with open("/proc/mounts") as f:
         for line in f:
             _, mount, fs_type = line.split()[:3]
-            inside = path == mount or path.startswith(mount.rstrip("/") + "/")
-            if inside and len(mount) > len(best):
+            if (path == mount or path.startswith(mount.rstrip("/") + "/")) and len(mount) > len(best):
                 best, kind = mount, fs_type
     return kind
 
@@ -213,8 +155,7 @@ def filesystem(path: str) -> str:
 # ------------------------------------------------------------------ training and the restore check
 
 def train_step(model, opt, inputs, targets, cuda: bool) -> None:
-    amp = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
-    with amp:
+    with autocast(cuda):
         loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
     loss.backward()
     opt.step()  # overlap_param_sync=False: step() ends with the parameter all-gather
@@ -223,10 +164,10 @@ def train_step(model, opt, inputs, targets, cuda: bool) -> None:
 
 def snapshot(model, opt, portable: bool) -> dict:
     """Copies of what a checkpoint must bring back, on this rank: its pieces of
-    every state (the local shards of sharded_state_dict(): together the ranks'
-    pieces are the whole state), the groups' steps and hyperparameters, and the
-    model's parameters (load makes them the loaded masters); with portable, the
-    whole portable state_dict() as well. Every rank must call it."""
+    every state (together the ranks' pieces are the whole state), the groups'
+    steps and hyperparameters, and the model's parameters (load makes them the
+    loaded masters); with portable, the whole portable state_dict() as well.
+    Every rank must call it."""
     pieces = [piece.clone() for state in opt.sharded_state_dict()["state"].values()
               for _, piece in local_pieces(state)]
     return dict(pieces=pieces, groups=[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
@@ -282,43 +223,36 @@ def dcp_read(opt, directory: str) -> dict:
     return state
 
 
-def bench_portable(model, opt, batch, reference, path, records, state_bytes, cuda, dev, evict=True) -> None:
-    rank = dist.get_rank()
-    sd, record = phase(records, PORTABLE, "gather", "save", partial(opt.state_dict, gather_on_root=True), cuda)
+def bench_portable(model, opt, batch, reference, path, phases, state_bytes, dev, evict=True) -> None:
+    sd, record = phases.run(PORTABLE, "gather", "save", partial(opt.state_dict, gather_on_root=True))
     record["bytes"] = state_bytes
-    _, record = phase(records, PORTABLE, "write", "save", partial(write_on_root, {"optimizer": sd}, path), cuda)
+    _, record = phases.run(PORTABLE, "write", "save", partial(write_on_root, {"optimizer": sd}, path))
     record["bytes"] = record["file_bytes"] = size_of(path)
     del sd
-    train_past(model, opt, batch, reference, cuda, dev)
-    if rank == 0 and evict:
+    train_past(model, opt, batch, reference, phases.cuda, dev)
+    if dist.get_rank() == 0 and evict:
         evict_page_cache(path)
-    ckpt, record = phase(records, PORTABLE, "read", "load", partial(shardadam.checkpoint.load, path), cuda)
+    ckpt, record = phases.run(PORTABLE, "read", "load", partial(shardadam.checkpoint.load, path))
     record["bytes"] = record["file_bytes"] = size_of(path)
-    phase(records, PORTABLE, "load_state_dict", "load", partial(opt.load_state_dict, ckpt["optimizer"]), cuda)
+    phases.run(PORTABLE, "load_state_dict", "load", partial(opt.load_state_dict, ckpt["optimizer"]))
     del ckpt
     check_restored(model, opt, reference, PORTABLE, dev)
-    if rank == 0:  # --dir then needs room for one checkpoint at a time
+    if dist.get_rank() == 0:  # --dir then needs room for one checkpoint at a time
         os.remove(path)
 
 
-def bench_every_rank(opt, records, state_bytes, cuda) -> None:
-    _, record = phase(records, EVERY_RANK, "gather", None, opt.state_dict, cuda)
-    record["bytes"] = state_bytes
-
-
-def bench_sharded(model, opt, batch, reference, directory, records, cuda, dev, evict=True) -> None:
-    sharded, _ = phase(records, SHARDED, "sharded_state_dict", "save", opt.sharded_state_dict, cuda)
-    _, record = phase(records, SHARDED, "dcp.save", "save",
-                      partial(dcp.save, {"optimizer": sharded}, checkpoint_id=directory), cuda)
+def bench_sharded(model, opt, batch, reference, directory, phases, dev, evict=True) -> None:
+    sharded, _ = phases.run(SHARDED, "sharded_state_dict", "save", opt.sharded_state_dict)
+    _, record = phases.run(SHARDED, "dcp.save", "save",
+                           partial(dcp.save, {"optimizer": sharded}, checkpoint_id=directory))
     record["bytes"] = record["file_bytes"] = size_of(directory)
     del sharded
-    train_past(model, opt, batch, reference, cuda, dev)
+    train_past(model, opt, batch, reference, phases.cuda, dev)
     if dist.get_rank() == 0 and evict:
         evict_page_cache(directory)
-    state, record = phase(records, SHARDED, "dcp.load", "load", partial(dcp_read, opt, directory), cuda)
+    state, record = phases.run(SHARDED, "dcp.load", "load", partial(dcp_read, opt, directory))
     record["bytes"] = record["file_bytes"] = size_of(directory)
-    load = partial(opt.load_sharded_state_dict, state["optimizer"])
-    phase(records, SHARDED, "load_sharded_state_dict", "load", load, cuda)
+    phases.run(SHARDED, "load_sharded_state_dict", "load", partial(opt.load_sharded_state_dict, state["optimizer"]))
     del state
     check_restored(model, opt, reference, SHARDED, dev)
     if dist.get_rank() == 0:
@@ -326,7 +260,6 @@ def bench_sharded(model, opt, batch, reference, directory, records, cuda, dev, e
 
 
 # ------------------------------------------------------------------ report
-
 
 def increase(records: list[dict], key: str) -> float | None:
     """Peak above the first record's start, in MiB (None without a device)."""
@@ -342,11 +275,11 @@ def row(fmt_name: str, name: str, per_rank: list[list[dict]]) -> dict:
     host = [increase(recs, "host") for recs in per_rank]
     device = [increase(recs, "device") for recs in per_rank]
     sizes = [r["bytes"] for r in per_rank[0] if r["bytes"] is not None]
-    files = [r["file_bytes"] for r in per_rank[0] if r["file_bytes"] is not None]
+    file_sizes = [r["file_bytes"] for r in per_rank[0] if r["file_bytes"] is not None]
     return dict(format=fmt_name, phase=name, seconds=max(seconds),
                 gb_per_s=max(sizes) / max(seconds) / 1e9 if sizes else None,
                 peak_host_mib=max(host), peak_device_mib=None if device[0] is None else max(device),
-                file_mib=max(files) / MIB if files else None,
+                file_mib=max(file_sizes) / MIB if file_sizes else None,
                 per_rank=dict(seconds=seconds, peak_host_mib=host, peak_device_mib=device))
 
 
@@ -366,12 +299,10 @@ def summarise(per_rank: list[list[dict]]) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| format | phase | seconds | GB/s | peak host MiB | peak device MiB | file MiB |",
-             "|---|---|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r['format']} | {r['phase']} | {r['seconds']:.3f} | {fmt(r['gb_per_s'], '.2f')} | "
-                     f"{r['peak_host_mib']:.1f} | {fmt(r['peak_device_mib'], '.1f')} | {fmt(r['file_mib'], '.1f')} |")
-    return "\n".join(lines)
+    return md_table(["format", "phase", "seconds", "GB/s", "peak host MiB", "peak device MiB", "file MiB"],
+                    [[r["format"], r["phase"], f"{r['seconds']:.3f}", fmt(r["gb_per_s"], ".2f"),
+                      f"{r['peak_host_mib']:.1f}", fmt(r["peak_device_mib"], ".1f"), fmt(r["file_mib"], ".1f")]
+                     for r in rows], "llrrrrr")
 
 
 # ------------------------------------------------------------------ main
@@ -386,12 +317,11 @@ def parse_args():
     ap.add_argument("--warm-cache", action="store_true",
                     help="leave the written files in the page cache: loads then time the software path, not the disk")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", help="write the results here as JSON (rewritten after every format)")
+    ap.add_argument("--out", help="write the results here as JSON (rewritten after every phase)")
     args = ap.parse_args()
     args.formats = args.formats.split(",")
-    unknown = set(args.formats) - set(FORMATS)
-    if unknown:
-        ap.error(f"unknown --formats {sorted(unknown)}; choose from {','.join(FORMATS)}")
+    if set(args.formats) - set(FORMATS):
+        ap.error(f"unknown --formats {sorted(set(args.formats) - set(FORMATS))}; choose from {','.join(FORMATS)}")
     fill_defaults(args, FULL, MODEL_KEYS)
     return args
 
@@ -414,8 +344,8 @@ def main() -> None:
                                          contiguous_param_buffer=True)
     batch = make_batch(args, 1, dev)
     train_step(model, opt, *batch, cuda)
-    meta = dict(run_meta(args, dev, cuda, n_params), dir=os.path.abspath(args.dir), filesystem=filesystem(args.dir),
-                page_cache="kept (--warm-cache)" if args.warm_cache else "evicted before each load")
+    meta = gpt_meta(args, dev, n_params, dir=os.path.abspath(args.dir), filesystem=filesystem(args.dir),
+                    page_cache="kept (--warm-cache)" if args.warm_cache else "evicted before each load")
     if rank == 0:
         print(f"{describe(meta, args)}; checkpoints in {meta['dir']} ({meta['filesystem']})", flush=True)
 
@@ -423,22 +353,20 @@ def main() -> None:
     if rank == 0:
         print(f"set up in {time.perf_counter() - start:.1f} s (process group, model, optimizer, first iteration, "
               f"reference copy of the state)", flush=True)
-    records = []
+    phases = Phases(args.out, meta, cuda)
     state_bytes = STATE_BYTES_PER_PARAM * n_params
-    global PROGRESS
-    PROGRESS = progress = Progress(args.out, meta)
     evict = not args.warm_cache
     if "portable" in args.formats:
-        bench_portable(model, opt, batch, reference, portable_path, records, state_bytes, cuda, dev, evict)
-        progress.report(records, sums=True)
+        bench_portable(model, opt, batch, reference, portable_path, phases, state_bytes, dev, evict)
+        phases.report(sums=True)
     if "every-rank" in args.formats:
-        bench_every_rank(opt, records, state_bytes, cuda)
+        _, record = phases.run(EVERY_RANK, "gather", None, opt.state_dict)
+        record["bytes"] = state_bytes
     if "sharded" in args.formats:
-        bench_sharded(model, opt, batch, reference, sharded_dir, records, cuda, dev, evict)
-        progress.report(records, sums=True)
+        bench_sharded(model, opt, batch, reference, sharded_dir, phases, dev, evict)
+        phases.report(sums=True)
     per_rank = [None] * world
-    dist.all_gather_object(per_rank, records)
-
+    dist.all_gather_object(per_rank, phases.records)
     if rank == 0:
         rows = summarise(per_rank)
         print()
@@ -446,7 +374,7 @@ def main() -> None:
         restored = [name for name, key in ((PORTABLE, "portable"), (SHARDED, "sharded")) if key in args.formats]
         if restored:
             print(f"restored bit for bit after a further training iteration: {', '.join(restored)}")
-        progress.write(per_rank, rows)
+        phases.write(per_rank, rows)
         print(f"whole run {time.perf_counter() - start:.1f} s (from main(): imports excluded)", flush=True)
     del opt  # before the process group goes (gloo can abort at exit otherwise: README)
     dist.destroy_process_group()

@@ -1,25 +1,16 @@
 #!/usr/bin/env python
-"""Host cost of overlap_param_sync's guarantee ([Note: first-use guard]) on bench_distributed's GPT.
+"""Host cost of overlap_param_sync's guarantee ([Note: first-use guard]) on the benchmarks' GPT.
 
-One run, the same model and optimizer options, four variants:
+Goal: the guard that makes every read after step() wait for its all-gather
+costs nothing measurable where the forward hooks already wait. Judged by the
+forward's host ms with the guard over without it, and the guard's own costs
+per parameter (arm, disarm, an armed .grad read, a first use against the same
+op on a plain parameter; best of 30 rounds over 300 CPU parameters).
 
-- no_overlap:      overlap_param_sync=False (step() all-gathers before returning)
-- hooks_only:      overlap_param_sync=True with the first-use guard switched off
-                   in this benchmark (each module's forward waits for its own
-                   parameters; other reads could see stale values)
-- hooks_and_guard: overlap_param_sync=True as shipped
-- guard_only:      overlap_param_sync=True with the forward-pre hook removed in
-                   this benchmark: every parameter waits through the guard on
-                   its first use (the worst case: a model whose parameters are
-                   all used outside their module's forward)
-
-For each: the median host milliseconds of step(), zero_grad() and the
-forward (the Python call returning, from an idle device: synchronised before
-zero_grad), and rank 0's last loss (the variants train alike). First, the
-guard's own costs per parameter (microseconds, the best of 30 rounds over
-300 CPU parameters): arming and disarming, a metadata read (.grad) of an
-armed parameter, a first use (an op that waits, here for nothing, and
-disarms) against the same op on a plain parameter.
+Variants, one run: no_overlap; hooks_only (guard switched off here);
+hooks_and_guard (as shipped); guard_only (forward hooks removed here: every
+parameter waits through the guard). Medians of the host ms of step(),
+zero_grad() and the forward, from an idle device.
 
     torchrun --nproc_per_node 2 benchmarks/bench_first_use.py               # GPT-1.4B, 2 GPUs
     python -m torch.distributed.run --nproc_per_node 1 benchmarks/bench_first_use.py --tiny   # CPU smoke
@@ -27,7 +18,6 @@ disarms) against the same op on a plain parameter.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import time
 
@@ -36,9 +26,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import shardadam
+from harness import describe, gpt_meta, init_distributed
+from models import FULL, add_size_args, autocast, build_model, count_params, fill_defaults, make_batch
 from shardadam.distributed._first_use import FirstUseGuard
-from bench_distributed import FULL, add_size_args, build_model, describe, fill_defaults, init_distributed, make_batch, \
-    run_meta
+from timing import sync
 
 VARIANTS = ("no_overlap", "hooks_only", "hooks_and_guard", "guard_only")
 WARMUP = 3
@@ -59,19 +50,16 @@ def build(variant: str, args, dev: torch.device):
 def run(variant: str, args, dev: torch.device, cuda: bool) -> dict:
     model, opt = build(variant, args, dev)
     inputs, targets = make_batch(args, args.batch, dev)
-    autocast = torch.autocast("cuda", torch.bfloat16) if cuda else contextlib.nullcontext()
     times = {"step": [], "zero_grad": [], "forward": []}
-    loss = None
     for i in range(WARMUP + args.iters):
-        if cuda:
-            torch.cuda.synchronize()
+        sync(cuda)
         t0 = time.perf_counter()
         opt.zero_grad()
         t1 = time.perf_counter()
-        with autocast:
+        with autocast(cuda):
             logits = model(inputs)
         t2 = time.perf_counter()
-        with autocast:
+        with autocast(cuda):
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
         loss.backward()
         t3 = time.perf_counter()
@@ -84,21 +72,20 @@ def run(variant: str, args, dev: torch.device, cuda: bool) -> dict:
     opt.param_sync()
     result = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     result["loss_last"] = loss.item()
-    del model, opt
     return result
 
 
 def per_parameter_costs(count: int = 300, rounds: int = 30) -> dict:
     """The guard's costs in microseconds per parameter, best of `rounds`."""
     params = [torch.nn.Parameter(torch.zeros(4)) for _ in range(count)]
-    guard = FirstUseGuard(_NoWait().land)
+    waits = _NoWait()  # held here: the guard keeps only a weak reference to its bound method
+    guard = FirstUseGuard(waits.land)
     best = dict.fromkeys(("arm", "disarm", ".grad armed", "first use", "same op, plain"), float("inf"))
 
     def timed(name, fn):
         t0 = time.perf_counter()
         fn()
         best[name] = min(best[name], (time.perf_counter() - t0) / count * 1e6)
-
     for _ in range(rounds):
         timed("arm", lambda: guard.arm(params))
         timed(".grad armed", lambda: [p.grad for p in params])
@@ -110,6 +97,8 @@ def per_parameter_costs(count: int = 300, rounds: int = 30) -> dict:
 
 
 class _NoWait:
+    """Lands nothing: the cost of the guard alone."""
+
     def land(self, params) -> None:
         pass
 
@@ -125,17 +114,20 @@ def main() -> None:
     args = ap.parse_args()
     fill_defaults(args, FULL, ("d_model", "layers", "heads", "vocab", "seq", "bucket_cap_mb"))
     dev, cuda = init_distributed()
-    n_params = sum(p.numel() for p in build_model(args, torch.device("meta")).parameters())
     if dist.get_rank() == 0:
-        print(describe(run_meta(args, dev, cuda, n_params), args), flush=True)
+        print(describe(gpt_meta(args, dev, count_params(args)), args), flush=True)
         costs = per_parameter_costs()
         print("guard, us per parameter: " + ", ".join(f"{k} {v:.2f}" for k, v in costs.items()), flush=True)
         print(f"{'variant':<16} {'step ms':>9} {'zero_grad ms':>13} {'forward ms':>11} {'last loss':>10}")
+    results = {}
     for variant in args.variants.split(","):
-        r = run(variant, args, dev, cuda)
+        r = results[variant] = run(variant, args, dev, cuda)
         if dist.get_rank() == 0:
             print(f"{variant:<16} {r['step']:9.3f} {r['zero_grad']:13.3f} {r['forward']:11.3f} {r['loss_last']:10.4f}",
                   flush=True)
+    if dist.get_rank() == 0 and {"hooks_only", "hooks_and_guard"} <= results.keys():
+        print(f"forward with the guard / without: "
+              f"{results['hooks_and_guard']['forward'] / results['hooks_only']['forward']:.3f}x")
     dist.destroy_process_group()
 
 

@@ -1,58 +1,38 @@
 #!/usr/bin/env python
 """shardadam.FusedAdam against torch.optim.AdamW on an FSDP2 model, in one run.
 
-The benchmarks' GPT (bench_distributed.py; default about 1.4B parameters)
-sharded with fully_shard(reshard_after_forward=False) per block and at the
-root, with MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) on the GPU
-(fp32 sharded parameters, gradients and optimizer state), stepped by:
+Goal: FusedAdam's step at most 0.6x torch fused AdamW's on the same FSDP2
+shards, and a faster iteration. Judged by "step vs fused" and "iteration vs
+fused" (medians over interleaved rounds).
 
-- shardadam:     shardadam.FusedAdam (one launch per storage kind on the local shards)
-- torch_fused:   torch.optim.AdamW(fused=True)
-- torch_foreach: torch.optim.AdamW(foreach=True)
-
-Each implementation is built on a fresh model from the same seed and run in
-`--rounds` rounds, interleaved (A B C A B C), so drift of the machine shows as
-a spread between rounds. Per round, after warm-up:
-
-- step: the optimizer step alone, host plus device: synchronise, start the
-  clock, opt.step(), synchronise, stop; the median over the timed iterations.
-  step_host is when opt.step() returned (its host cost, with the device idle
-  at its start);
-- iteration: forward, backward, step and zero_grad back to back, no sync
-  inside; the wall-clock mean per iteration over the timed loop, synchronised
-  around it.
-
-Reported: the median over rounds of each figure, every round's values, and the
-ratios to torch_fused (the issue's goals: shardadam's step <= 0.6x torch
-fused's, and a faster iteration); rank 0's losses (checked: finite, falling).
+The GPT of models.py sharded with fully_shard(reshard_after_forward=False) per
+block and at the root, MixedPrecisionPolicy(param_dtype=bf16,
+reduce_dtype=fp32) on the GPU, stepped by shardadam.FusedAdam,
+AdamW(fused=True) and AdamW(foreach=True). Each on a fresh model from the
+same seed, in --rounds interleaved rounds (A B C A B C). Per round: step: the
+optimizer step alone, synchronised before and after (median; step_host: when
+step() returned); iteration: forward, backward, step and zero_grad back to
+back, the wall-clock mean over the timed loop.
 
     torchrun --nproc_per_node 2 benchmarks/bench_fsdp2.py --out benchmarks/results/bench_fsdp2_2xh200.json
     torchrun --nproc_per_node 2 benchmarks/bench_fsdp2.py --tiny --device cpu      # smoke run (gloo)
-
-The CPU run checks the wiring (fp32, no mixed precision); its timings mean little.
 """
 from __future__ import annotations
 
 import argparse
-import json
-import math
-import os
 import statistics
-import sys
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import shardadam
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_distributed import (FULL, WARMUP, WEIGHT_DECAY, add_size_args, agree_on_error, build_model,  # noqa: E402
-                               describe, fill_defaults, free, init_distributed, make_batch, max_over_ranks,
-                               optimizer_bytes, run_meta, sync)
+from bench_distributed import WARMUP, WEIGHT_DECAY
+from harness import (agree_on_error, attempt, describe, fmt, gpt_meta, init_distributed, losses_ok, max_over_ranks,
+                     md_table, optimizer_bytes, write_json)
+from models import FULL, add_size_args, build_model, count_params, fill_defaults, lm_loss, make_batch
+from timing import free, interleaved, sync
 
 REFERENCE = "torch_fused"
 OPTIMIZERS = {
@@ -74,14 +54,14 @@ def build(name: str, args, dev: torch.device, cuda: bool):
 
 
 def forward_backward(model, inputs, targets) -> torch.Tensor:
-    loss = F.cross_entropy(model(inputs).flatten(0, 1).float(), targets.flatten())
+    loss = lm_loss(model, inputs, targets, cuda=False)  # the policy casts: no autocast
     loss.backward()
     return loss.detach()
 
 
 def measure(model, opt, inputs, targets, cuda: bool, iters: int) -> dict:
     """WARMUP iterations, then `iters` with the step timed alone, then `iters`
-    back to back (see the module docstring). Returns ms figures and the losses."""
+    back to back. Returns ms figures and the losses."""
     losses, steps, hosts = [], [], []
     for i in range(WARMUP + iters):
         losses.append(forward_backward(model, inputs, targets))
@@ -102,39 +82,34 @@ def measure(model, opt, inputs, targets, cuda: bool, iters: int) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
     sync(cuda)
-    iteration = (time.perf_counter() - t0) * 1e3 / iters
-    return dict(step_ms=statistics.median(steps), step_host_ms=statistics.median(hosts), iter_ms=iteration,
-                losses=torch.stack(losses).float().tolist())
+    return dict(step_ms=statistics.median(steps), step_host_ms=statistics.median(hosts),
+                iter_ms=(time.perf_counter() - t0) * 1e3 / iters, losses=torch.stack(losses).float().tolist())
 
 
 def run_one(name: str, args, dev: torch.device, cuda: bool, n_params: int) -> dict:
     free(cuda)
-    error = None
-    try:
+
+    def run():
         model, opt = build(name, args, dev, cuda)
         inputs, targets = make_batch(args, args.batch, dev)
-        timing = measure(model, opt, inputs, targets, cuda, args.iters)
-    except Exception as e:  # recorded, and the other implementations still run
-        traceback.print_exc()
-        error = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+        return measure(model, opt, inputs, targets, cuda, args.iters), optimizer_bytes(opt)
+    out, error = attempt(run)
     result = dict(impl=name, error=agree_on_error(error, dev))
     if result["error"]:
         return result
+    timing, opt_bytes = out
     step, host, iteration, opt_bytes = max_over_ranks(
-        [timing["step_ms"], timing["step_host_ms"], timing["iter_ms"], optimizer_bytes(opt)], dev)
+        [timing["step_ms"], timing["step_host_ms"], timing["iter_ms"], opt_bytes], dev)
     losses = timing["losses"]  # rank 0's: each rank has its own batch
     result.update(step_ms=step, step_host_ms=host, iter_ms=iteration, opt_bytes_per_param=opt_bytes / n_params,
-                  loss_first=losses[0], loss_last=losses[-1],
-                  loss_ok=all(math.isfinite(x) for x in losses) and losses[-1] < losses[0])
-    del model, opt
+                  loss_first=losses[0], loss_last=losses[-1], loss_ok=losses_ok(losses))
     return result
 
 
-def summarize(rounds: list[list[dict]]) -> list[dict]:
+def summarize(rounds: dict[str, list[dict]]) -> list[dict]:
     """Per implementation: the median over rounds, every round's values, ratios to REFERENCE."""
     summary = []
-    for name in OPTIMIZERS:
-        runs = [r for rnd in rounds for r in rnd if r["impl"] == name]
+    for name, runs in rounds.items():
         failed = [r["error"] for r in runs if r["error"]]
         if failed:
             summary.append(dict(impl=name, error=failed[0]))
@@ -160,12 +135,9 @@ COLUMNS = (("step ms", "step_ms", ".2f"), ("step host ms", "step_host_ms", ".2f"
 
 
 def table(summary: list[dict]) -> str:
-    lines = ["| impl | " + " | ".join(c[0] for c in COLUMNS) + " |", "|---|" + "---:|" * len(COLUMNS)]
-    for s in summary:
-        cells = [f"failed: {s['error']}"] + [""] * (len(COLUMNS) - 1) if s["error"] else [
-            "-" if s.get(key) is None else format(s[key], spec) for _, key, spec in COLUMNS]
-        lines.append(f"| {s['impl']} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return md_table(["impl"] + [c[0] for c in COLUMNS], [
+        [s["impl"], f"failed: {s['error']}"] + [""] * (len(COLUMNS) - 1) if s["error"] else
+        [s["impl"]] + [fmt(s.get(key), spec) for _, key, spec in COLUMNS] for s in summary])
 
 
 def goals(summary: list[dict]) -> str:
@@ -188,10 +160,9 @@ def parse_args():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="write the results here as JSON (e.g. benchmarks/results/bench_fsdp2_2xh200.json)")
     args = ap.parse_args()
-    fill_defaults(args, FULL, ["d_model", "layers", "heads", "vocab", "seq"])
-    for key, full, tiny in (("batch", 4, 2), ("iters", 10, 3), ("rounds", 2, 1)):
-        if getattr(args, key) is None:
-            setattr(args, key, tiny if args.tiny else full)
+    fill_defaults(args, dict(FULL, batch=4, iters=10, rounds=2), ["d_model", "layers", "heads", "vocab", "seq",
+                                                                    "batch", "iters", "rounds"],
+                  tiny=dict(FULL, d_model=64, layers=2, heads=4, vocab=256, seq=32, batch=2, iters=3, rounds=1))
     if args.iters < 1 or args.rounds < 1:
         ap.error("--iters and --rounds must be at least 1")
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -200,33 +171,29 @@ def parse_args():
 
 def main() -> None:
     args = parse_args()
-    if args.device == "cuda":
-        dev, cuda = init_distributed()
-    else:
-        dist.init_process_group("gloo")
-        dev, cuda = torch.device("cpu"), False
+    dev, cuda = init_distributed(args.device)
     rank = dist.get_rank()
-    n_params = sum(p.numel() for p in build_model(args, torch.device("meta")).parameters())
-    meta = run_meta(args, dev, cuda, n_params)
+    n_params = count_params(args)
+    meta = gpt_meta(args, dev, n_params)
     if rank == 0:
         print(describe(meta, args) + f"; FSDP2, batch {args.batch}", flush=True)
-    rounds = []
-    for k in range(args.rounds):
-        rounds.append([run_one(name, args, dev, cuda, n_params) for name in OPTIMIZERS])
+
+    def one(name):
+        r = run_one(name, args, dev, cuda, n_params)
         if rank == 0:
-            for r in rounds[-1]:
-                status = f"failed: {r['error']}" if r["error"] else (
-                    f"step {r['step_ms']:.2f} ms (host {r['step_host_ms']:.2f}), iteration {r['iter_ms']:.1f} ms, "
-                    f"loss {r['loss_first']:.4f} -> {r['loss_last']:.4f}")
-                print(f"round {k} {r['impl']}: {status}", flush=True)
+            print(f"{name}: " + (f"failed: {r['error']}" if r["error"] else
+                                 f"step {r['step_ms']:.2f} ms (host {r['step_host_ms']:.2f}), iteration "
+                                 f"{r['iter_ms']:.1f} ms, loss {r['loss_first']:.4f} -> {r['loss_last']:.4f}"),
+                  flush=True)
+        return r
+    rounds = interleaved({name: (lambda name=name: one(name)) for name in OPTIMIZERS}, args.rounds)
     summary = summarize(rounds)
     if rank == 0:
         print()
         print(table(summary))
         print(goals(summary))
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(dict(meta=meta, summary=summary, rounds=rounds), f, indent=1)
+        write_json(args.out, meta=meta, summary=summary, rounds=[[rounds[n][k] for n in rounds]
+                                                                 for k in range(args.rounds)])
     dist.destroy_process_group()
 
 

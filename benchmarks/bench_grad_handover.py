@@ -1,18 +1,15 @@
 #!/usr/bin/env python
 """Host time of DistributedFusedAdam's gradient hand-over, per parameter and per bucket.
 
-In the GPT benchmark the iteration is bound by host time, and backward costs
-about 20 ms more host time with DistributedFusedAdam than without it
-(RESULTS.md, "Where the time goes"). This measures the Python side of that
-hand-over alone: for every parameter, in backward order, what the
-post-accumulate-grad hook runs (GradSync.pack: copy into the bucket, start the
-complete buckets' reduce-scatters), then GradSync.finish. It runs in one
-process (a world of 1: gloo on the CPU, NCCL on a GPU), so the collectives are
-real calls with nothing to wait for, and there is no autograd around it.
+Goal: the hand-over adds little host time to backward, which bounds the GPT
+iteration. Judged by the host us per parameter and per extra bucket.
 
-Two runs separate the costs: one bucket holding every parameter, and the
-given number of buckets; the difference over the extra buckets is the cost
-per bucket, the one-bucket run over the parameters the cost per parameter.
+For every parameter, in backward order, what the post-accumulate-grad hook runs
+(GradSync.pack: copy into the bucket, start the complete buckets'
+reduce-scatters), then GradSync.finish, in a world of 1 (gloo on the CPU, NCCL
+on a GPU: real calls with nothing to wait for) and without autograd. One bucket
+holding every parameter against the given number of buckets: the difference
+over the extra buckets is the cost per bucket.
 
     python benchmarks/bench_grad_handover.py                       # CPU: 290 parameters, 57 buckets
     python benchmarks/bench_grad_handover.py --device cuda         # the same on a GPU (host time only)
@@ -20,7 +17,6 @@ per bucket, the one-bucket run over the parameters the cost per parameter.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
@@ -28,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 import shardadam
+from harness import init_one_rank, md_table
 
 
 def handover_ms(params: list, grads: list, bucket_cap_mb: float, iters: int) -> tuple[float, int]:
@@ -56,9 +53,7 @@ def main() -> None:
     ap.add_argument("--numel", type=int, default=1024, help="elements per parameter (host time hardly depends on it)")
     ap.add_argument("--iters", type=int, default=50)
     args = ap.parse_args()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=0, world_size=1)
+    init_one_rank(args.device)
     torch.set_num_threads(1)
     dev = torch.device(args.device)
     params = [torch.nn.Parameter(torch.randn(args.numel, device=dev)) for _ in range(args.params)]
@@ -68,10 +63,9 @@ def main() -> None:
     many_ms, buckets = handover_ms(params, grads, mib * args.params / args.buckets, args.iters)
     per_bucket_us = (many_ms - one_ms) * 1e3 / max(buckets - 1, 1)
     print(f"{args.device}, torch {torch.__version__}, {args.params} parameters of {args.numel} elements")
-    print("| buckets | host ms per iteration | us per parameter |")
-    print("|---:|---:|---:|")
-    print(f"| 1 | {one_ms:.2f} | {one_ms * 1e3 / args.params:.1f} |")
-    print(f"| {buckets} | {many_ms:.2f} | {many_ms * 1e3 / args.params:.1f} |")
+    print(md_table(["buckets", "host ms per iteration", "us per parameter"],
+                   [[n, f"{ms:.2f}", f"{ms * 1e3 / args.params:.1f}"] for n, ms in ((1, one_ms), (buckets, many_ms))],
+                   "rrr"))
     print(f"per extra bucket: {per_bucket_us:.1f} us")
     dist.destroy_process_group()
 

@@ -1,34 +1,26 @@
 #!/usr/bin/env python
-"""Hugging Face LlamaForCausalLM (about 1B parameters, built from its config:
-no download) trained on 2 GPUs three ways, one after the other in one torchrun
-job, from the same seed on the same data:
+"""Hugging Face LlamaForCausalLM trained with DistributedFusedAdam, DDP and FSDP2, in one torchrun job.
 
-- shardadam.DistributedFusedAdam (ZeRO-2, no DDP wrapper, overlapped
-  reduce-scatter and all-gather, contiguous parameter buffer);
-- DDP + torch.optim.AdamW(fused=True);
-- FSDP2 (fully_shard per decoder layer, then the root) + torch.optim.AdamW(fused=True).
+Goal: DistributedFusedAdam trains a Hugging Face model as fast as DDP and FSDP2
+with torch's fused AdamW, to the same loss. Judged by tokens/s against DDP's,
+and the loss curves.
 
-bf16 autocast, fp32 parameters and optimizer state, gradient clipping at 1.0,
-AdamW lr 3e-4 (betas 0.9/0.95, weight decay 0.1). The data are bytes of the
-standard library's Python source (token ids 0-255 of the 32000-token
-vocabulary), the same global batch per step for every run, each rank taking
-its slice. Per run: tokens/s over the steps after --warmup, peak allocated
-memory, the loss of every step (mean over ranks). Rank 0 writes them to --out
-(JSON); benchmarks/plot_hf_llama.py draws the curves (SVG).
+A LlamaForCausalLM of about 1B parameters from its config, trained three ways
+from the same seed on the same batches of Python source bytes (bf16 autocast,
+clipping, AdamW lr 3e-4): DistributedFusedAdam (both overlaps, contiguous
+parameter buffer, store_params=False), DDP and FSDP2 with AdamW(fused=True).
+Rank 0 writes every step's loss to --out; plot_hf_llama.py draws the curves.
 
     torchrun --standalone --nproc_per_node 2 benchmarks/bench_hf_llama.py \\
         --out benchmarks/results/bench_hf_llama_2xh200.json
-    python benchmarks/plot_hf_llama.py benchmarks/results/bench_hf_llama_2xh200.json
-    # smoke test on the CPU (gloo, tiny model, a few steps):
     torchrun --standalone --nproc_per_node 2 benchmarks/bench_hf_llama.py --tiny --device cpu \\
-        --out benchmarks/results/bench_hf_llama_cpu_tiny.json
+        --out benchmarks/results/bench_hf_llama_cpu_tiny.json       # smoke run (gloo, tiny model)
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import gc
-import json
 import os
 import sys
 import time
@@ -41,6 +33,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from train import corpus  # noqa: E402
 
 import shardadam  # noqa: E402
+from harness import write_json  # noqa: E402
+from timing import sync  # noqa: E402
 
 RUNS = ("shardadam", "ddp", "fsdp2")
 OPTIM = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -109,7 +103,7 @@ def train(run: str, args, config, tokens, rank: int, world: int, device: torch.d
     start = None
     for step, ids in enumerate(batches(tokens, args.steps, args.global_batch, args.seq, rank, world)):
         if step == args.warmup:
-            _sync(device)
+            sync(device)
             start = time.perf_counter()
         ids = ids.to(device, non_blocking=True)
         with autocast:
@@ -119,7 +113,7 @@ def train(run: str, args, config, tokens, rank: int, world: int, device: torch.d
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses[step] = loss.detach().float()
-    _sync(device)
+    sync(device)
     seconds = time.perf_counter() - start
     if run == "shardadam":
         opt.param_sync()
@@ -132,11 +126,6 @@ def train(run: str, args, config, tokens, rank: int, world: int, device: torch.d
     del module, opt, model, clip
     gc.collect()
     return result
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def main() -> None:
@@ -180,6 +169,9 @@ def main() -> None:
             memory = f", peak {r['peak_memory_gib']:.1f} GiB" if r["peak_memory_gib"] is not None else ""
             print(f"{run:>9}: {r['tokens_per_s']:,.0f} tokens/s ({r['step_ms']:.1f} ms/step){memory}, "
                   f"loss {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}", flush=True)
+    if rank == 0 and "ddp" in results:
+        print("tokens/s vs DDP: " + ", ".join(f"{run} {r['tokens_per_s'] / results['ddp']['tokens_per_s']:.3f}x"
+                                              for run, r in results.items()))
     if rank == 0:
         params = sum(p.numel() for p in build_model(config, torch.device("meta")).parameters())
         meta = dict(world=world, device=torch.cuda.get_device_name(device) if cuda else "cpu",
@@ -187,8 +179,7 @@ def main() -> None:
                     warmup=args.warmup, global_batch=args.global_batch, seq=args.seq,
                     bucket_cap_mb=args.bucket_cap_mb, optimizer=OPTIM, tiny=args.tiny)
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(dict(meta=meta, runs=results), f, indent=1)
+        write_json(args.out, meta=meta, runs=results)
         print(f"wrote {args.out}")
     dist.destroy_process_group()
 

@@ -1,21 +1,19 @@
 """Host cost of a step, for two versions of the Python package side by side.
 
-The trust checks (README "Guarantees": addresses compared every step,
-hyperparameters validated, version counters bumped) run on the host. This
-script measures what they cost: each case's median host time per call (from
-an idle device, no sync; timing.py), and the wall time of back-to-back
-steps, for the package found on PYTHONPATH, or,
-with --against OTHER_PYTHONPATH, for both packages in alternating child
-processes (A B A B ...: drift on a shared machine hits both alike), printing
-the medians side by side with their ratio.
+Goal: the trust checks (README "Guarantees": addresses compared every step,
+hyperparameters validated, version counters bumped) cost real models nothing
+measurable. Judged by "this / against": each case's median host time per call
+(from an idle device, no sync) for this package over the other's, measured in
+alternating child processes (A B A B ...: drift on a shared machine hits both
+alike); without --against, this package's figures alone.
+
+Cases: FusedAdam.step over 20,000 parameters of 4 elements (gradients kept,
+replaced every step, flat_grads) and over GPT-2 medium's shapes; kernels.adam
+on a plan of 20,000 tensors; DistributedFusedAdam.step on one rank over 290
+parameters (the 1.4B GPT's count).
 
     python benchmarks/bench_host_ab.py --device cuda                      # this package
     python benchmarks/bench_host_ab.py --device cuda --against old/python  # both, side by side
-
-Cases: FusedAdam.step over 20,000 parameters of 4 elements (gradients kept,
-replaced every step, flat_grads) and over the GPT-2 medium shapes;
-kernels.adam on a plan of 20,000 tensors; DistributedFusedAdam.step on one
-rank over 290 parameters (the 1.4B GPT's count).
 """
 from __future__ import annotations
 
@@ -28,9 +26,10 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_fused_adam import gpt2_medium_shapes, shard_fp32  # noqa: E402
-from timing import time_wall_and_host  # noqa: E402
+from bench_fused_adam import shard_fp32
+from harness import init_one_rank, md_table, write_json
+from models import gpt2_medium_shapes
+from timing import interleaved, time_wall_and_host
 
 LR, WD = 1e-3, 1e-2  # as bench_fused_adam.py
 SMALL = [(4,)] * 20_000
@@ -53,7 +52,7 @@ def distributed_step(dev):
     import torch.distributed as dist
     import shardadam
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if dev == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+        init_one_rank(dev)
     params = [torch.nn.Parameter(torch.randn(64, 64, device=dev) * 0.02) for _ in range(290)]
     opt = shardadam.DistributedFusedAdam(params, lr=LR, weight_decay=WD, overlap_grad_sync=False)
     grads = [torch.randn_like(p) * 1e-3 for p in params]
@@ -83,32 +82,28 @@ def measure(dev: str, reps: int) -> dict:
     return out
 
 
+def child(args, path: str | None) -> dict:
+    """One child process's medians, with `path` first on its PYTHONPATH."""
+    env = dict(os.environ)
+    if path is not None:
+        env["PYTHONPATH"] = os.path.abspath(path) + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, os.path.abspath(__file__), "--device", args.device, "--reps", str(args.reps), "--json"]
+    return json.loads(subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
+
+
 def compare(args) -> None:
-    here = os.path.dirname(os.path.abspath(__file__))
-    runs = {"this": [], "against": []}
-    for _ in range(args.rounds):
-        for label, path in (("against", args.against), ("this", None)):
-            env = dict(os.environ)
-            if path is not None:
-                env["PYTHONPATH"] = os.path.abspath(path) + os.pathsep + env.get("PYTHONPATH", "")
-            cmd = [sys.executable, os.path.join(here, "bench_host_ab.py"), "--device", args.device,
-                   "--reps", str(args.reps), "--json"]
-            runs[label].append(json.loads(subprocess.run(cmd, env=env, check=True, capture_output=True,
-                                                         text=True).stdout.splitlines()[-1]))
-    rows = ["| case | against: host ms | this: host ms | this / against | against: wall ms | this: wall ms |",
-            "|---|---:|---:|---:|---:|---:|"]
-    result = {}
+    runs = interleaved({"against": lambda: child(args, args.against), "this": lambda: child(args, None)}, args.rounds)
+    rows, result = [], {}
     for name in CASES:
         fig = {f"{label}_{k}": statistics.median(r[name][k] for r in runs[label])
                for label in runs for k in ("host_ms", "wall_ms")}
         fig["host_ratio"] = fig["this_host_ms"] / fig["against_host_ms"]
         result[name] = fig
-        rows.append(f"| {name} | {fig['against_host_ms']:.3f} | {fig['this_host_ms']:.3f} | {fig['host_ratio']:.2f}x "
-                    f"| {fig['against_wall_ms']:.3f} | {fig['this_wall_ms']:.3f} |")
-    print("\n".join(rows))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"device": args.device, "rounds": args.rounds, "cases": result}, f, indent=1)
+        rows.append([name, f"{fig['against_host_ms']:.3f}", f"{fig['this_host_ms']:.3f}", f"{fig['host_ratio']:.2f}x",
+                     f"{fig['against_wall_ms']:.3f}", f"{fig['this_wall_ms']:.3f}"])
+    print(md_table(["case", "against: host ms", "this: host ms", "this / against", "against: wall ms",
+                    "this: wall ms"], rows))
+    write_json(args.out, device=args.device, rounds=args.rounds, cases=result)
 
 
 def main() -> None:

@@ -1,14 +1,15 @@
 #!/usr/bin/env python
-"""Capacity with optimizer state in host memory: does a GPT of this size
-train on this GPU? One process per attempt (an out-of-memory error leaves
-torch's caches in an unknown state).
+"""Capacity with optimizer state in host memory: does a GPT of this size train on this GPU?
 
-bench_distributed.py's GPT architecture, built directly on the GPU in the
-parameter dtype, batch --batch x --seq tokens, bf16 autocast, --iters
-iterations of forward, backward and FusedAdam.step (--optimizer torchao:
-torchao's CPUOffloadOptimizer with fused CPU AdamW, fp32 states, instead). Prints one JSON line: the
-parameter count, each iteration's loss and seconds, the GPU's peak memory and
-the process's resident host memory; "error" instead when it does not fit.
+Goal: with state on the host a GPU trains a model several times the size that
+fits with fp32 AdamW on the GPU. Judged by whether the model trains, its
+parameter count, and the GPU's peak and host's resident memory.
+
+The GPT of models.py built on the GPU in the parameter dtype, batch --batch x
+--seq tokens, bf16 autocast, --iters iterations of FusedAdam(state_device=
+"cpu") (--optimizer torchao: torchao's CPUOffloadOptimizer with fused CPU
+AdamW). One process per attempt (an out-of-memory error leaves torch's caches
+in an unknown state); prints one JSON line, with "error" when it does not fit.
 
     python benchmarks/bench_host_capacity.py --d-model 6144 --layers 56 --param-dtype bf16 --states 8-bit
 """
@@ -16,27 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_distributed import GPT  # noqa: E402
-
-import shardadam  # noqa: E402
+import shardadam
+from harness import rss_bytes
+from models import build_model, lm_loss
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def host_resident_gib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 2 ** 20
-    return float("nan")
 
 
 def optimizer_options(args) -> dict:
@@ -49,7 +38,7 @@ def optimizer_options(args) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--d-model", type=int, required=True)
     ap.add_argument("--layers", type=int, required=True)
     ap.add_argument("--heads", type=int, default=32)
@@ -66,11 +55,7 @@ def main() -> None:
                   options={k: str(v) for k, v in optimizer_options(args).items()} if args.optimizer == "shardadam"
                   else dict(optimizer_class="torch.optim.AdamW", fused=True))
     try:
-        torch.manual_seed(0)
-        torch.set_default_dtype(DTYPES[args.param_dtype])
-        with torch.device("cuda"):
-            model = GPT(args.d_model, args.layers, args.heads, args.vocab, args.seq)
-        torch.set_default_dtype(torch.float32)
+        model = build_model(args, "cuda", DTYPES[args.param_dtype])
         result["params"] = sum(p.numel() for p in model.parameters())
         if args.optimizer == "torchao":
             from torchao.optim import CPUOffloadOptimizer
@@ -82,18 +67,15 @@ def main() -> None:
         for _ in range(args.iters):
             t0 = time.perf_counter()
             opt.zero_grad()
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                logits = model(tokens[:, :-1])
-            loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+            loss = lm_loss(model, tokens[:, :-1], tokens[:, 1:], cuda=True)
             loss.backward()
             opt.step()
             losses.append(loss.item())
             seconds.append(time.perf_counter() - t0)
-        result.update(losses=losses, seconds=seconds, gpu_peak_gib=torch.cuda.max_memory_allocated() / 2 ** 30,
-                      host_resident_gib=host_resident_gib(), trains=all(map(lambda v: v == v, losses)))
+        result.update(losses=losses, seconds=seconds, trains=all(v == v for v in losses))
     except (torch.OutOfMemoryError, RuntimeError) as e:
-        result.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}",
-                      gpu_peak_gib=torch.cuda.max_memory_allocated() / 2 ** 30, host_resident_gib=host_resident_gib())
+        result["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    result.update(gpu_peak_gib=torch.cuda.max_memory_allocated() / 2 ** 30, host_resident_gib=rss_bytes() / 2 ** 30)
     print(json.dumps(result), flush=True)
 
 

@@ -1,39 +1,20 @@
 #!/usr/bin/env python
-"""FusedAdam with its state in host memory (state_device="cpu") against the
-same optimizer with its state on the GPU, on one GPU, with the iteration's
-floors measured in the same run. --optimizer distributed times
-DistributedFusedAdam instead (one rank per GPU under torchrun, else a
-one-rank NCCL group): its gradient shards go down while backward runs.
---torchao also times torchao's CPUOffloadOptimizer (fused CPU AdamW, one
-optimizer per parameter, gradients copied down by backward hooks) on the
-same model, for the fp32 kind.
+"""An optimizer with its state in host memory against its state on the GPU, with the iteration's floors.
 
-The model is bench_distributed.py's GPT. Per storage kind (fp32 states, or
-8-bit blockwise states), one process:
+Goal (issue): an iteration with state on the host within 1.2x of its largest
+floor. Judged by the iteration over the largest floor (forward and backward;
+the PCIe copies of the gradients down and the parameters up, both at once; the
+CPU step alone) taken within each of --rounds interleaved rounds, as the host's
+speed drifts between minutes, and over the CPU step while both copies run.
 
-- iteration, state on the GPU: forward, backward, FusedAdam.step;
-- iteration, state on the host: the same with state_device="cpu";
-- (distributed) iteration, state on the host stepped during backward:
-  host_step_in_backward=True;
-- compute floor: forward and backward alone;
-- host-step floor: FusedAdam.step on CPU copies of the parameters with the
-  same kind (the CPU engine alone, no transfers);
-- transfer floor: the gradients down plus the parameters up, each one large
-  page-locked copy of their bytes (measured both ways at once too: the link
-  is full duplex, the pipeline overlaps them);
-- host-memory floor: the host-step floor's step while those two copies run
-  (every iteration moves both through host memory beside the step's own
-  bytes), reported beside the three floors.
-
-The host-state iteration (stepped during backward, for the distributed
-optimizer) and the host floors are then timed again in --rounds interleaved
-rounds, and the iteration is compared with its own round's floors: the
-host's speed drifts between minutes. The iteration with host state is
-compared with the largest floor; the share
-of GPU time left idle is 1 - compute / iteration. With --timeline, one
-iteration with host state (the first kind) is recorded: forward and backward,
-each segment's gradient copy, CPU step and parameter copy, in milliseconds
-from the iteration's start (plot_host_timeline.py draws it).
+The GPT of models.py on one GPU, per storage kind (fp32 or 8-bit blockwise
+states): the iteration with state on the GPU, with state_device="cpu", and
+(--optimizer distributed: DistributedFusedAdam on one rank per GPU under
+torchrun, else a one-rank NCCL group) stepped during backward
+(host_step_in_backward=True). --torchao also times torchao's
+CPUOffloadOptimizer for fp32. --timeline records one host-state iteration
+(forward and backward, each copy and CPU step, ms from its start) for
+plot_host_timeline.py. GPU only.
 
     python benchmarks/bench_host_state.py --d-model 2048 --layers 24 --out host.json --timeline tl.json
     python benchmarks/bench_host_state.py --optimizer distributed --kinds fp32 --out host_dist.json
@@ -44,34 +25,24 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_distributed import GPT  # noqa: E402
-
-import shardadam  # noqa: E402
-from shardadam import _fused_buckets, _host_state  # noqa: E402
-from shardadam._rules import AdamRule  # noqa: E402
-from shardadam.distributed import _host_shards  # noqa: E402
+import shardadam
+from harness import write_json
+from models import build_model, lm_loss
+from shardadam import _fused_buckets, _host_state
+from shardadam._rules import AdamRule
+from shardadam.distributed import _host_shards
+from timing import interleaved, median_ms
 
 
 def timed(fn, reps: int, warmup: int) -> float:
     """Median wall milliseconds of fn, synchronised around each call."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return median_ms(fn, "cuda", reps, warmup)
 
 
 def kind_options(kind: str) -> dict:
@@ -116,13 +87,12 @@ def interleaved_rounds(goal_iteration, cpu_step, transfers: Transfers, rounds: i
     copies alone. The host's speed drifts by up to a third between minutes
     and processes (RESULTS.md), so an iteration is compared with the floors of
     its own round rather than with floors taken minutes apart."""
-    out = []
-    for _ in range(rounds):
-        out.append(dict(iteration_ms=timed(goal_iteration, reps, 1),
-                        host_step_ms=timed(cpu_step, reps, 1),
-                        host_step_with_transfers_ms=timed(lambda: (transfers.both(), cpu_step()), reps, 1),
-                        transfers_ms=timed(transfers.both, reps, 1)))
-        print("round", json.dumps({k: round(v, 1) for k, v in out[-1].items()}), flush=True)
+    cases = dict(iteration_ms=goal_iteration, host_step_ms=cpu_step,
+                 host_step_with_transfers_ms=lambda: (transfers.both(), cpu_step()), transfers_ms=transfers.both)
+    timings = interleaved({k: partial(timed, fn, reps=reps, warmup=1) for k, fn in cases.items()}, rounds)
+    out = [{k: v[i] for k, v in timings.items()} for i in range(rounds)]
+    for r in out:
+        print("round", json.dumps({k: round(v, 1) for k, v in r.items()}), flush=True)
     return out
 
 
@@ -204,9 +174,6 @@ def main() -> None:
                     help="rounds of the host-state iteration interleaved with the host floors (each --reps calls)")
     ap.add_argument("--out")
     ap.add_argument("--timeline", help="write one host-state iteration's timeline here (JSON)")
-    ap.add_argument("--segment-elems", default="",
-                    help="also time the host-state iteration of the first kind at these pipeline segment sizes "
-                         "(elements, comma-separated; the default is _host_state.HOST_SEGMENT_ELEMS)")
     args = ap.parse_args()
 
     distributed = args.optimizer == "distributed"
@@ -216,16 +183,13 @@ def main() -> None:
             dist.init_process_group("nccl")
         else:
             dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
-    torch.manual_seed(0)
-    model = GPT(args.d_model, args.layers, args.heads, args.vocab, args.seq).cuda()
+    model = build_model(args, "cpu").cuda()
     params = list(model.parameters())
     numel = sum(p.numel() for p in params)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), device="cuda")
 
     def forward_backward():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = model(tokens[:, :-1])
-        F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        lm_loss(model, tokens[:, :-1], tokens[:, 1:], cuda=True).backward()
 
     def iteration(opt, set_to_none=False):
         def run():
@@ -269,8 +233,7 @@ def main() -> None:
                 timeline = record_timeline(one_iteration, distributed)
                 timeline.update(model=result["model"], kind=kind, gpu=result["gpu"], date=result["date"],
                                 optimizer=type(opt).__name__ + (", host_step_in_backward" if distributed else ""))
-                with open(args.timeline, "w") as f:
-                    json.dump(timeline, f)
+                write_json(args.timeline, indent=None, **timeline)
                 del one_iteration  # it holds opt
             if where != goal_where:
                 del opt
@@ -324,20 +287,8 @@ def main() -> None:
                            over_host_memory_floor_median=statistics.median(by_round_memory))
         result["kinds"][kind] = row
         print(kind, json.dumps(row), flush=True)
-        if args.segment_elems and kind == args.kinds.split(",")[0] and not distributed:
-            default = _host_state.HOST_SEGMENT_ELEMS
-            sweep = {}
-            for elems in map(int, args.segment_elems.split(",")):
-                _host_state.HOST_SEGMENT_ELEMS = elems
-                opt = shardadam.FusedAdam(params, lr=1e-5, **kind_options(kind), state_device="cpu")
-                sweep[elems] = timed(iteration(opt), args.reps, 2)
-                del opt
-                print("segment elements", elems, "iteration ms", round(sweep[elems], 1), flush=True)
-            _host_state.HOST_SEGMENT_ELEMS = default
-            row["host_state_ms_by_segment_elems"] = sweep
-    if args.out and (not distributed or dist.get_rank() == 0):
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    if not distributed or dist.get_rank() == 0:
+        write_json(args.out, **result)
     if distributed:
         dist.destroy_process_group()
 

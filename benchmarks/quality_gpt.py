@@ -1,28 +1,23 @@
 #!/usr/bin/env python
-"""Training quality of DistributedFusedAdam's storage kinds at scale, side by
-side in one run: bench_distributed.py's GPT (default d_model 2048, 24 layers:
-1.4B parameters) learning Python source byte by byte, bf16 autocast, trained
-from the same seed on the same global batches with each kind in turn (fp32
-states, FP8 states, FP8 exp_avg only, 8-bit blockwise states, bf16 parameters
-rounded stochastically without a master), then the final losses (mean of the
-last tenth of the steps) against fp32's and the loss curves overlaid (CSV,
-SVG, JSON).
+"""Training quality of DistributedFusedAdam's storage kinds at scale, side by side in one run.
 
-    torchrun --nproc_per_node 2 benchmarks/quality_gpt.py --out results/quality_gpt
+Goal: each low-bit storage kind ends within 1% of fp32's final loss. Judged by
+"vs fp32": the final loss (mean of the last tenth of the steps) over fp32's.
+
+The GPT of models.py (default 1.4B parameters) learning Python source byte by
+byte, bf16 autocast, trained from the same seed on the same global batches
+with each kind in turn (fp32 states, FP8 states, FP8 exp_avg only, 8-bit
+blockwise states, bf16 parameters rounded stochastically without a master);
+the loss curves overlaid (CSV, SVG, JSON). Each rank trains on its slice of
+every global batch (--batch per rank); the loss shown is the global batch's.
+
     torchrun --nproc_per_node 1 benchmarks/quality_gpt.py --steps 300 --out results/quality_gpt_h200
     torchrun --nproc_per_node 2 benchmarks/quality_gpt.py --tiny --steps 30     # smoke run, CPU (gloo) or GPU
-
-Each rank trains on its slice of every global batch (--batch per rank); the
-loss shown is the global batch's. The bytes of the corpus are the tokens
-(ids below 256 of the model's vocabulary), so the first loss is about
-ln(vocab) and the model has to learn which tokens occur at all.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
-import json
 import pathlib
 import statistics
 import sys
@@ -30,10 +25,10 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import shardadam
-from bench_distributed import add_size_args, build_model, describe, fill_defaults, init_distributed, run_meta
+from harness import describe, fmt, gpt_meta, init_distributed, md_table, write_json
+from models import add_size_args, build_model, count_params, fill_defaults, lm_loss
 from quality_storage import KINDS
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
@@ -60,11 +55,6 @@ def write_plot(path: pathlib.Path, curves: dict[str, list[float]], title: str) -
     write_loss_svg(path, f"{title}; running mean of {SMOOTH} steps, capped at the first loss", shown)
 
 
-def read_curves(path: pathlib.Path) -> dict[str, list[float]]:
-    rows = [line.split(",") for line in path.read_text().splitlines()]
-    return {name: [float(r[i]) for r in rows[1:]] for i, name in enumerate(rows[0]) if i > 0}
-
-
 def train_kind(name: str, args, data: torch.Tensor, dev: torch.device, cuda: bool) -> dict:
     """One kind from the common seed: the global loss of every step, ms per
     step (median) and this rank's peak GPU memory."""
@@ -73,7 +63,6 @@ def train_kind(name: str, args, data: torch.Tensor, dev: torch.device, cuda: boo
     opt = shardadam.DistributedFusedAdam(param_groups(model, 0.1), lr=args.lr, bucket_cap_mb=args.bucket_cap_mb,
                                          overlap_grad_sync=True, overlap_param_sync=True,
                                          contiguous_param_buffer=True, **options)
-    amp = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
     gen = torch.Generator().manual_seed(args.seed + 1)
     if cuda:
         torch.cuda.reset_peak_memory_stats(dev)
@@ -83,9 +72,7 @@ def train_kind(name: str, args, data: torch.Tensor, dev: torch.device, cuda: boo
         for g in opt.param_groups:
             g["lr"] = learning_rate(step, args)
         batch = rank_slice(sample_batch(gen, data, args.batch * dist.get_world_size(), args.seq)).to(dev)
-        with amp:
-            logits = model(batch[:, :-1])
-        loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+        loss = lm_loss(model, batch[:, :-1], batch[:, 1:], cuda)
         loss.backward()
         opt.clip_grad_norm(1.0)
         opt.step()
@@ -102,11 +89,6 @@ def train_kind(name: str, args, data: torch.Tensor, dev: torch.device, cuda: boo
     return dict(losses=losses, ms=statistics.median(times[len(times) // 10:]), peak_gib=peak)
 
 
-def plot_title(meta: dict) -> str:
-    return (f"GPT {meta['params'] / 1e9:.2f}B, {meta['config']['steps']} steps, {meta['world_size']} x "
-            f"{meta['device']}, DistributedFusedAdam")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_size_args(ap)
@@ -119,12 +101,7 @@ def main() -> None:
     ap.add_argument("--kinds", default=",".join(DISTRIBUTED_KINDS),
                     help="comma-separated subset of: " + ", ".join(DISTRIBUTED_KINDS))
     ap.add_argument("--out", type=pathlib.Path, help="rank 0 writes <out>.csv, <out>.svg and <out>.json")
-    ap.add_argument("--replot", action="store_true", help="only redraw <out>.svg from <out>.csv and <out>.json")
     args = ap.parse_args()
-    if args.replot:
-        meta = json.loads(args.out.with_suffix(".json").read_text())["meta"]
-        write_plot(args.out.with_suffix(".svg"), read_curves(args.out.with_suffix(".csv")), plot_title(meta))
-        return
     fill_defaults(args, SIZES, keys=SIZES)
     kinds = args.kinds.split(",")
     unknown = [k for k in kinds if k not in DISTRIBUTED_KINDS]
@@ -135,8 +112,7 @@ def main() -> None:
     args.log_every = max(1, args.steps // 10)
     dev, cuda = init_distributed()
     data = torch.frombuffer(bytearray(corpus(args.chars).encode()), dtype=torch.uint8).long()
-    n_params = sum(p.numel() for p in build_model(args, torch.device("meta")).parameters())
-    meta = run_meta(args, dev, cuda, n_params)
+    meta = gpt_meta(args, dev, count_params(args))
     rank0 = dist.get_rank() == 0
     if rank0:
         print(describe(meta, args), flush=True)
@@ -145,19 +121,17 @@ def main() -> None:
     final = {name: sum(r["losses"][-tail:]) / tail for name, r in runs.items()}
     if rank0:
         print(f"\nfinal loss (mean of the last {tail} steps), {args.steps} steps, {dist.get_world_size()} ranks:")
-        print("| storage | final loss | vs fp32 | ms / step | peak GiB (rank 0) |")
-        print("|---|---:|---:|---:|---:|")
-        for name, loss in final.items():
-            peak = runs[name]["peak_gib"]
-            print(f"| {name} | {loss:.4f} | {loss / final['fp32'] - 1:+.2%} | {runs[name]['ms']:.1f} | "
-                  f"{'-' if peak is None else f'{peak:.1f}'} |")
+        print(md_table(["storage", "final loss", "vs fp32", "ms / step", "peak GiB (rank 0)"], [
+            [name, f"{loss:.4f}", f"{loss / final['fp32'] - 1:+.2%}", f"{runs[name]['ms']:.1f}",
+             fmt(runs[name]["peak_gib"], ".1f")] for name, loss in final.items()]))
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             curves = {name: r["losses"] for name, r in runs.items()}
             write_loss_csv(args.out.with_suffix(".csv"), curves)
-            write_plot(args.out.with_suffix(".svg"), curves, plot_title(meta))
+            write_plot(args.out.with_suffix(".svg"), curves, f"GPT {meta['params'] / 1e9:.2f}B, {args.steps} steps, "
+                       f"{meta['world_size']} x {meta['device']}, DistributedFusedAdam")
             summary = {name: dict(final=final[name], ms=r["ms"], peak_gib=r["peak_gib"]) for name, r in runs.items()}
-            args.out.with_suffix(".json").write_text(json.dumps(dict(meta=meta, kinds=summary), indent=2))
+            write_json(args.out.with_suffix(".json"), indent=2, meta=meta, kinds=summary)
     dist.destroy_process_group()
 
 

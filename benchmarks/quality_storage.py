@@ -1,16 +1,15 @@
 #!/usr/bin/env python
-"""Training quality of FusedAdam's storage kinds, side by side in one run: the
-example GPT (examples/train.py: a small GPT learning Python source, character
-by character) trained from the same seed on the same batches with
+"""Training quality of FusedAdam's storage kinds, side by side in one run.
 
-- fp32 parameters (the reference), with FP8 E4M3 exp_avg and exp_avg_sq,
-  with FP8 exp_avg only, and with 8-bit blockwise exp_avg and exp_avg_sq,
-- bf16 parameters with fp32 masters (master_weights=True),
-- bf16 parameters without a master, rounded stochastically (bf16_stochastic_round),
-- bf16 parameters without a master, rounded to nearest (what stochastic rounding fixes),
+Goal: each low-bit kind ends within 1% of fp32's final loss. Judged by "vs
+fp32": the final loss (mean of the last tenth of the steps) over fp32's.
 
-then the final losses (mean of the last tenth of the steps) against fp32's,
-and the loss curves overlaid (CSV and SVG).
+The example GPT (examples/train.py: a small GPT learning Python source,
+character by character) trained from the same seed on the same batches with
+fp32 parameters (the reference), FP8 E4M3 exp_avg and exp_avg_sq, FP8 exp_avg
+only, 8-bit blockwise states, bf16 parameters with fp32 masters, and bf16
+parameters without a master rounded stochastically or to nearest; the loss
+curves overlaid (CSV and SVG).
 
     python benchmarks/quality_storage.py --kinds "fp32,FP8 states,FP8 exp_avg" --out results/quality_storage_cpu
     python benchmarks/quality_storage.py --device cuda --steps 2000 --out results/quality_storage_h200
@@ -18,13 +17,13 @@ and the loss curves overlaid (CSV and SVG).
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import sys
 
 import torch
 
 import shardadam
+from harness import md_table, run_meta, write_json
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))
@@ -72,17 +71,14 @@ def main() -> None:
     tail = max(1, args.steps // 10)
     final = {name: sum(c[-tail:]) / tail for name, c in curves.items()}
     print(f"\nfinal loss (mean of the last {tail} steps), {args.steps} steps on {args.device}:")
-    print("| storage | final loss | vs fp32 |")
-    print("|---|---:|---:|")
-    for name, loss in final.items():
-        print(f"| {name} | {loss:.4f} | {loss / final['fp32'] - 1:+.2%} |")
+    print(md_table(["storage", "final loss", "vs fp32"],
+                   [[name, f"{loss:.4f}", f"{loss / final['fp32'] - 1:+.2%}"] for name, loss in final.items()]))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         write_loss_csv(args.out.with_suffix(".csv"), curves)
         write_loss_svg(args.out.with_suffix(".svg"), f"example GPT, {args.steps} steps, FusedAdam storage kinds",
                        curves)
-        meta = dict(device=args.device, steps=args.steps, torch=torch.__version__, shardadam=shardadam.__version__)
-        args.out.with_suffix(".json").write_text(json.dumps(dict(meta=meta, final=final), indent=2))
+        write_json(args.out.with_suffix(".json"), indent=2, meta=run_meta(args.device, steps=args.steps), final=final)
 
 
 if __name__ == "__main__":

@@ -1,61 +1,30 @@
 #!/usr/bin/env python
 """Soak run: DistributedFusedAdam trains for many steps while each rank's memory is sampled.
 
-A leak shows as memory that keeps rising with the step count. Every
-`--sample-every` steps each rank records its current host RSS (from
-/proc/self/statm, not the peak), the bytes glibc's malloc has in use, the
-number of Python objects the garbage collector tracks, and on CUDA
-torch.cuda.memory_allocated / memory_reserved.
-Every `--checkpoint-every` steps the optimizer does a state_dict() +
-load_state_dict() round trip, so the checkpoint path is soaked too.
+Goal: no leak. Judged per rank by the growth of host RSS (and GPU allocated and
+reserved memory) after a 10% warm-up, end to end and along a least-squares line,
+against its limit: the run exits 1 if any exceeds it.
 
-The optimizer runs as in training: several small buckets, overlap_grad_sync
-and overlap_param_sync, contiguous_param_buffer, an LR scheduler,
-clip_grad_norm every step and zero_grad(set_to_none=True).
+The optimizer runs as in training (small buckets, both overlaps,
+contiguous_param_buffer, a scheduler, clipping, a fresh batch every step, a
+state_dict() round trip every --checkpoint-every steps); every --sample-every
+steps each rank records RSS, malloc's bytes in use, tracked Python objects and
+GPU memory. CPU: gloo and a small MLP; CUDA: NCCL and a small GPT, the copy
+engines required with --copy-engines. plot_soak.py draws the JSON.
 
     torchrun --standalone --nproc_per_node 2 benchmarks/soak.py --steps 5000 --out benchmarks/results/soak_gloo.json
-    torchrun --standalone --nproc_per_node 2 benchmarks/soak.py --steps 200             # smoke run
     NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc_per_node 2 benchmarks/soak.py --device cuda --copy-engines \\
         --steps 1000 --out benchmarks/results/soak_2xh200.json
-
-CPU (default): gloo, a small MLP of four Linear layers. CUDA: NCCL with one GPU
-per rank, the small GPT of bench_distributed.py under bf16 autocast; the
-copy-engine paths are used wherever they can be (grad/param_sync_copy_engine
-None), or required with --copy-engines (the run then fails if they cannot be).
-
-Flatness, per rank: the first 10% of samples are warm-up (allocator pools,
-the bucket-order rebuild at the first step, lazily built plans); from the
-first sample after them to the last, the growth and a least-squares slope
-in bytes per step. The run exits 1 if on any rank the RSS grows, end to end
-or along the fitted line, by more than max(--rss-tolerance-pct of its level,
---rss-tolerance-mib), or GPU allocated memory by more than
---gpu-tolerance-mib, or GPU reserved memory by more than the RSS limit
-(computed on its own level). The JSON holds every sample; an SVG plot of
-memory against step is written next to it.
-
-What moves host memory without leaking (gloo run, benchmarks/RESULTS.md):
-RSS rises by ~12 MiB over the first ~200 steps; glibc's heap then grows in
-steps of 0.25-1 MiB now and then, and RSS creeps by tens of bytes per step
-while malloc'd bytes stay flat (pages of the heap touched for the first
-time). torch's c10d flight recorder keeps the last TORCH_FR_BUFFER_SIZE
-(default 2000) collectives, about 1 KiB each: ~2 MiB in use until it is
-full, after 2000 / (collectives per step) steps: about 220 on the CPU run
-(4 reduce-scatters, 4 all-gathers, clipping's all-reduce); on the copy
-engines most transfers are no c10d collectives, so it fills more slowly.
 """
 from __future__ import annotations
 
 import argparse
-import ctypes
-import datetime
 import gc
 import json
-import os
 import pathlib
-import platform
-import shlex
 import sys
 import time
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -63,11 +32,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import shardadam
-from bench_distributed import GPT  # the benchmarks' GPT (this script's directory is on sys.path)
+from harness import init_distributed, malloc_in_use, md_table, rss_bytes, run_meta, write_json
+from models import build_model, lm_loss
 from plot_soak import write_svg
 
 MIB = 2**20
-PAGE = os.sysconf("SC_PAGE_SIZE")
 WARMUP_FRACTION = 0.1
 
 # The CPU model: 9,668 parameters; 0.01 MiB buckets (2,621 fp32 elements)
@@ -75,7 +44,7 @@ WARMUP_FRACTION = 0.1
 # reduce-scatters and all-gathers overlap backward and forward every step.
 MLP = dict(d_in=16, width=64, d_out=4, batch=32, bucket_cap_mb=0.01)
 # The GPU model: 21.1M parameters (d_model 512, 4 layers; 80.6 MiB in fp32), 8 MiB buckets: about 11.
-SMALL_GPT = dict(d=512, layers=4, heads=8, vocab=8192, seq=256, batch=8, bucket_cap_mb=8)
+SMALL_GPT = dict(d_model=512, layers=4, heads=8, vocab=8192, seq=256, batch=8, bucket_cap_mb=8)
 
 
 # ------------------------------------------------------------------ model and data
@@ -88,10 +57,7 @@ def build_mlp() -> nn.Module:
 
 
 def build_gpt(dev: torch.device) -> nn.Module:
-    torch.manual_seed(0)
-    g = SMALL_GPT
-    with dev:
-        return GPT(g["d"], g["layers"], g["heads"], g["vocab"], g["seq"])
+    return build_model(SimpleNamespace(**SMALL_GPT), dev)
 
 
 def mlp_batches(dev: torch.device):
@@ -114,49 +80,10 @@ def gpt_batches(dev: torch.device):
 
 
 def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cuda: bool) -> torch.Tensor:
-    if not cuda:
-        return F.mse_loss(model(x), y)
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        logits = model(x)
-    return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+    return lm_loss(model, x, y, cuda) if cuda else F.mse_loss(model(x), y)
 
 
 # ------------------------------------------------------------------ sampling
-
-def rss_bytes() -> int:
-    """Current resident set size: field 2 of /proc/self/statm, in pages
-    (resource.getrusage's ru_maxrss is the peak, which can never fall)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * PAGE
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
-
-
-def _glibc_mallinfo2():
-    try:
-        fn = ctypes.CDLL(None).mallinfo2  # glibc >= 2.33
-    except (AttributeError, OSError):
-        return None
-    fn.restype = _MallInfo2
-    return fn
-
-
-MALLINFO2 = _glibc_mallinfo2()
-
-
-def malloc_in_use() -> int | None:
-    """Bytes that malloc has handed out and not had back, over all arenas and
-    mmapped chunks (torch's CPU tensors included). RSS also moves when the
-    allocator first touches pages of heap it already holds; this does not,
-    so it tells a leak from allocator layout. None where malloc is not glibc's."""
-    if MALLINFO2 is None:
-        return None
-    info = MALLINFO2()
-    return info.uordblks + info.hblkhd
-
 
 def sample(step: int, t0: float, loss: float | None, cuda: bool) -> dict:
     """One rank's memory at the end of an iteration (after zero_grad)."""
@@ -256,16 +183,13 @@ def judge(samples: list[dict], args) -> dict:
 # ------------------------------------------------------------------ report
 
 def table(verdicts: list[dict], key: str, title: str) -> str:
-    lines = [f"{title}:",
-             "| rank | base step | base MiB | last MiB | min..max MiB | growth MiB | slope B/step | fitted growth MiB "
-             "| limit MiB | flat |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for rank, v in enumerate(verdicts):
-        r = v[key]
-        lines.append(f"| {rank} | {r['base_step']} | {r['base'] / MIB:.2f} | {r['last'] / MIB:.2f} | "
-                     f"{r['min'] / MIB:.2f}..{r['max'] / MIB:.2f} | {r['growth'] / MIB:+.3f} | {r['slope']:+.1f} | "
-                     f"{r['fitted_growth'] / MIB:+.3f} | {r['limit'] / MIB:.2f} | {'yes' if r['ok'] else 'NO'} |")
-    return "\n".join(lines)
+    return f"{title}:\n" + md_table(
+        ["rank", "base step", "base MiB", "last MiB", "min..max MiB", "growth MiB", "slope B/step", "fitted growth MiB",
+         "limit MiB", "flat"],
+        [[rank, r["base_step"], f"{r['base'] / MIB:.2f}", f"{r['last'] / MIB:.2f}",
+          f"{r['min'] / MIB:.2f}..{r['max'] / MIB:.2f}", f"{r['growth'] / MIB:+.3f}", f"{r['slope']:+.1f}",
+          f"{r['fitted_growth'] / MIB:+.3f}", f"{r['limit'] / MIB:.2f}", "yes" if r["ok"] else "NO"]
+         for rank, r in enumerate(v[key] for v in verdicts)], "r" * 9 + "l")
 
 
 def report(verdicts: list[dict], everyone: list[list[dict]]) -> str:
@@ -323,31 +247,17 @@ def parse_args():
     return args
 
 
-def init_distributed(device: str) -> torch.device:
-    if device == "cuda":
-        dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(dev)
-        dist.init_process_group("nccl", device_id=dev)
-        return dev
-    torch.set_num_threads(1)  # the ranks share the machine's cores
-    dist.init_process_group("gloo")
-    return torch.device("cpu")
-
-
-def run_meta(args, dev: torch.device, info: dict) -> dict:
+def soak_meta(args, dev: torch.device, info: dict) -> dict:
     cuda = dev.type == "cuda"
-    return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                argv=shlex.join(sys.argv),  # under torchrun: the script and its arguments
-                torch=torch.__version__, shardadam=shardadam.__version__, python=platform.python_version(),
-                device=torch.cuda.get_device_name(dev) if cuda else platform.processor() or "cpu",
-                cpus=os.cpu_count(), backend=dist.get_backend(), world_size=dist.get_world_size(),
-                model="small GPT " + json.dumps(SMALL_GPT) if cuda else "MLP " + json.dumps(MLP), **info,
-                warmup_fraction=WARMUP_FRACTION, config={k: v for k, v in vars(args).items() if k != "out"})
+    return run_meta(dev, model="small GPT " + json.dumps(SMALL_GPT) if cuda else "MLP " + json.dumps(MLP), **info,
+                    warmup_fraction=WARMUP_FRACTION, config={k: v for k, v in vars(args).items() if k != "out"})
 
 
 def main() -> None:
     args = parse_args()
-    dev = init_distributed(args.device)
+    if args.device == "cpu":
+        torch.set_num_threads(1)  # the ranks share the machine's cores
+    dev, _ = init_distributed(args.device)
     rank = dist.get_rank()
     samples, info = soak(args, dev)
     gc.collect()  # the optimizer's reference cycles, if any, go before the process group does
@@ -356,7 +266,7 @@ def main() -> None:
     verdicts = [judge(s, args) for s in everyone]  # the same on every rank: all exit alike
     ok = all(v["ok"] for v in verdicts)
     if rank == 0:
-        meta = run_meta(args, dev, info)
+        meta = soak_meta(args, dev, info)
         print(f"{meta['device']} x {meta['world_size']} ({meta['backend']}), torch {meta['torch']}: {meta['model']}, "
               f"{info['params']:,} parameters, {info['buckets']} buckets, grad_sync on {info['grad_sync']}, "
               f"param_sync on {info['param_sync']}; {args.steps} steps, a sample every {args.sample_every}, "
@@ -366,7 +276,7 @@ def main() -> None:
               f"{WARMUP_FRACTION:.0%} of samples")
         if args.out:
             data = dict(meta=meta, passed=ok, verdicts=verdicts, samples=everyone)
-            pathlib.Path(args.out).write_text(json.dumps(data, indent=1))
+            write_json(args.out, **data)
             svg = pathlib.Path(args.out).with_suffix(".svg")
             write_svg(data, svg)
             print(f"wrote {args.out} and {svg}")

@@ -1,45 +1,93 @@
-"""Timing helpers shared by the benchmarks: CUDA events on the GPU, the host
-clock on the CPU (where calls return when done)."""
+"""Timing shared by the benchmarks: CUDA events on the GPU, the host clock on
+the CPU (where a call returns when its work is done), and interleaved rounds.
+
+`dev` is anything that names a device: "cuda" / "cpu", a torch.device, or a
+bool that says whether it is CUDA."""
 from __future__ import annotations
 
 import gc
 import statistics
 import time
+from itertools import pairwise
 
 import torch
 
-def sync(dev: str) -> None:
-    if dev == "cuda":
+
+def is_cuda(dev) -> bool:
+    return dev if isinstance(dev, bool) else torch.device(dev).type == "cuda"
+
+
+def sync(dev) -> None:
+    if is_cuda(dev):
         torch.cuda.synchronize()
 
 
-def time_steps(fn, dev: str, reps: int, warmup: int) -> list[float]:
-    """Milliseconds of each of `reps` calls after `warmup` calls: CUDA events on
-    the GPU, the host clock on the CPU (where the call returns when done)."""
+def free(dev) -> None:
+    gc.collect()  # FSDP2 and DDP leave reference cycles: collect before measuring memory
+    if is_cuda(dev):
+        torch.cuda.empty_cache()
+
+
+class Stopwatch:
+    """Marks within one call: CUDA events on the GPU (read after the loop, so
+    timing adds no host sync between calls), the host clock on the CPU."""
+
+    def __init__(self, dev):
+        self.cuda, self.marks = is_cuda(dev), []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def laps_ms(self) -> list[float]:
+        if self.cuda:
+            return [a.elapsed_time(b) for a, b in pairwise(self.marks)]
+        return [(b - a) * 1e3 for a, b in pairwise(self.marks)]
+
+
+def time_steps(fn, dev, reps: int, warmup: int) -> list[float]:
+    """Milliseconds of each of `reps` back-to-back calls after `warmup` calls."""
     for _ in range(warmup):
         fn()
     sync(dev)
+    watches = []
+    for _ in range(reps):
+        watch = Stopwatch(dev)
+        watch.mark()
+        fn()
+        watch.mark()
+        watches.append(watch)
+    sync(dev)
+    return [w.laps_ms()[0] for w in watches]
+
+
+def median_ms(fn, dev, reps: int, warmup: int = 0, sync_after: bool = True) -> float:
+    """Median milliseconds of one call from an idle device: synchronised
+    before each call and, with sync_after, inside the clock after it (host plus
+    device time); without, the time for the call to return (its host cost)."""
+    for _ in range(warmup):
+        fn()
     times = []
     for _ in range(reps):
-        if dev == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            times.append((start, end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+        sync(dev)
+        t0 = time.perf_counter()
+        fn()
+        if sync_after:
+            sync(dev)
+        times.append((time.perf_counter() - t0) * 1e3)
     sync(dev)
-    return [s.elapsed_time(e) for s, e in times] if dev == "cuda" else times
+    return statistics.median(times)
 
 
-def time_wall_and_host(fn, dev: str, reps: int, warmup: int, setup=None) -> tuple[float, float]:
-    """(wall ms per step over `reps` back-to-back steps with a sync around them,
-    median ms for the Python call to return, from an idle device, no sync).
-    `setup`, if given, runs before every call and is not counted: its own
-    back-to-back time is subtracted from the wall figure."""
+def time_wall_and_host(fn, dev, reps: int, warmup: int, setup=None) -> tuple[float, float]:
+    """(wall ms per call over `reps` back-to-back calls with a sync around them,
+    median ms for the call to return from an idle device). `setup`, if given,
+    runs before every call untimed: its own back-to-back time is subtracted
+    from the wall figure."""
     def run(n, with_fn=True):
         for _ in range(n):
             if setup is not None:
@@ -47,17 +95,15 @@ def time_wall_and_host(fn, dev: str, reps: int, warmup: int, setup=None) -> tupl
             if with_fn:
                 fn()
 
-    run(warmup)
-    sync(dev)
-    t0 = time.perf_counter()
-    run(reps)
-    sync(dev)
-    wall = (time.perf_counter() - t0) * 1e3 / reps
-    if setup is not None:
-        t0 = time.perf_counter()
-        run(reps, with_fn=False)
+    def wall_ms(with_fn=True) -> float:
         sync(dev)
-        wall -= (time.perf_counter() - t0) * 1e3 / reps
+        t0 = time.perf_counter()
+        run(reps, with_fn)
+        sync(dev)
+        return (time.perf_counter() - t0) * 1e3 / reps
+
+    run(warmup)
+    wall = wall_ms() - (wall_ms(with_fn=False) if setup is not None else 0.0)
     host = []
     for _ in range(reps):
         if setup is not None:
@@ -70,7 +116,12 @@ def time_wall_and_host(fn, dev: str, reps: int, warmup: int, setup=None) -> tupl
     return wall, statistics.median(host)
 
 
-def free(dev: str) -> None:
-    gc.collect()
-    if dev == "cuda":
-        torch.cuda.empty_cache()
+def interleaved(cases: dict, rounds: int) -> dict[str, list]:
+    """Each case's result per round, the cases called in turn (A B C A B C):
+    drift of a shared machine hits every case alike and shows as a spread
+    between rounds rather than as a difference between cases."""
+    out = {name: [] for name in cases}
+    for _ in range(rounds):
+        for name, fn in cases.items():
+            out[name].append(fn())
+    return out
