@@ -4,16 +4,75 @@ module's parameters before its forward (a module forward-pre hook). They
 hold the optimizer weakly: no reference cycle through the model's
 parameters, so an optimizer that goes out of scope is freed at once, before
 the process group is destroyed (gloo can abort at exit otherwise), and takes
-its hooks with it."""
+its hooks with it.
+
+[Note: hooks on the modules that own the parameters] overlap_param_sync
+makes each module's forward wait for the all-gathers of its parameters.
+The optimizer is not given the model (apex's constructor), and it used to
+reach every module through a global forward-pre hook, which fires for every
+module of every model in the process and makes torch.compile(module) warn
+("Using `torch.compile(module)` when there are global hooks on modules").
+A parameter does not know its modules, so a parameter-registration hook
+(not a forward hook: torch.compile does not mind it), installed when
+shardadam is imported, remembers weakly which modules each parameter was
+registered in, and the optimizer hooks the forward of those that still hold
+one of its parameters (a parameter shared by two modules: both). Where an
+owner is unknown (a model built before shardadam was imported, parameters
+put into a module's ``_parameters`` directly, or no module at all), the
+global hook serves as before.
+"""
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ._iteration import Params
 
-__all__ = ["Hooks", "grad_ready", "wait_for_own_params"]
+__all__ = ["Hooks", "grad_ready", "owning_modules", "register_forward_waits", "wait_for_own_params"]
+
+# parameter -> weakref.WeakSet of the modules it was registered in; keyed by
+# identity (tensors compare by value), neither side kept alive.
+_OWNERS = WeakIdKeyDictionary()
+
+
+def _remember_owner(module: torch.nn.Module, name: str, param) -> None:
+    """Module parameter-registration hook: `module` holds `param` from now on."""
+    if param is not None:
+        owners = _OWNERS.get(param)
+        if owners is None:
+            owners = _OWNERS[param] = weakref.WeakSet()
+        owners.add(module)
+
+
+# One for the process, never removed: ([Note: hooks on the modules that own the parameters]).
+torch.nn.modules.module.register_module_parameter_registration_hook(_remember_owner)
+
+
+def owning_modules(params: list) -> list | None:
+    """The modules that hold these parameters now, each once; None when the
+    owner of one of them is unknown."""
+    found = {}
+    for p in params:
+        owners = [m for m in _OWNERS.get(p, ()) if any(q is p for q in m.parameters(recurse=False))]
+        if not owners:
+            return None
+        found.update((id(m), m) for m in owners)
+    return list(found.values())
+
+
+class _Handles:
+    """Several hook handles removed as one."""
+
+    def __init__(self, handles: list):
+        self.handles = handles
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
 
 
 def grad_ready(optimizer: weakref.ref, k: int, param: torch.Tensor) -> None:
@@ -50,9 +109,20 @@ def wait_for_own_params(optimizer: weakref.ref, module: torch.nn.Module, args) -
         opt._make_current(list(module.parameters(recurse=isinstance(module, _READS_CHILD_PARAMS))))
 
 
+def register_forward_waits(optimizer: weakref.ref, params: list):
+    """wait_for_own_params before the forward of each module that owns one of
+    `params`, or of every module where an owner is unknown ([Note: hooks on
+    the modules that own the parameters]); returns what removes them."""
+    hook = functools.partial(wait_for_own_params, optimizer)
+    modules = owning_modules(params)
+    if modules is None:
+        return torch.nn.modules.module.register_module_forward_pre_hook(hook)
+    return _Handles([module.register_forward_pre_hook(hook) for module in modules])
+
+
 class Hooks:
     """The optimizer's hook handles: on the parameters (post-accumulate-grad)
-    and on every module's forward; and its first-use guard, whose armed
+    and on the forward of the modules that own them; and its first-use guard, whose armed
     parameters get their classes back when the optimizer goes.
 
     [Note: hooks die with their optimizer] They are removed by a
