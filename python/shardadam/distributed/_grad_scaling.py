@@ -16,6 +16,7 @@ import torch.distributed as dist
 from .. import kernels
 from . import _amp
 from ._iteration import Grads
+from ._peer_timeout import naming_phase
 
 __all__ = ["GradScaling"]
 
@@ -96,6 +97,7 @@ class GradScaling:
         dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.dist_group)
         return found
 
+    @naming_phase("unscale_grads()")
     def unscale_grads(self, *args, inv_scale=None, grad_scaler=None) -> dict:
         """apex's deferred unscale: divide this iteration's gradients by the
         loss scale inside the next step (gradients are not rewritten):
@@ -133,6 +135,7 @@ class GradScaling:
         return {self.device: found_inf}
 
     @torch.no_grad()
+    @naming_phase("grad_norm()")
     def grad_norm(self, parameters=None, norm_type: float = 2.0, *, grad_scaler=None) -> torch.Tensor:
         """The L2 norm of the synchronised (averaged, if average_grad_sync)
         gradient of every parameter, or of `parameters`, as a 0-d tensor;
@@ -143,6 +146,7 @@ class GradScaling:
         self._meet_scaler(grad_scaler)
         return self._unscaled(self._scaled_grad_norm(parameters, norm_type))
 
+    @naming_phase("clip_grad_norm()")
     def clip_grad_norm(self, max_norm: float, parameters=None, norm_type: float = 2.0, *,
                        grad_scaler=None) -> torch.Tensor:
         """Scale the gradients so their global L2 norm is at most max_norm (as

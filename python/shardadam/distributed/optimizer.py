@@ -60,6 +60,7 @@ from ._host_step import HostStep
 from ._iteration import BackwardOrderProbe, Grads, Iteration, Params
 from ._layout_build import LayoutBuild
 from ._options import check_storage_options, check_sync_dtypes, state_dtypes
+from ._peer_timeout import naming_phase
 from ._state_io import StateIO
 
 __all__ = ["ShardedOptimizer"]
@@ -243,6 +244,7 @@ class ShardedOptimizer(LayoutBuild, StateIO, GradScaling, HostStep, ApexMethods,
     # ------------------------------------------------------------ step
 
     @torch.no_grad()
+    @naming_phase("step()")  # [Note: a peer that never comes] in _peer_timeout.py, as on the calls below
     def step(self, closure=None, **kwargs):
         """One step of the rule over this rank's shard, then the parameter all-gather.
 
@@ -316,6 +318,7 @@ class ShardedOptimizer(LayoutBuild, StateIO, GradScaling, HostStep, ApexMethods,
         self._refuse_moved_hyperparameters(moved)
         return loss
 
+    @naming_phase("backward() (overlap_grad_sync reduces the gradients as they come)")
     def _hand_over(self, k: int, param: torch.Tensor) -> None:
         """Backward handed parameter k's gradient over (grad_ready in
         _hooks.py, outside no_sync() once the backward order is known): into
@@ -349,6 +352,7 @@ class ShardedOptimizer(LayoutBuild, StateIO, GradScaling, HostStep, ApexMethods,
             self._host.settle()
         self.iteration.end(consumed=stepped and self.grads_in_buffer)
 
+    @naming_phase("zero_grad()")
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears gradients; with contiguous_grad_buffer the buffer is zeroed
         and parameters keep their views of it whatever set_to_none says."""
@@ -375,6 +379,7 @@ class ShardedOptimizer(LayoutBuild, StateIO, GradScaling, HostStep, ApexMethods,
         finally:
             self.iteration.no_sync = before
 
+    @naming_phase("param_sync()")
     def param_sync(self) -> None:
         """Bring every parameter up to date: finish the all-gathers that
         overlap_param_sync left running (call this before reading parameters
@@ -407,6 +412,7 @@ class ShardedOptimizer(LayoutBuild, StateIO, GradScaling, HostStep, ApexMethods,
         if self._first_use is not None:
             self._first_use.disarm_all()
 
+    @naming_phase("forward (overlap_param_sync waits for the parameters a module or a first use needs)")
     def _make_current(self, params: list) -> None:
         """Wait for the all-gathers of these parameters (a module's forward,
         or their first use: [Note: first-use guard]); started here when a
@@ -421,6 +427,7 @@ class ShardedOptimizer(LayoutBuild, StateIO, GradScaling, HostStep, ApexMethods,
                 self._land_param_sync()
         self._first_use.disarm(params)
 
+    @naming_phase("grad_sync()")
     def grad_sync(self) -> None:
         """Finish this iteration's gradient synchronisation: reduce-scatter
         every bucket that backward has not started, and wait for all."""
