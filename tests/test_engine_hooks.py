@@ -92,3 +92,17 @@ def test_a_module_that_reads_its_childrens_parameters_waits_for_them(one_rank):
     opt._make_current = lambda params: (opt.waited.append({tuple(p.shape) for p in params}), make_current(params))
     mha(x, x, x)
     assert opt.waited[0] == {(24, 8), (24,), (8, 8), (8,)}  # its own and out_proj's, before its forward
+
+
+def test_remembering_owners_leaves_parameters_swappable():
+    """The registry holds the modules weakly, never the parameters:
+    swap_tensors refuses a tensor that has a weak reference."""
+    model = nn.Linear(4, 2)
+    ids = [id(p) for p in model.parameters()]
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.to(torch.float64)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(False)
+    assert [id(p) for p in model.parameters()] == ids and model.weight.dtype == torch.float64
+    assert [id(m) for m in owning_modules(list(model.parameters()))] == [id(model)]

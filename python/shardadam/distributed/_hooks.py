@@ -14,9 +14,9 @@ module of every model in the process and makes torch.compile(module) warn
 ("Using `torch.compile(module)` when there are global hooks on modules").
 A parameter does not know its modules, so a parameter-registration hook
 (not a forward hook: torch.compile does not mind it), installed when
-shardadam is imported, remembers weakly which modules each parameter was
-registered in, and the optimizer hooks the forward of those that still hold
-one of its parameters (a parameter shared by two modules: both). Where an
+shardadam is imported, remembers weakly every module a parameter was
+registered in, and the optimizer hooks the forward of those that hold one
+of its parameters (a parameter shared by two modules: both). Where an
 owner is unknown (a model built before shardadam was imported, parameters
 put into a module's ``_parameters`` directly, or no module at all), the
 global hook serves as before.
@@ -27,24 +27,22 @@ import functools
 import weakref
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from ._iteration import Params
 
 __all__ = ["Hooks", "grad_ready", "owning_modules", "register_forward_waits", "wait_for_own_params"]
 
-# parameter -> weakref.WeakSet of the modules it was registered in; keyed by
-# identity (tensors compare by value), neither side kept alive.
-_OWNERS = WeakIdKeyDictionary()
+# Every live module a parameter was registered in, held weakly. Modules,
+# not parameters: a parameter with a weak reference cannot be swapped
+# (torch.utils.swap_tensors, which module.to(...) uses under
+# torch.__future__.set_swap_module_params_on_conversion(True)).
+_MODULES: weakref.WeakSet = weakref.WeakSet()
 
 
 def _remember_owner(module: torch.nn.Module, name: str, param) -> None:
-    """Module parameter-registration hook: `module` holds `param` from now on."""
+    """Module parameter-registration hook: `module` holds a parameter from now on."""
     if param is not None:
-        owners = _OWNERS.get(param)
-        if owners is None:
-            owners = _OWNERS[param] = weakref.WeakSet()
-        owners.add(module)
+        _MODULES.add(module)
 
 
 # One for the process, never removed: ([Note: hooks on the modules that own the parameters]).
@@ -52,15 +50,16 @@ torch.nn.modules.module.register_module_parameter_registration_hook(_remember_ow
 
 
 def owning_modules(params: list) -> list | None:
-    """The modules that hold these parameters now, each once; None when the
-    owner of one of them is unknown."""
-    found = {}
-    for p in params:
-        owners = [m for m in _OWNERS.get(p, ()) if any(q is p for q in m.parameters(recurse=False))]
-        if not owners:
-            return None
-        found.update((id(m), m) for m in owners)
-    return list(found.values())
+    """The modules that hold these parameters now (a parameter shared by
+    several: each of them); None when the owner of one of them is unknown."""
+    wanted = {id(p) for p in params}  # the caller holds them: their ids are theirs
+    found, covered = [], set()
+    for module in list(_MODULES):
+        held = {id(q) for q in module.parameters(recurse=False)} & wanted
+        if held:
+            found.append(module)
+            covered |= held
+    return found if covered == wanted else None
 
 
 class _Handles:
