@@ -12,7 +12,7 @@ import torch.nn as nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import shardadam
-from shardadam.distributed import optimizer as optimizer_module
+from shardadam.distributed import _layout_build as optimizer_module
 
 
 class ReverseRegistered(nn.Module):

@@ -18,7 +18,7 @@ A backward after the gradients were reduced (grad_sync(), grad_norm() or
 clip_grad_norm()) and before step() would start a reduction that the step
 no longer waits for: the reduced -> reducing move is refused. "consumed":
 the contiguous gradient buffer holds this rank's reduced shard ([Note:
-reduced shards in the gradient buffer] in optimizer.py) until zero_grad();
+reduced shards in the gradient buffer] in _layout_build.py) until zero_grad();
 a gradient that autograd added into it before then is refused by the
 engine (it would add last step's sums), one that replaced it is taken. "deferred" is
 the capturable variant: the all-gathers after a captured step are started by

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from ._flat import FlatGrads, memory_flat
 from ._grad_buckets import GradBufferRows, PackedGradBuckets, gaps
+from ._peer_timeout import naming_collective
 
 # torch 2.13 renamed the flat-tensor collectives; older releases have only the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -29,14 +30,18 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 class InFlight(NamedTuple):
     """A transfer started: its work, what it reads or writes (kept alive
-    until it is done) and what to run once it is."""
+    until it is done), what to run once it is, and what it is (the
+    transport and bucket, named when the wait times out: [Note: a peer that
+    never comes] in _peer_timeout.py)."""
 
     work: Any
     holds: Any = None
     then: Callable[[], None] | None = None
+    what: str = "collective"
 
     def complete(self) -> None:
-        self.work.wait()
+        with naming_collective(self.what):
+            self.work.wait()
         if self.then is not None:
             self.then()
 
@@ -107,7 +112,7 @@ class BucketReduceScatter(ReduceScatter):
 
     def reduce(self, b: int, out: torch.Tensor, absent: list) -> InFlight:
         bucket = self.buckets.take(b, absent)
-        return InFlight(self._reduce(out, bucket, b), bucket)
+        return InFlight(self._reduce(out, bucket, b), bucket, what=f"{self.name} of bucket {b}")
 
     @abc.abstractmethod
     def _reduce(self, out: torch.Tensor, bucket: torch.Tensor, b: int):
@@ -195,7 +200,8 @@ class CopyEngineReduceScatterFromGradients(ReduceScatter):
         sources = self._take(b)
         sends = [(r, at, sources[k].data_ptr() + offset, size) for k, r, at, offset, size in self.peer_sends[b]]
         own = [(start, sources[k][begin:end]) for k, start, begin, end in self.own_parts[b]]
-        return InFlight(self.peer.reduce_scatter_parts(out, sends, own, self.own_gaps[b], bucket_index=b), sources)
+        return InFlight(self.peer.reduce_scatter_parts(out, sends, own, self.own_gaps[b], bucket_index=b), sources,
+                        what=f"{self.name} of bucket {b}")
 
     def close(self) -> None:
         self.peer.close()
@@ -240,7 +246,8 @@ class CollectiveAllGather(AllGather):
         full = self.buffer[b] if self.buffer is not None else torch.empty(
             self.bucket_size, dtype=shard.dtype, device=shard.device)
         work = _all_gather(full, shard, group=self.group, async_op=True)
-        return InFlight(work, full, functools.partial(self._copy_out, b, full) if self.temporary_buckets else None)
+        return InFlight(work, full, functools.partial(self._copy_out, b, full) if self.temporary_buckets else None,
+                        f"{self.name} of bucket {b}")
 
     def _copy_out(self, b: int, full: torch.Tensor) -> None:
         for f in self.fragments_by_bucket[b]:
@@ -261,7 +268,7 @@ class CopyEngineAllGather(AllGather):
         self.peer.begin()
 
     def gather(self, b: int) -> InFlight:
-        return InFlight(self.peer.bucket(b))
+        return InFlight(self.peer.bucket(b), what=f"{self.name} of bucket {b}")
 
     def close(self) -> None:
         self.peer.close()
