@@ -4,16 +4,74 @@ module's parameters before its forward (a module forward-pre hook). They
 hold the optimizer weakly: no reference cycle through the model's
 parameters, so an optimizer that goes out of scope is freed at once, before
 the process group is destroyed (gloo can abort at exit otherwise), and takes
-its hooks with it."""
+its hooks with it.
+
+[Note: hooks on the modules that own the parameters] overlap_param_sync
+makes each module's forward wait for the all-gathers of its parameters.
+The optimizer is not given the model (apex's constructor), and it used to
+reach every module through a global forward-pre hook, which fires for every
+module of every model in the process and makes torch.compile(module) warn
+("Using `torch.compile(module)` when there are global hooks on modules").
+A parameter does not know its modules, so a parameter-registration hook
+(not a forward hook: torch.compile does not mind it), installed when
+shardadam is imported, remembers weakly every module a parameter was
+registered in, and the optimizer hooks the forward of those that hold one
+of its parameters (a parameter shared by two modules: both). Where an
+owner is unknown (a model built before shardadam was imported, parameters
+put into a module's ``_parameters`` directly, or no module at all), the
+global hook serves as before.
+"""
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
 
 from ._iteration import Params
 
-__all__ = ["Hooks", "grad_ready", "wait_for_own_params"]
+__all__ = ["Hooks", "grad_ready", "owning_modules", "register_forward_waits", "wait_for_own_params"]
+
+# Every live module a parameter was registered in, held weakly. Modules,
+# not parameters: a parameter with a weak reference cannot be swapped
+# (torch.utils.swap_tensors, which module.to(...) uses under
+# torch.__future__.set_swap_module_params_on_conversion(True)).
+_MODULES: weakref.WeakSet = weakref.WeakSet()
+
+
+def _remember_owner(module: torch.nn.Module, name: str, param) -> None:
+    """Module parameter-registration hook: `module` holds a parameter from now on."""
+    if param is not None:
+        _MODULES.add(module)
+
+
+# One for the process, never removed: ([Note: hooks on the modules that own the parameters]).
+torch.nn.modules.module.register_module_parameter_registration_hook(_remember_owner)
+
+
+def owning_modules(params: list) -> list | None:
+    """The modules that hold these parameters now (a parameter shared by
+    several: each of them); None when the owner of one of them is unknown."""
+    wanted = {id(p) for p in params}  # the caller holds them: their ids are theirs
+    found, covered = [], set()
+    for module in list(_MODULES):
+        held = {id(q) for q in module.parameters(recurse=False)} & wanted
+        if held:
+            found.append(module)
+            covered |= held
+    return found if covered == wanted else None
+
+
+class _Handles:
+    """Several hook handles removed as one."""
+
+    def __init__(self, handles: list):
+        self.handles = handles
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
 
 
 def grad_ready(optimizer: weakref.ref, k: int, param: torch.Tensor) -> None:
@@ -50,9 +108,20 @@ def wait_for_own_params(optimizer: weakref.ref, module: torch.nn.Module, args) -
         opt._make_current(list(module.parameters(recurse=isinstance(module, _READS_CHILD_PARAMS))))
 
 
+def register_forward_waits(optimizer: weakref.ref, params: list):
+    """wait_for_own_params before the forward of each module that owns one of
+    `params`, or of every module where an owner is unknown ([Note: hooks on
+    the modules that own the parameters]); returns what removes them."""
+    hook = functools.partial(wait_for_own_params, optimizer)
+    modules = owning_modules(params)
+    if modules is None:
+        return torch.nn.modules.module.register_module_forward_pre_hook(hook)
+    return _Handles([module.register_forward_pre_hook(hook) for module in modules])
+
+
 class Hooks:
     """The optimizer's hook handles: on the parameters (post-accumulate-grad)
-    and on every module's forward; and its first-use guard, whose armed
+    and on the forward of the modules that own them; and its first-use guard, whose armed
     parameters get their classes back when the optimizer goes.
 
     [Note: hooks die with their optimizer] They are removed by a

@@ -55,7 +55,7 @@ from ._guard_hand_over import HandOverGuard
 from ._guard_storage import StorageGuard
 from ._guard_superseded import SupersededGuard
 from ._guard_trainable import TrainableSetGuard
-from ._hooks import Hooks, grad_ready, wait_for_own_params
+from ._hooks import Hooks, grad_ready, register_forward_waits
 from ._host_step import HostStep
 from ._iteration import BackwardOrderProbe, Grads, Iteration, Params
 from ._layout_build import LayoutBuild
@@ -203,10 +203,10 @@ class ShardedOptimizer(LayoutBuild, StateIO, GradScaling, HostStep, ApexMethods,
         self._probe = BackwardOrderProbe(active=overlap_grad_sync)
         params, groups_of = self._build(grad_sync_dtype, param_sync_dtype, device)
         self._build_layout(params[::-1], groups_of[::-1])
-        # On every module's forward (as apex): the optimizer is not given the
-        # model, and each module waits only for the buckets of its own parameters.
-        self._hooks.forward = torch.nn.modules.module.register_module_forward_pre_hook(
-            functools.partial(wait_for_own_params, weakref.ref(self))) if overlap_param_sync else None
+        # On the forward of the modules that own the parameters ([Note: hooks on
+        # the modules that own the parameters] in _hooks.py): each module waits
+        # only for the buckets of its own parameters.
+        self._hooks.forward = register_forward_waits(weakref.ref(self), self.params) if overlap_param_sync else None
 
     # ------------------------------------------------------------ guards
 
