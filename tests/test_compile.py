@@ -6,7 +6,7 @@ backward). CPU, one gloo rank in this process.
 On the CPU the backend is aot_eager (dynamo and AOT autograd, where the hooks
 meet the compiler), and inductor for DistributedFusedAdam, whose forward-pre
 hook inductor once failed inside ([Note: hooks outside compiled graphs] in
-distributed/optimizer.py; its C++ build takes about half a minute on a 2-core
+distributed/_hooks.py; its C++ build takes about half a minute on a 2-core
 machine). The CUDA test runs inductor."""
 from __future__ import annotations
 
