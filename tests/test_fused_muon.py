@@ -111,6 +111,26 @@ def test_3d_parameter_is_a_batch_of_matrices(device):
     assert max(errors) < MOVE_TOL, errors
 
 
+def test_changing_gradient_sets_and_moved_parameters_follow_torch(device):
+    """The step's plans are reused while nothing changes and rebuilt when a
+    parameter has no gradient (it is left alone, as torch leaves it) or was
+    moved to new memory (p.data = ...)."""
+    params = _params(device)
+    grads = gradients(params, steps=5)
+    grads[1][0] = grads[2][3] = None
+    kw = dict(lr=0.02)
+    ps = [p.clone().requires_grad_(True) for p in params]
+    opt = FusedMuon(ps, **kw)
+    for i, step_grads in enumerate(grads):
+        if i == 3:
+            ps[2].data = ps[2].data.clone()
+        for p, g in zip(ps, step_grads):
+            p.grad = None if g is None else g.to(device)
+        opt.step()
+    ref = run(lambda qs: torch.optim.Muon(qs, **kw), params, grads)
+    assert max(_movement_errors(params, ps, ref)) < MOVE_TOL
+
+
 def _mixed_params(device):
     return _params(device, [(32, 64), (64, 16), (64,), (16, 8, 8)]) + [torch.randn(10, 4).to(device)]
 
