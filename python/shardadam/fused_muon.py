@@ -10,7 +10,7 @@ from . import kernels
 from ._groups import run_closure
 from ._muon_adamw import (AdamWLayout, Entry as AdamWEntry, layout_key as adamw_key, merge_equal_counters,
                           new_step_counter, split_shared_counters)
-from ._muon_groups import (check_group, check_muon_hyper, check_params, fill_adamw_group, uses_muon)
+from ._muon_groups import check_group, check_muon_hyper, check_params, fill_adamw_group, uses_muon
 from ._muon_layout import Entry as MuonEntry, MuonLayout, layout_key as muon_key
 
 __all__ = ["FusedMuon"]
@@ -118,10 +118,9 @@ class FusedMuon(torch.optim.Optimizer):
         self._init_state(stepping)
         muon, adamw = self._entries(stepping)
         muon_layouts = {dev: self._layout(("muon", dev), muon_key(es, self.param_groups, self.ns_dtype),
-                                          lambda es=es, key=None: MuonLayout(es, self.param_groups, self.ns_dtype,
-                                                                             key))
+                                          lambda key, es=es: MuonLayout(es, self.param_groups, self.ns_dtype, key))
                         for dev, es in muon.items()}
-        adamw_layouts = {dev: self._layout(("adamw", dev), adamw_key(es), lambda es=es, key=None: AdamWLayout(es, key))
+        adamw_layouts = {dev: self._layout(("adamw", dev), adamw_key(es), lambda key, es=es: AdamWLayout(es, key))
                          for dev, es in adamw.items()}
         grads = {id(p): g for _, p, g in stepping}
         for layout in adamw_layouts.values():
@@ -193,7 +192,7 @@ class FusedMuon(torch.optim.Optimizer):
         """The cached layout of a slot, rebuilt when its key changed."""
         cached = self._layouts.get(slot)
         if cached is None or cached.key != key:
-            cached = self._layouts[slot] = build(key=key)
+            cached = self._layouts[slot] = build(key)
         return cached
 
     # ------------------------------------------------------------ checkpoints
