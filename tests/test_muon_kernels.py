@@ -61,7 +61,10 @@ def test_update_pass_matches_torch_mul_and_add(device, param_dtype):
         p.mul_(1 - lr * wd)
         p.add_(u, alpha=-lr * r)
     kernels.muon_update(params, updates, lr=lrs, weight_decay=wds, lr_ratio=ratios, group_sizes=[1, 1, 1])
-    tol = dict(rtol=2e-7, atol=1e-7) if param_dtype == torch.float32 else dict(rtol=8e-3, atol=1e-5)
+    # fp32: torch's roundings exactly (p * decay, then a fused multiply-add).
+    # bf16: torch rounds to bf16 after the decay too; the kernel once, at the
+    # end: up to one bf16 step of p * decay apart (|p| < 8 here).
+    tol = dict(rtol=0, atol=0) if param_dtype == torch.float32 else dict(rtol=8e-3, atol=3.2e-2)
     for p, e in zip(params, expected):
         torch.testing.assert_close(p, e, **tol)
 
