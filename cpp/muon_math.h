@@ -22,9 +22,12 @@
 namespace shardadam {
 
 // torch's lerp (aten's lerp kernels): start + w * (end - start) for |w| < 0.5,
-// end - (end - start) * (1 - w) otherwise, so that w = 1 gives end exactly.
+// end + (w - 1) * (end - start) otherwise, so that w = 1 gives end exactly;
+// each a fused multiply-add, as torch's vectorised CPU kernel and its CUDA
+// kernel (contracted by nvcc) compute it.
 SHARDADAM_HD float torch_lerp(float start, float end, float w) {
-  return fabsf(w) < 0.5f ? start + w * (end - start) : end - (end - start) * (1.0f - w);
+  const float diff = end - start;
+  return fabsf(w) < 0.5f ? fmaf(w, diff, start) : fmaf(w - 1.0f, diff, end);
 }
 
 struct MuonMomentumCoeffs {
