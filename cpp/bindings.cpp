@@ -12,6 +12,7 @@
 #include "cuda_api.h"
 #include "kernels_cpu.h"
 #include "lion_math.h"
+#include "muon_math.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -108,6 +109,8 @@ NB_MODULE(_core, m) {
       .def_rw("adam_w_mode", &AdamGroup::adam_w_mode)
       .def_rw("bias_correction", &AdamGroup::bias_correction)
       .def_rw("maximize", &AdamGroup::maximize)
+      .def_rw("nesterov", &AdamGroup::nesterov)
+      .def_rw("lr_ratio", &AdamGroup::lr_ratio)
       .def_rw("lr", &AdamGroup::lr)
       .def_rw("step", &AdamGroup::step);
 
@@ -156,6 +159,8 @@ NB_MODULE(_core, m) {
 
   def_update<AdamRule>(m, "check_adam_table", cpu_adam, cuda_adam);
   def_update<LionRule>(m, "check_lion_table", cpu_lion, cuda_lion);
+  def_update<MuonMomentumRule>(m, "check_muon_momentum_table", cpu_muon_momentum, cuda_muon_momentum);
+  def_update<MuonUpdateRule>(m, "check_muon_update_table", cpu_muon_update, cuda_muon_update);
 
   m.def(
       "scale",

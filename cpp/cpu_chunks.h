@@ -23,6 +23,12 @@ namespace shardadam {
 
 void run_chunks(const TableView& tv, int64_t b, int64_t e, const AdamOp& op);
 void run_chunks(const TableView& tv, int64_t b, int64_t e, const UpdateOp<LionRule>& op);
+// Muon's rules are declared only: their math (muon_math.h) is compiled where
+// it is used, so a change to it rebuilds neither Adam's nor Lion's loops.
+struct MuonMomentumRule;
+struct MuonUpdateRule;
+void run_chunks(const TableView& tv, int64_t b, int64_t e, const UpdateOp<MuonMomentumRule>& op);
+void run_chunks(const TableView& tv, int64_t b, int64_t e, const UpdateOp<MuonUpdateRule>& op);
 void run_chunks(const TableView& tv, int64_t b, int64_t e, const ScaleOp& op);
 void run_chunks(const TableView& tv, int64_t b, int64_t e, const SplitRemaindersOp& op);
 void run_chunks(const TableView& tv, int64_t b, int64_t e, const JoinRemaindersOp& op);

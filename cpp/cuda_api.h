@@ -20,6 +20,10 @@ void cuda_adam(const TensorTable& t, const CudaTarget& where, const std::vector<
                const AdamExtras& x);
 void cuda_lion(const TensorTable& t, const CudaTarget& where, const std::vector<AdamGroup>& groups,
                const AdamExtras& x);
+void cuda_muon_momentum(const TensorTable& t, const CudaTarget& where, const std::vector<AdamGroup>& groups,
+                        const AdamExtras& x);
+void cuda_muon_update(const TensorTable& t, const CudaTarget& where, const std::vector<AdamGroup>& groups,
+                      const AdamExtras& x);
 void cuda_scale(const TensorTable& t, const CudaTarget& where, ScalarSrc scale, uint64_t found_inf,
                 uint64_t skip_if);
 void cuda_split_remainders(const TensorTable& t, const CudaTarget& where);

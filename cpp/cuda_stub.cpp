@@ -21,6 +21,12 @@ void cuda_adam(const TensorTable&, const CudaTarget&, const std::vector<AdamGrou
 void cuda_lion(const TensorTable&, const CudaTarget&, const std::vector<AdamGroup>&, const AdamExtras&) {
   no_cuda();
 }
+void cuda_muon_momentum(const TensorTable&, const CudaTarget&, const std::vector<AdamGroup>&, const AdamExtras&) {
+  no_cuda();
+}
+void cuda_muon_update(const TensorTable&, const CudaTarget&, const std::vector<AdamGroup>&, const AdamExtras&) {
+  no_cuda();
+}
 void cuda_scale(const TensorTable&, const CudaTarget&, ScalarSrc, uint64_t, uint64_t) { no_cuda(); }
 void cuda_split_remainders(const TensorTable&, const CudaTarget&) { no_cuda(); }
 void cuda_join_remainders(const TensorTable&, const CudaTarget&) { no_cuda(); }

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "cpu_chunks.h"
+#include "muon_math.h"
 
 namespace shardadam {
 namespace {
@@ -59,6 +60,16 @@ void cpu_adam(const TensorTable& t, const std::vector<AdamGroup>& groups, const 
 void cpu_lion(const TensorTable& t, const std::vector<AdamGroup>& groups, const AdamExtras& x,
               int threads) {
   run_update<LionRule>(CpuEngine{t.host_view(), threads}, t, groups, x);
+}
+
+void cpu_muon_momentum(const TensorTable& t, const std::vector<AdamGroup>& groups, const AdamExtras& x,
+                       int threads) {
+  run_update<MuonMomentumRule>(CpuEngine{t.host_view(), threads}, t, groups, x);
+}
+
+void cpu_muon_update(const TensorTable& t, const std::vector<AdamGroup>& groups, const AdamExtras& x,
+                     int threads) {
+  run_update<MuonUpdateRule>(CpuEngine{t.host_view(), threads}, t, groups, x);
 }
 
 void cpu_scale(const TensorTable& t, ScalarSrc scale, uint64_t found_inf, uint64_t skip_if,

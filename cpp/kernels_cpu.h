@@ -9,6 +9,10 @@ void cpu_adam(const TensorTable& t, const std::vector<AdamGroup>& groups, const 
               int threads);
 void cpu_lion(const TensorTable& t, const std::vector<AdamGroup>& groups, const AdamExtras& x,
               int threads);
+void cpu_muon_momentum(const TensorTable& t, const std::vector<AdamGroup>& groups, const AdamExtras& x,
+                       int threads);
+void cpu_muon_update(const TensorTable& t, const std::vector<AdamGroup>& groups, const AdamExtras& x,
+                     int threads);
 void cpu_scale(const TensorTable& t, ScalarSrc scale, uint64_t found_inf, uint64_t skip_if,
                int threads);
 void cpu_split_remainders(const TensorTable& t, int threads);

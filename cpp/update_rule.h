@@ -55,6 +55,8 @@ struct AdamGroup {
   bool adam_w_mode = true;      // decoupled decay (AdamW) instead of L2
   bool bias_correction = true;
   bool maximize = false;
+  bool nesterov = false;   // Muon's momentum pass: the update looks ahead (muon_math.h)
+  double lr_ratio = 1.0;   // Muon's update pass: the step is lr * lr_ratio (the shape's adjustment)
   ScalarSrc lr;
   ScalarSrc step;  // the step number of the update being applied (1 for the first)
 };

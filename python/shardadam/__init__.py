@@ -12,6 +12,7 @@ from ._state_dict import torch_adam_state_dict
 from ._storage import BLOCKWISE8
 from .fused_adam import FusedAdam
 from .fused_lion import FusedLion
+from .fused_muon import FusedMuon
 
 __version__ = _core.build_info()["version"]
 
@@ -22,5 +23,5 @@ def build_info() -> dict:
     return _core.build_info()
 
 
-__all__ = ["BLOCKWISE8", "DistributedFusedAdam", "DistributedFusedLion", "FusedAdam", "FusedLion", "build_info", "checkpoint",
+__all__ = ["BLOCKWISE8", "DistributedFusedAdam", "DistributedFusedLion", "FusedAdam", "FusedLion", "FusedMuon", "build_info", "checkpoint",
            "kernels", "torch_adam_state_dict", "__version__"]

@@ -14,6 +14,11 @@ Chen et al. 2023, as lion-pytorch's ``Lion``) share one kernel: the same
 lists (bf16 params with int16 remainders, a params_out copy, per-tensor
 scaled fp16/bf16 states), per-group hyperparameters and found_inf skip.
 
+Muon's element-wise passes (``MuonMomentumPlan`` / ``muon_momentum``: the
+momentum buffers and the Newton-Schulz input; ``MuonUpdatePlan`` /
+``muon_update``: decoupled decay and the orthogonalized step) are two rules
+of the same kernel; FusedMuon runs Newton-Schulz between them.
+
 Checkpoint conversions: ``split_remainders`` and ``join_remainders`` turn fp32
 masters into bf16 params + int16 remainders and back, bit for bit as the
 update stores them; ``pow2_scale_for`` is the scale the kernels choose for
@@ -41,7 +46,7 @@ from ._torch import as_list, bump_flag, bump_versions, flag_ptr, per_tensor_ptr,
 from ._validate import (check_beta, check_finite, check_host_number, check_nonnegative, check_positive,
                         check_update_step)
 
-__all__ = ["AdamPlan", "LionPlan", "ScalePlan", "NormPlan", "Norms", "adam", "lion", "scale", "copy",
+__all__ = ["AdamPlan", "LionPlan", "MuonMomentumPlan", "MuonUpdatePlan", "ScalePlan", "NormPlan", "Norms", "adam", "lion", "muon_momentum", "muon_update", "scale", "copy",
            "l2_norm", "split_remainders", "join_remainders", "pow2_scale_for", "blockwise_quantize",
            "blockwise_dequantize", "q8_map"]
 
@@ -155,6 +160,40 @@ class LionPlan(_UpdatePlan):
         scales = dict(master_scales=master_scales, exp_avg_scales=exp_avg_scales)
         super().__init__("lion", _core.check_lion_table, ("grads", "exp_avgs"), lists, scales, group_sizes, device,
                          check_addresses)
+
+
+class MuonMomentumPlan(_UpdatePlan):
+    """The tensors of Muon's momentum pass (see muon_momentum).
+
+    updates: fp32/fp16/bf16, written: the Newton-Schulz input of each matrix
+    (bf16 as torch.optim.Muon orthogonalizes). grads: any float dtype.
+    momentum_buffers: fp32/fp16/bf16, updated in place. group_sizes, device,
+    check_addresses: as for AdamPlan. Every launch bumps the version counters
+    of updates and momentum_buffers.
+    """
+
+    def __init__(self, updates, grads, momentum_buffers, *, group_sizes: Sequence[int] | None = None, device=None,
+                 check_addresses: bool = True):
+        lists = dict(params=updates, grads=grads, exp_avgs=momentum_buffers)
+        super().__init__("muon_momentum", _core.check_muon_momentum_table, ("grads", "exp_avgs"), lists, {},
+                         group_sizes, device, check_addresses)
+
+
+class MuonUpdatePlan(_UpdatePlan):
+    """The tensors of Muon's update pass (see muon_update).
+
+    params: fp32/fp16/bf16, updated in place. updates: the orthogonalized
+    update of each parameter (any float dtype, read). params_out,
+    param_remainders, master_scales, group_sizes, device, check_addresses: as
+    for AdamPlan. Every launch bumps the version counters of params,
+    params_out, param_remainders and master_scales.
+    """
+
+    def __init__(self, params, updates, *, params_out=None, param_remainders=None, master_scales=None,
+                 group_sizes: Sequence[int] | None = None, device=None, check_addresses: bool = True):
+        lists = dict(params=params, grads=updates, params_out=params_out, param_remainders=param_remainders)
+        super().__init__("muon_update", _core.check_muon_update_table, ("grads",), lists,
+                         dict(master_scales=master_scales), group_sizes, device, check_addresses)
 
 
 class ScalePlan(TensorPlan):
@@ -300,12 +339,64 @@ def lion(params, grads=None, exp_avgs=None, *, lr, beta1=0.9, beta2=0.99, weight
             beta2=beta2, weight_decay=weight_decay, lr=lr, step=step, maximize=maximize)
 
 
+def muon_momentum(updates, grads=None, momentum_buffers=None, *, momentum=0.95, nesterov=True, grad_scale=1.0,
+                  found_inf=None, unscale_grads=False, **plan_lists) -> None:
+    """Muon's momentum pass over all tensors, as torch.optim.Muon computes it:
+
+        g = grad * grad_scale
+        momentum_buffer = lerp(momentum_buffer, g, 1 - momentum)
+        update = lerp(g, momentum_buffer, momentum) if nesterov else momentum_buffer
+
+    in float32 (lerp as torch's), 1 - momentum computed in double and rounded
+    once; ``update`` is stored in the updates' dtype (the Newton-Schulz input).
+    updates is a MuonMomentumPlan or the updates list (then grads,
+    momentum_buffers and any MuonMomentumPlan keyword are lists too).
+    grad_scale: a number or a one-element tensor read by the kernel;
+    unscale_grads, found_inf: as for adam. momentum, nesterov may be
+    sequences with one value per group of the plan.
+
+    Numbers are checked before anything is launched: momentum a number in
+    [0, 1), grad_scale finite and > 0.
+    """
+    plan = _plan(MuonMomentumPlan, updates, grads is not None or bool(plan_lists), grads, momentum_buffers,
+                 **plan_lists)
+    for name, value in _per_group("momentum", momentum, plan.table.num_groups):  # named as the caller names it
+        check_beta(plan.kind, name, value)
+    # The momentum travels as beta1; lr is not read by this pass.
+    _update(plan, _core.muon_momentum, grad_scale, found_inf, unscale_grads, None, beta1=momentum,
+            nesterov=nesterov, lr=0.0)
+
+
+def muon_update(params, updates=None, *, lr, weight_decay=0.0, lr_ratio=1.0, found_inf=None,
+                **plan_lists) -> None:
+    """Muon's update pass over all tensors, as torch.optim.Muon applies it:
+
+        param *= 1 - lr * weight_decay
+        param -= lr * lr_ratio * update
+
+    in float32, with both factors computed in double and rounded once, and
+    the two steps rounded apart (torch's mul_ and add_). lr_ratio is the
+    shape's learning-rate adjustment (FusedMuon's adjust_lr_fn). params is a
+    MuonUpdatePlan or the params list (then updates and any MuonUpdatePlan
+    keyword are lists too). lr: a number or a one-element tensor read by the
+    kernel (CUDA-graph capturable). When found_inf (float32 [1]) is nonzero
+    nothing is written. lr, weight_decay, lr_ratio may be sequences with one
+    value per group of the plan.
+
+    Numbers are checked before anything is launched: lr, weight_decay and
+    lr_ratio finite and >= 0.
+    """
+    plan = _plan(MuonUpdatePlan, params, updates is not None or bool(plan_lists), updates, **plan_lists)
+    _update(plan, _core.muon_update, 1.0, found_inf, False, None, lr=lr, weight_decay=weight_decay,
+            lr_ratio=lr_ratio)
+
+
 # AdamGroup fields (cpp/update_rule.h) by kind: read by the kernel from a number
 # or a one-element tensor; booleans; host numbers in [0, 1); host numbers >= 0.
 _SCALAR_FIELDS = ("lr", "step")
-_FLAG_FIELDS = ("adam_w_mode", "bias_correction", "maximize")
+_FLAG_FIELDS = ("adam_w_mode", "bias_correction", "maximize", "nesterov")
 _BETA_FIELDS = ("beta1", "beta2")
-_NONNEGATIVE_FIELDS = ("eps", "weight_decay")
+_NONNEGATIVE_FIELDS = ("eps", "weight_decay", "lr_ratio")
 
 
 def _update(plan: _UpdatePlan, kernel, grad_scale, found_inf, unscale_grads: bool, rounding_seed,
