@@ -223,3 +223,11 @@ def test_bench_hf_llama_tiny(tmp_path):
 def test_plots_redraw_the_recorded_results(tmp_path, script, result):
     run(script, str(BENCH / "results" / result), "--out", str(tmp_path / "plot.svg"))
     assert xml.dom.minidom.parse(str(tmp_path / "plot.svg")).documentElement.tagName == "svg"
+
+
+def test_bench_muon_counts_newton_schulz_flops():
+    """Per iteration of an m x n matrix (m <= n, either orientation): X X^T 2 m^2 n, A A 2 m^3, B X 2 m^2 n."""
+    import bench_muon
+    from collections import Counter
+    assert bench_muon.ns_flops(Counter({(2, 4): 1})) == bench_muon.NS_STEPS * (2 * 4 * 4 + 2 * 8 + 2 * 4 * 4)
+    assert bench_muon.ns_flops(Counter({(4, 2): 3})) == 3 * bench_muon.ns_flops(Counter({(2, 4): 1}))

@@ -1,0 +1,136 @@
+#!/usr/bin/env python
+"""Goal: FusedMuon's step on GPT-1.4B shapes at least 1.3x faster than
+torch.optim.Muon + torch.optim.AdamW(fused=True), and its Newton-Schulz at
+least half the GPU's bf16 matmul rate (judged: the step-time ratio, and the
+Newton-Schulz TFLOP/s over the measured bf16 matmul TFLOP/s).
+
+The matrices (per layer: QKV 3d x d, out d x d, FFN up 4d x d and down d x 4d)
+go to Muon, the embedding, head, biases and norms to AdamW (use_muon=False
+groups in FusedMuon). Gradients are random and fixed; each optimizer's step
+is timed by CUDA events (median after warm-up), optionally replayed from a
+CUDA graph. Newton-Schulz alone is timed on the same stacked shapes (one
+batched chain per shape, as FusedMuon runs it), and a large bf16 matmul gives
+the GPU's rate in the same run. FLOPs per iteration of an m x n matrix
+(m <= n): 4 m^2 n + 2 m^3 (X X^T, A A, B X); the symmetric Gram products are
+counted whole.
+
+    python benchmarks/bench_muon.py --out results/bench_muon_h200.json
+    python benchmarks/bench_muon.py --layers 2 --steps 3      # smoke run (CUDA)
+"""
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+
+import torch
+
+from harness import md_table, run_meta, write_json
+from shardadam import FusedMuon
+from shardadam._newton_schulz import newton_schulz_
+from timing import median_ms
+
+D_MODEL, FFN, VOCAB = 2048, 8192, 50304
+NS_COEFFICIENTS, NS_STEPS = (3.4445, -4.775, 2.0315), 5
+
+
+def gpt_params(layers: int, dtype: torch.dtype) -> tuple[list, list]:
+    """(Muon's matrices, AdamW's other parameters) of a GPT-1.4B-shaped model, random."""
+    def p(*shape):
+        return torch.nn.Parameter(torch.randn(*shape, device="cuda", dtype=dtype) * 0.02)
+
+    matrices, others = [], [p(VOCAB, D_MODEL), p(VOCAB, D_MODEL)]
+    for _ in range(layers):
+        matrices += [p(3 * D_MODEL, D_MODEL), p(D_MODEL, D_MODEL), p(FFN, D_MODEL), p(D_MODEL, FFN)]
+        others += [p(3 * D_MODEL), p(D_MODEL), p(FFN), p(D_MODEL)] + [p(D_MODEL) for _ in range(4)]
+    for q in matrices + others:
+        q.grad = torch.randn_like(q) * 1e-3
+    return matrices, others
+
+
+def ns_flops(shapes: Counter) -> float:
+    total = 0.0
+    for (rows, cols), count in shapes.items():
+        m, n = min(rows, cols), max(rows, cols)
+        total += count * NS_STEPS * (4 * m * m * n + 2 * m ** 3)
+    return total
+
+
+def step_ms(build, layers: int, dtype, steps: int, graph: bool) -> float:
+    torch.cuda.empty_cache()
+    matrices, others = gpt_params(layers, dtype)
+    opts = build(matrices, others)
+
+    def step():
+        for o in opts:
+            o.step()
+
+    step()  # the state is allocated
+    run = step
+    if graph:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured):
+            step()
+        run = captured.replay
+    return median_ms(run, torch.device("cuda"), steps, warmup=3)
+
+
+def newton_schulz_ms(shapes: Counter, steps: int) -> float:
+    stacks = [torch.randn(count, rows, cols, device="cuda", dtype=torch.bfloat16)
+              for (rows, cols), count in shapes.items()]
+
+    def run():
+        for x in stacks:
+            newton_schulz_(x, NS_COEFFICIENTS, NS_STEPS, 1e-7)
+
+    return median_ms(run, torch.device("cuda"), steps, warmup=3)
+
+
+def matmul_tflops(steps: int) -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    return 2 * 8192 ** 3 / median_ms(lambda: a @ b, torch.device("cuda"), steps, warmup=3) / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="the parameters' dtype")
+    ap.add_argument("--steps", type=int, default=20, help="timed steps per case")
+    ap.add_argument("--out", help="write the figures as JSON here")
+    args = ap.parse_args()
+    dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
+    adamw = dict(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.0)
+
+    def fused(capturable):
+        return lambda m, o: [FusedMuon([dict(params=m), dict(params=o, use_muon=False, **adamw)], lr=0.02,
+                                       capturable=capturable)]
+
+    def reference(capturable):
+        return lambda m, o: [torch.optim.Muon(m, lr=0.02),
+                             torch.optim.AdamW(o, fused=True, capturable=capturable, **adamw)]
+
+    times = {"torch.optim.Muon + AdamW(fused=True)": step_ms(reference(False), args.layers, dtype, args.steps, False),
+             "FusedMuon": step_ms(fused(False), args.layers, dtype, args.steps, False),
+             "FusedMuon, CUDA graph": step_ms(fused(True), args.layers, dtype, args.steps, True)}
+    shapes = Counter({(3 * D_MODEL, D_MODEL): args.layers, (D_MODEL, D_MODEL): args.layers,
+                      (FFN, D_MODEL): args.layers, (D_MODEL, FFN): args.layers})
+    ns_ms, peak = newton_schulz_ms(shapes, args.steps), matmul_tflops(args.steps)
+    ns_tflops = ns_flops(shapes) / ns_ms / 1e9
+    ref = times["torch.optim.Muon + AdamW(fused=True)"]
+    rows = [[name, f"{ms:.2f}", f"{ref / ms:.2f}x"] for name, ms in times.items()]
+    print(md_table(["step", "ms", "speed-up over torch"], rows))
+    print(f"Newton-Schulz alone: {ns_ms:.2f} ms, {ns_tflops:.0f} TFLOP/s = {ns_tflops / peak:.2f} of the "
+          f"bf16 matmul's {peak:.0f} TFLOP/s; the rest of FusedMuon's step: "
+          f"{times['FusedMuon'] - ns_ms:.2f} ms ({(times['FusedMuon'] - ns_ms) / ns_ms:.0%} on top)")
+    if args.out:
+        write_json(args.out, meta=run_meta(torch.device("cuda"), config=vars(args)), step_ms=times,
+                   newton_schulz_ms=ns_ms, newton_schulz_tflops=ns_tflops, bf16_matmul_tflops=peak)
+
+
+if __name__ == "__main__":
+    main()
