@@ -15,6 +15,8 @@ import xml.dom.minidom
 import pytest
 import torch
 
+import shardadam
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 SCRIPTS = sorted(p.stem for p in BENCH.glob("*.py"))
@@ -35,7 +37,10 @@ def free_port() -> int:
 def run(script: str, *args: str, ranks: int = 0, cwd=None) -> str:
     """The script's stdout; ranks=1 runs it as a one-rank torchrun process would
     (the environment, without the launcher), ranks > 1 under torchrun."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "python"), str(BENCH)]), OMP_NUM_THREADS="1")
+    # The shardadam this test imported (installed, or the source tree with its built core), not ROOT/python:
+    # a clean checkout's source tree has no compiled core.
+    package_dir = str(pathlib.Path(shardadam.__file__).resolve().parent.parent)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([package_dir, str(BENCH)]), OMP_NUM_THREADS="1")
     cmd = [sys.executable, str(BENCH / f"{script}.py"), *args]
     if ranks == 1:
         env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
