@@ -52,6 +52,7 @@ CASES = {
     "FusedAdam fp32, fp16 scaled states": (torch.float32, fused(exp_avg_dtype=torch.float16,
                                                                 exp_avg_sq_dtype=torch.float16), FP32),
     "FusedAdam fp32, FP8 exp_avg": (torch.float32, fused(exp_avg_dtype=torch.uint8), FP32),
+    "FusedAdam fp32, FP8 states": (torch.float32, fused(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8), FP32),
     "FusedAdam fp32, 8-bit states": (torch.float32, fused(exp_avg_dtype=B8, exp_avg_sq_dtype=B8), FP32),
     "FusedAdam fp32, host state": (torch.float32, fused(state_device="cpu"), FP32),
     BF16: (torch.bfloat16, torch_adamw, None),

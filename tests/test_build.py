@@ -20,7 +20,8 @@ PKG_DIR = Path(shardadam.__file__).parent
 def test_build_info_fields_and_types():
     info = shardadam.build_info()
     assert set(info) >= {"cuda", "cuda_architectures", "cuda_runtime_version", "cuda_device_count",
-                         "version", "max_groups_per_launch"}
+                         "version", "max_groups_per_launch", "tensor_scan"}
+    assert info["tensor_scan"] is True  # built with torch, for this torch: tests/test_tensor_scan.py
     assert isinstance(info["cuda"], bool)
     assert isinstance(info["cuda_architectures"], str)
     assert isinstance(info["cuda_runtime_version"], int)

@@ -22,11 +22,10 @@ import operator
 
 import torch
 
-from . import kernels
+from . import _addresses, kernels
 from ._dtensor import PLAIN
 from ._storage import PARAM, REMAINDER, SEPARATE, StorageSpec, block_views, blocks_of
 from ._torch import check_tensor
-from ._tracked import DATA_PTR, DTYPE, NBYTES
 
 # Offsets of every parameter's state are multiples of this many elements, so
 # each view starts 64-byte aligned and the kernels can use vector access.
@@ -136,16 +135,17 @@ class Bucket:
                 self.views[i]["master_param"].copy_(p.detach())
         # [Note: tracked storage] What the plan's table holds of the
         # parameters, checked every step (moved_params).
-        self.param_ptrs = list(map(DATA_PTR, params))
+        self.param_ptrs = _addresses.addresses(params)
         self.param_shapes = [p.shape for p in params]
         self.grad_fit = GradFit(params, names)
         self.flat_grads = None
         self._flat_views: list | None = None  # set by use_flat_grads
         self._plan = None
-        # What the plan's gradient column holds: addresses and dtypes.
-        self._grad_ptrs: list | None = None
+        # What the plan's gradient column holds: addresses (and the memory
+        # records of the gradients it last read) and dtypes.
+        self._grad_ptrs = None
+        self._grad_records = None
         self._grad_dtypes: list | None = None
-        self._grad_nbytes: list | None = None
 
     def _views_of(self, i: int) -> dict:
         """state[p] for parameter i: views into the flat buffers, scales as 0-d views."""
@@ -196,7 +196,7 @@ class Bucket:
                 view.copy_(grads[i])
             self.owners[i].grad = self.shards.wrap(view, self.owners[i])
             self._flat_views.append(view)
-        self._flat_ptrs = list(map(DATA_PTR, self._flat_views))
+        self._flat_ptrs = _addresses.addresses(self._flat_views)
 
     def zero_flat_grads(self) -> None:
         if self.flat_grads is not None:
@@ -213,12 +213,13 @@ class Bucket:
         bucket's own."""
         grads = self.local_grads()
         try:
-            if list(map(DATA_PTR, grads)) == self._flat_ptrs:
+            if _addresses.addresses(grads) == self._flat_ptrs:
                 return
         except TypeError:  # a gradient set to None: named below
             pass
+        flat_ptrs = _addresses.pointers(self._flat_ptrs)
         for i, (p, g) in enumerate(zip(self.owners, grads)):
-            if g is None or g.data_ptr() != self._flat_ptrs[i]:
+            if g is None or g.data_ptr() != flat_ptrs[i]:
                 what = "set to None" if g is None else "replaced"
                 raise RuntimeError(
                     f"FusedAdam(flat_grads=True): the gradient of {self.names[i]} (shape {tuple(p.shape)}) was "
@@ -230,7 +231,7 @@ class Bucket:
         """The gradients will be other tensors at the same addresses (a
         host-state staging slot seen in another dtype): check them afresh at
         the next prepare instead of trusting unchanged addresses."""
-        self._grad_ptrs = None
+        self._grad_records = None
 
     def _current_grads(self) -> list | None:
         """The parameters' gradients, re-pointing the plan when they moved
@@ -238,9 +239,9 @@ class Bucket:
         parameter has no gradient this step."""
         grads = self.local_grads()
         try:
-            ptrs = list(map(DATA_PTR, grads))
+            records = _addresses.memory_records(grads)
         except (TypeError, RuntimeError):  # None (no gradient), or a sparse gradient: told apart below
-            ptrs = None
+            records = None
         # The plan holds no gradient between steps ([Note: borrowed read lists]
         # in _plan.py): tensors at the addresses the table holds may be new
         # ones, so their sizes in bytes and dtypes are compared too (equal
@@ -248,21 +249,22 @@ class Bucket:
         # kernel inside the gradient's memory, but read a bf16 view of an
         # old fp32 gradient's memory (``p.grad.data = g.view(torch.bfloat16)``)
         # as fp32 values.
-        if (ptrs is not None and ptrs == self._grad_ptrs and list(map(NBYTES, grads)) == self._grad_nbytes
-                and list(map(DTYPE, grads)) == self._grad_dtypes):
+        if records is not None and records == self._grad_records:
             if self._plan is not None:
-                self._plan.refresh_read_list(GRAD_LIST, grads, ptrs=ptrs)
+                self._plan.refresh_read_list(GRAD_LIST, grads, ptrs=self._grad_ptrs)
             return grads
         if any(map(operator.is_, grads, [None] * len(grads))):
             return None
         dtypes = self.grad_fit.check(grads)
+        if records is None:
+            records = _addresses.memory_records(grads)
+        ptrs = _addresses.pointer_record(records)
         if self._plan is not None:
             if dtypes != self._grad_dtypes:  # the table's dtype codes are fixed: a new table
                 self._plan = None
             else:
                 self._plan.refresh_read_list(GRAD_LIST, grads, ptrs=ptrs)
-        self._grad_ptrs, self._grad_dtypes = ptrs, dtypes
-        self._grad_nbytes = list(map(NBYTES, grads))
+        self._grad_ptrs, self._grad_records, self._grad_dtypes = ptrs, records, dtypes
         return grads
 
     # ------------------------------------------------------------ the step

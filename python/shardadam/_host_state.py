@@ -44,7 +44,8 @@ from ._dtensor import PLAIN
 from ._fused_buckets import ALIGN_ELEMS, Bucket, GradFit
 from ._pinned import pinned_empty
 from ._plan import cpu_threads
-from ._tracked import DATA_PTR, VERSION
+from . import _addresses
+from ._tracked import VERSION
 
 # Elements per pipeline segment: large enough that a transfer runs at PCIe
 # speed and the CPU engine's launches are few, small enough that the pipeline
@@ -230,7 +231,7 @@ class HostStateBucket:
         self.device = params[0].device
         self.grad_of = opts["grad_of"]
         self.grad_fit = GradFit(params, names)
-        self.param_ptrs = list(map(DATA_PTR, params))
+        self.param_ptrs = _addresses.addresses(params)
         self.param_shapes = [p.shape for p in params]
         self._bounds = segment_bounds(params, HOST_SEGMENT_ELEMS)
         self._streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)) \

@@ -10,11 +10,12 @@ import operator
 
 import torch
 
-from . import _core
-from ._torch import (bump_versions, data_ptr_of, device_index, dtype_of, first_device, numel_of, spec, stream_of,
-                     version_roots)
+from . import _addresses, _core
+from ._torch import device_index, first_device, spec, stream_of, version_roots
 
 layout_of = operator.attrgetter("layout")
+numel_of = torch.Tensor.numel
+dtype_of = operator.attrgetter("dtype")
 device_index_of = torch.Tensor.get_device  # -1 on the CPU, like device_index()
 is_contiguous = torch.Tensor.is_contiguous
 
@@ -68,8 +69,8 @@ class TensorPlan:
     gives the tensor other memory, or none). The pointer is what makes a
     launch safe: a tensor whose pointer did not change still owns at least
     the bytes the table covers (``t.data = t.data[:k]`` or a dtype view keeps
-    the storage), so one C-level pass over the tensors suffices (about 75 ns
-    per tensor on the hosts measured: README "Guarantees"). Pass False when
+    the storage), so one C-level pass over the tensors suffices ([Note: the
+    tensor scan] in _addresses.py). Pass False when
     the caller guarantees that nothing is re-pointed (the optimizers check
     parameters and gradients themselves and own the rest of the memory): a
     re-pointed tensor then makes the kernel read or write freed memory.
@@ -125,14 +126,14 @@ class TensorPlan:
             self._spans[name] = (start, len(self._watched), i)
         self._ptrs = self._numels = self._dtypes = None
         if check_addresses:
-            self._ptrs = list(map(data_ptr_of, self._watched))
+            self._ptrs = _addresses.addresses(self._watched)
             self._numels = list(map(numel_of, self._watched))
             self._dtypes = list(map(dtype_of, self._watched))
         self._roots = version_roots([t for n, ts in self.lists.items() if ts is not None and self._written[n]
                                      for t in ts])
         # [Note: borrowed read lists] The addresses each read list's column of
         # the table holds, and the lists whose tensors were let go since.
-        self._columns = {n: list(map(data_ptr_of, ts)) for n, ts in self.lists.items()
+        self._columns = {n: _addresses.addresses(ts) for n, ts in self.lists.items()
                          if ts is not None and not self._written[n]}
         self._released: set[str] = set()
 
@@ -150,19 +151,20 @@ class TensorPlan:
         self._watched.append(tensor)
         self._spans[name] = (pos, pos + 1, None)
         if self._check_addresses:
-            self._ptrs.append(tensor.data_ptr())
+            self._ptrs = _addresses.addresses(self._watched)
             self._numels.append(tensor.numel())
             self._dtypes.append(tensor.dtype)
         if written:
             seen = set(map(id, self._roots))
             self._roots.extend(r for r in version_roots([tensor]) if id(r) not in seen)
 
-    def refresh_read_list(self, index: int, tensors: list[torch.Tensor], *, ptrs: list[int] | None = None) -> None:
+    def refresh_read_list(self, index: int, tensors: list[torch.Tensor], *, ptrs=None) -> None:
         """Point a read-only list (gradients) at new tensors of the validated
         sizes and dtypes: O(n), patching only that column of the device table,
         and only when an address changed. The plan keeps the new tensors alive
         (and, with check_addresses, checks them now and watches their addresses
-        from now on). ptrs: their data pointers, when the caller has them."""
+        from now on). ptrs: their ``_addresses.addresses`` record, when the caller
+        has it."""
         names = list(self.lists)
         if not isinstance(index, int) or not 0 <= index < len(names):
             raise ValueError(f"refresh_read_list: index {index!r} is not a list of this {self.kind} plan "
@@ -172,25 +174,26 @@ class TensorPlan:
         if self._check_addresses:
             self._check_refresh(name, tensors)
         if ptrs is None or self._check_addresses:
-            ptrs = list(map(data_ptr_of, tensors))
+            ptrs = _addresses.addresses(tensors)
         if ptrs == self._columns[name]:  # the table already points there: nothing to copy
             self._hold(name, tensors)
             return
-        if self.table.refresh_read_list(index, ptrs) or self._blob is None:
+        column = _addresses.pointers(ptrs)
+        if self.table.refresh_read_list(index, column) or self._blob is None:
             if self._blob is not None:  # an alignment flag changed too: copy the whole table
                 raw = torch.frombuffer(bytearray(self.table.blob()), dtype=torch.uint8)
                 self._blob.copy_(raw)
         else:
             offset = self.table.ptrs_offset(index)
-            column = torch.tensor(ptrs, dtype=torch.int64).view(torch.uint8)
+            raw = torch.tensor(column, dtype=torch.int64).view(torch.uint8)
             # Pageable source: the copy is staged before this returns, in stream
             # order after earlier launches that read the old column.
-            self._blob[offset:offset + column.numel()].copy_(column, non_blocking=True)
+            self._blob[offset:offset + raw.numel()].copy_(raw, non_blocking=True)
         self._columns[name] = ptrs
         self._hold(name, tensors)
         if self._check_addresses:
             start, end, _ = self._spans[name]
-            self._ptrs[start:end] = ptrs
+            self._ptrs = _addresses.splice(self._ptrs, start, end, ptrs)
 
     def _hold(self, name: str, tensors: list[torch.Tensor]) -> None:
         """The table points at these tensors: keep them alive, watch them."""
@@ -250,7 +253,7 @@ class TensorPlan:
         """Before a launch: every watched tensor still has the address the
         table holds (one C-level pass)."""
         self._refuse_released()
-        if list(map(data_ptr_of, self._watched)) != self._ptrs:
+        if _addresses.addresses(self._watched) != self._ptrs:
             self._diagnose()
 
     def _diagnose(self) -> None:
@@ -258,8 +261,9 @@ class TensorPlan:
         address is not the table's, saying what happened to it (zero-size
         tensors may move: no memory of theirs is touched)."""
         cls = type(self).__name__
+        ptrs = _addresses.pointers(self._ptrs)
         for pos, t in enumerate(self._watched):
-            ptr, numel, dtype = self._ptrs[pos], self._numels[pos], self._dtypes[pos]
+            ptr, numel, dtype = ptrs[pos], self._numels[pos], self._dtypes[pos]
             if t.data_ptr() == ptr:
                 continue
             name, index, label = self._label(pos)
@@ -269,8 +273,7 @@ class TensorPlan:
             if t.numel() != numel:
                 raise RuntimeError(f"{cls}: {label} now has {t.numel()} elements but the plan was built for "
                                    f"{numel} (resize_(), set_() or t.data = ... changed it); build a new plan")
-            if numel == 0:
-                self._ptrs[pos] = t.data_ptr()  # nothing of a zero-size tensor is read or written
+            if numel == 0:  # nothing of a zero-size tensor is read or written
                 continue
             storage = t.untyped_storage()
             if storage.nbytes() < (t.storage_offset() + t.numel()) * t.element_size():
@@ -284,6 +287,7 @@ class TensorPlan:
                 hint += f", or point the list at the new tensors with refresh_read_list({index}, ...)"
             raise RuntimeError(f"{cls}: {label} was moved to other memory (its data pointer changed since "
                                f"{since}: t.data = ..., set_(), resize_()); {hint}")
+        self._ptrs = _addresses.addresses(self._watched)  # only zero-size tensors moved: follow them
 
     def _label(self, pos: int) -> tuple[str, int | None, str]:
         """(list name, list index in the table or None, 'name[i]') of a watched position."""
@@ -294,7 +298,7 @@ class TensorPlan:
 
     def _bump_versions(self) -> None:
         """After a launch: the written tensors changed in place."""
-        bump_versions(self._roots)
+        _addresses.bump_versions(self._roots)
 
     def target(self) -> tuple[int, int, int, int]:
         """(device, stream, blob, threads) for a core call, on the current stream."""

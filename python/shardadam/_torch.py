@@ -6,7 +6,6 @@ compiled core never sees a torch object.
 from __future__ import annotations
 
 import numbers
-import operator
 from typing import Sequence
 
 import torch
@@ -184,13 +183,7 @@ def first_device(lists: Sequence[list[torch.Tensor] | None]) -> torch.device:
     return torch.device("cpu")
 
 
-# ---------------------------------------------------------------- per-launch checks and version counters
-
-# C-level callables for one map() pass over a list of tensors.
-data_ptr_of = torch.Tensor.data_ptr
-numel_of = torch.Tensor.numel
-dtype_of = operator.attrgetter("dtype")
-
+# ---------------------------------------------------------------- version counters
 
 def version_roots(tensors) -> list[torch.Tensor]:
     """The tensors whose version counters stand for those of `tensors`: a view
@@ -205,28 +198,6 @@ def version_roots(tensors) -> list[torch.Tensor]:
             seen.add(id(root))
             roots.append(root)
     return roots
-
-
-def _list_bumps_supported() -> bool:
-    # torch >= 2.5 takes a list in one call; torch 2.4 takes one tensor.
-    try:
-        increment_version([torch.empty(0)])
-    except (TypeError, RuntimeError):
-        return False
-    return True
-
-
-if _list_bumps_supported():
-    def bump_versions(tensors: list[torch.Tensor]) -> None:
-        """Tell autograd that the kernel changed these tensors in place, as torch's
-        own in-place ops do: backward through a graph that saved one of them
-        then raises "modified by an inplace operation"."""
-        if tensors:
-            increment_version(tensors)
-else:  # pragma: no cover - torch 2.4
-    def bump_versions(tensors: list[torch.Tensor]) -> None:
-        for t in tensors:
-            increment_version(t)
 
 
 def bump_flag(flag: torch.Tensor | None) -> None:

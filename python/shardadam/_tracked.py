@@ -8,8 +8,8 @@ memory (``model.to(dtype)``, ``module.to(device)``, ``p.data = t``,
 after ``zero_grad(set_to_none=True)``) would leave the table pointing at
 memory the optimizer no longer owns. So every step compares the addresses of
 what the table holds with the tensors' current ones, in one C-level pass per
-list (``list(map(DATA_PTR, tensors)) == cached``: tens of nanoseconds per
-tensor), and takes the checked path only when they differ: it follows the new
+list ([Note: the tensor scan] in _addresses.py), and takes the checked path
+only when they differ: it follows the new
 memory (a new table, state carried over) where the optimizer can, and raises,
 naming the parameter and what changed, where it cannot. The optimizer's own
 buffers (states, masters, flat gradients, shards) are never handed out in a
@@ -28,9 +28,8 @@ import weakref
 
 import torch
 
-DATA_PTR = torch.Tensor.data_ptr
-NBYTES = torch.Tensor.nbytes.__get__
-DTYPE = operator.attrgetter("dtype")
+from . import _addresses
+
 GRAD = operator.attrgetter("grad")
 REQUIRES_GRAD = operator.attrgetter("requires_grad")
 VERSION = torch.Tensor._version.__get__
@@ -42,13 +41,14 @@ def decoupled_grad(p: torch.Tensor):
     return getattr(p, "decoupled_grad", None)
 
 
-def moved_indices(tensors: list, cached_ptrs: list) -> list[int]:
-    """Positions whose address differs from the cached one (empty in the
-    common case, found by one C-level pass)."""
-    ptrs = list(map(DATA_PTR, tensors))
-    if ptrs == cached_ptrs:
+def moved_indices(tensors: list, cached) -> list[int]:
+    """Positions whose address differs from the cached ``addresses`` record
+    (empty in the common case, found by one C-level pass)."""
+    current = _addresses.addresses(tensors)
+    if current == cached:
         return []
-    return [i for i, (a, b) in enumerate(zip(ptrs, cached_ptrs)) if a != b]
+    now, before = _addresses.pointers(current), _addresses.pointers(cached)
+    return [i for i, (a, b) in enumerate(zip(now, before)) if a != b]
 
 
 def _on_register(module: torch.nn.Module, name: str, param):

@@ -41,8 +41,9 @@ from typing import NamedTuple, Sequence
 import torch
 
 from . import _core
+from ._addresses import bump_versions
 from ._plan import TensorPlan
-from ._torch import as_list, bump_flag, bump_versions, flag_ptr, per_tensor_ptr, scalar, version_roots
+from ._torch import as_list, bump_flag, flag_ptr, per_tensor_ptr, scalar, version_roots
 from ._validate import (check_beta, check_finite, check_host_number, check_nonnegative, check_positive,
                         check_update_step)
 

@@ -6,7 +6,8 @@ buffers) or where its shape changed."""
 from __future__ import annotations
 
 from .._groups import param_names
-from .._tracked import DATA_PTR, moved_indices
+from .. import _addresses
+from .._tracked import moved_indices
 
 __all__ = ["StorageGuard"]
 
@@ -18,11 +19,11 @@ class StorageGuard:
 
     def __init__(self, owner: str):
         self.owner = owner
-        self.ptrs: list[int] = []
+        self.ptrs = _addresses.addresses([])
         self.shapes: list = []
 
     def track(self, params: list) -> None:
-        self.ptrs = list(map(DATA_PTR, params))
+        self.ptrs = _addresses.addresses(params)
         self.shapes = [p.shape for p in params]
 
     def check(self, params: list, param_groups: list, *, contiguous_param_buffer: bool,
@@ -49,4 +50,4 @@ class StorageGuard:
                     f"{where} no longer lives in the optimizer's memory: its storage was replaced (model.to(...), "
                     f"p.data = ..., a swap_tensors conversion) after {self.owner}({option}=True) made {made}, "
                     "so the optimizer would no longer reach the model. Convert the model before building the optimizer")
-        self.ptrs = list(map(DATA_PTR, params))
+        self.ptrs = _addresses.addresses(params)
