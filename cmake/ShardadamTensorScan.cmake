@@ -18,15 +18,16 @@ if(NOT SHARDADAM_TENSOR_SCAN STREQUAL "OFF")
     list(GET torch_info 2 torch_include)
     list(GET torch_info 3 torch_lib)
     find_library(torch_c10 c10 PATHS "${torch_lib}" NO_DEFAULT_PATH REQUIRED)
+    find_library(torch_python torch_python PATHS "${torch_lib}" NO_DEFAULT_PATH REQUIRED)
     Python_add_library(_tensor_scan MODULE WITH_SOABI cpp/tensor_scan/tensor_scan.cpp)
     # torch's headers need C++20 from torch 2.13 on; its warnings are not ours.
-    # libc10 is found beside the installed torch, or is already loaded by import torch.
+    # libc10 and libtorch_python are found beside the installed torch, or are already loaded by import torch.
     set_target_properties(_tensor_scan PROPERTIES CXX_STANDARD 20 INSTALL_RPATH "$ORIGIN/../torch/lib")
     target_include_directories(_tensor_scan SYSTEM PRIVATE "${torch_include}")
     target_compile_definitions(_tensor_scan PRIVATE _GLIBCXX_USE_CXX11_ABI=${torch_cxx11_abi}
                                SHARDADAM_TORCH_VERSION="${torch_version}")
     target_compile_options(_tensor_scan PRIVATE -O2 -Wall -Wextra)
-    target_link_libraries(_tensor_scan PRIVATE "${torch_c10}")
+    target_link_libraries(_tensor_scan PRIVATE "${torch_c10}" "${torch_python}")
     install(TARGETS _tensor_scan LIBRARY DESTINATION shardadam)
     set(SHARDADAM_WITH_TENSOR_SCAN ON)
   elseif(SHARDADAM_TENSOR_SCAN STREQUAL "ON")

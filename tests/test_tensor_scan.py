@@ -15,7 +15,7 @@ import shardadam
 from shardadam import _addresses
 
 ADDRESSES = Path(_addresses.__file__)
-PUBLIC = ("addresses", "memory_records", "pointers", "pointer_record", "splice", "bump_versions")
+PUBLIC = ("addresses", "memory_records", "grads", "pointers", "pointer_record", "splice", "bump_versions")
 
 
 def _python_fallback():
@@ -94,6 +94,17 @@ def test_memory_records_tell_apart_address_size_and_dtype(scan):
         changed = list(tensors)
         changed[0] = replacement
         assert scan.memory_records(changed) != before, replacement
+
+
+def test_grads_are_the_tensors_grads(scan):
+    params = [torch.nn.Parameter(torch.randn(3)) for _ in range(4)] + [torch.randn(2, requires_grad=True)]
+    (sum(p.sum() for p in params[1:])).backward()  # autograd's gradients: no Python object yet
+    params[2].grad = torch.ones(3)  # one set from Python
+    got = scan.grads(params)
+    assert got[0] is None
+    assert all(g is p.grad for g, p in zip(got, params))
+    with pytest.raises((TypeError, AttributeError)):  # the fallback's attrgetter: AttributeError
+        scan.grads([params[0], "not a tensor"])
 
 
 def test_splice_replaces_a_span(scan):

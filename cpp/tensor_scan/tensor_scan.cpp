@@ -87,10 +87,37 @@ PyObject* bump(PyObject*, PyObject* arg) {
   Py_RETURN_NONE;
 }
 
+// grads(params) -> list: each tensor's .grad (None where it has none), read
+// from the tensors' C++ objects: what map(attrgetter("grad"), params) gives
+// for tensors whose class does not override .grad (__torch_function__ is not
+// consulted: the optimizers call this for plain tensors and Parameters only).
+PyObject* grads(PyObject*, PyObject* arg) {
+  if (!list_arg(arg)) return nullptr;
+  const Py_ssize_t n = PyList_GET_SIZE(arg);
+  PyObject* out = PyList_New(n);
+  if (out == nullptr) return nullptr;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    const at::Tensor* t = tensor_at(arg, i);
+    if (t == nullptr) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    const at::TensorBase& grad = t->grad();
+    PyObject* item = grad.defined() ? THPVariable_Wrap(grad) : Py_NewRef(Py_None);
+    if (item == nullptr) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    PyList_SET_ITEM(out, i, item);
+  }
+  return out;
+}
+
 PyMethodDef methods[] = {
     {"records", records, METH_VARARGS,
      "records(tensors: list, sizes: bool) -> bytes: each tensor's data pointer, and with sizes its bytes and "
      "dtype code, as int64s"},
+    {"grads", grads, METH_O, "grads(tensors: list) -> list: each tensor's .grad, None where it has none"},
     {"bump", bump, METH_O, "bump(tensors: list) -> None: increment each tensor's version counter"},
     {nullptr, nullptr, 0, nullptr}};
 

@@ -1,6 +1,6 @@
-"""What every step reads from every tensor it tracks (data pointers; the
-gradients' sizes and dtypes too), and the version-counter bumps after a
-launch: one pass per list, in C where the build has the tensor scan.
+"""What every step reads from every tensor it tracks (the gradients, data
+pointers, the gradients' sizes and dtypes), and the version-counter bumps
+after a launch: one pass per list, in C where the build has the tensor scan.
 
 [Note: the tensor scan] Each step proves that the launch tables still point
 at the tensors' memory ([Note: tracked storage] in _tracked.py) and bumps the
@@ -9,7 +9,8 @@ torch's Python API that is one call per tensor per field, about 100 ns each
 on the hosts measured: a plan of 20,000 parameters with two states and
 gradients spent over 15 ms per step on it, ten times its kernel. The compiled
 helper ``_tensor_scan`` reads the same fields from the tensors' C++ objects in
-one pass per list (no call, no reference count, no Python int per tensor)
+one pass per list (no call, no reference count, no Python int per tensor;
+``.grad`` without the per-tensor ``__torch_function__`` lookup)
 and packs them into bytes that compare with one memcmp. It includes torch's
 headers, so it is used only under the torch version it was built against;
 otherwise (a build without torch, or another torch installed since) these
@@ -39,6 +40,7 @@ SCAN_IN_C = _tensor_scan is not None
 _DATA_PTR = torch.Tensor.data_ptr
 _NBYTES = torch.Tensor.nbytes.__get__
 _DTYPE = operator.attrgetter("dtype")
+_GRAD = operator.attrgetter("grad")
 
 
 def _as_list(tensors) -> list:
@@ -55,6 +57,11 @@ if SCAN_IN_C:
         """Data pointers, sizes in bytes and dtypes, as one record (errors as
         ``addresses``)."""
         return _tensor_scan.records(_as_list(tensors), True)
+
+    def grads(tensors) -> list:
+        """Each tensor's ``.grad`` (None where it has none), for plain tensors
+        and Parameters (a subclass's ``__torch_function__`` is not consulted)."""
+        return _tensor_scan.grads(_as_list(tensors))
 
     def pointers(record: bytes) -> list[int]:
         """The data pointers of an ``addresses`` record."""
@@ -80,6 +87,9 @@ else:
     def memory_records(tensors) -> tuple:
         tensors = _as_list(tensors)
         return list(map(_DATA_PTR, tensors)), list(map(_NBYTES, tensors)), list(map(_DTYPE, tensors))
+
+    def grads(tensors) -> list:
+        return list(map(_GRAD, tensors))
 
     def pointers(record: list[int]) -> list[int]:
         return list(record)
