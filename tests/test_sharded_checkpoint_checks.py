@@ -259,8 +259,9 @@ def test_checkpoints_without_the_layout_key_load_with_partial_planning(one_rank,
 
 
 def _dcp_layout_worker(rank: int, world: int, port: int, path: str, out) -> None:
-    """2 ranks: save a checkpoint of SAVED, then dcp.load it into an optimizer
-    of each other layout: both ranks must get DCP's missing-key error and
+    """2 ranks: save a checkpoint of SAVED, then check_sharded_checkpoint and
+    dcp.load it into an optimizer of each other layout: both ranks must get
+    shardadam's error naming the parameter, then DCP's missing-key error, and
     keep every live buffer and parameter bit-identical."""
     from test_distributed import _exit, _rank_group
     from torch.distributed.checkpoint.api import CheckpointException
@@ -273,6 +274,11 @@ def _dcp_layout_worker(rank: int, world: int, port: int, path: str, out) -> None
             template = {"optim": opt.sharded_state_dict()}
             before = _live(opt, model)
             try:
+                opt.check_sharded_checkpoint(path)
+                checked = None
+            except ValueError as e:
+                checked = str(e)
+            try:
                 dcp.load(template, checkpoint_id=path)
                 message = None
             except CheckpointException as e:
@@ -283,7 +289,7 @@ def _dcp_layout_worker(rank: int, world: int, port: int, path: str, out) -> None
             except AssertionError as e:
                 unchanged = str(e)
             key = next(k for k in template["optim"] if k.startswith("layout_"))
-            result[name] = dict(message=message, unchanged=unchanged, key=key)
+            result[name] = dict(message=message, unchanged=unchanged, key=key, checked=checked)
             del opt
         del saved
         out.put((rank, result))
@@ -298,3 +304,25 @@ def test_dcp_refuses_another_layout_on_two_ranks(tmp_path):
             assert r["message"] is not None, f"rank {rank}, {name}: dcp.load did not refuse"
             assert f"Missing key in checkpoint state_dict: optim.{r['key']}." in r["message"], r["message"][-600:]
             assert r["unchanged"] is None, r["unchanged"]
+            assert r["checked"] is not None and r["checked"] == results[0][name]["checked"], (rank, r["checked"])
+            assert "the checkpoint's trainable parameters (in param_groups order) differ" in r["checked"], r["checked"]
+
+
+@pytest.mark.parametrize("layout", list(OTHER_LAYOUTS))
+def test_check_sharded_checkpoint_names_the_parameter_before_dcp_plans(one_rank, tmp_path, layout):
+    """check_sharded_checkpoint reads only the checkpoint's tables: another
+    model's checkpoint is refused naming the first parameter that differs, and
+    nothing of the optimizer or model changes; the optimizer's own passes."""
+    _, saved = _shaped_optimizer(SAVED, seed=0)
+    dcp.save({"optim": saved.sharded_state_dict()}, checkpoint_id=str(tmp_path))
+    saved.check_sharded_checkpoint(str(tmp_path))
+    model, opt = _shaped_optimizer(OTHER_LAYOUTS[layout], seed=1)
+    before = _live(opt, model)
+    words = {"transposed": r"param_groups\[0\]\['params'\]\[0\] \(index 0\) has shape \(8, 12\) in the checkpoint, "
+                           r"\(12, 8\) in the optimizer",
+             "other-count": r"the checkpoint has 4 trainable parameters .*, the optimizer 3"}[layout]
+    with pytest.raises(ValueError, match=words):
+        opt.check_sharded_checkpoint(str(tmp_path))
+    _assert_same(_live(opt, model), before, "after the refused check")
+    with pytest.raises(ValueError, match=r"holds no sharded_state_dict\(\) under 'model'"):
+        opt.check_sharded_checkpoint(str(tmp_path), key="model")

@@ -99,6 +99,13 @@ class StateIO:
         self._refuse_mid_host_step("sharded_state_dict()")
         return sharded_checkpoint.sharded_state_dict(self)
 
+    def check_sharded_checkpoint(self, checkpoint_id, key: str = "optim") -> None:
+        """Before dcp.load: refuse a DCP checkpoint whose sharded_state_dict()
+        (under `key`) was written for other parameters, naming the first that
+        differs, on every rank, with nothing read into the optimizer. A
+        collective: every rank of the optimizer's group calls it."""
+        sharded_checkpoint.check_checkpoint(self, checkpoint_id, key)
+
     def load_sharded_state_dict(self, sharded: dict) -> None:
         """Take a sharded_state_dict() structure that dcp.load has filled."""
         self._refuse_mid_host_step("load_sharded_state_dict()")

@@ -31,6 +31,9 @@ A checkpoint of another layout is refused before anything is written:
   dcp.load from a checkpoint of other parameters fails with DCP's
   "Missing key in checkpoint state_dict: <prefix>.layout_<hash>." (a
   checkpoint whose total size differs already fails DCP's size check);
+- by check_sharded_checkpoint (check_checkpoint here), called before
+  dcp.load, which reads only the checkpoint's tables and names the first
+  parameter that differs before DCP plans the load;
 - by load_sharded_state_dict, which checks the tables, the groups and every
   piece on every rank, then lets the ranks agree (one small collective), and
   names the first parameter that differs.
@@ -43,6 +46,7 @@ optimizer's fp32 buffers.
     import torch.distributed.checkpoint as dcp
     dcp.save({"model": model.state_dict(), "optim": opt.sharded_state_dict()}, checkpoint_id=path)
     # later, on any number of ranks, after building model and optimizer:
+    opt.check_sharded_checkpoint(path)  # another model's checkpoint: named here
     state = {"model": model.state_dict(), "optim": opt.sharded_state_dict()}
     dcp.load(state, checkpoint_id=path)
     model.load_state_dict(state["model"])
@@ -67,7 +71,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
-__all__ = ["layout_key", "load_sharded_state_dict", "local_pieces", "sharded_state_dict"]
+__all__ = ["check_checkpoint", "layout_key", "load_sharded_state_dict", "local_pieces", "sharded_state_dict"]
 
 LAYOUT_PREFIX = "layout_"
 
@@ -194,6 +198,27 @@ def load_sharded_state_dict(opt, sharded: dict) -> None:
     for k in range(len(opt.params)):
         opt._initialized[k] = True
     opt.param_sync()  # the parameter shards followed the masters (_write_state): every rank's go to every rank
+
+
+def check_checkpoint(opt, checkpoint_id, key: str) -> None:
+    """The checkpoint's parameter tables against the optimizer's, read alone
+    (two short strings, through a partial dcp.load) before the caller's
+    dcp.load plans: DCP's own refusal of another layout names a key, this one
+    the parameter. Every rank reads the same tables and raises alike."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"key must be the name the sharded_state_dict() was saved under (e.g. 'optim'), got {key!r}")
+    tables = {"params": "", "shapes": ""}
+    dcp.load({key: tables}, checkpoint_id=checkpoint_id, planner=DefaultLoadPlanner(allow_partial_load=True),
+             process_group=opt.dist_group)
+    if not tables["params"]:
+        raise ValueError(f"the checkpoint at {checkpoint_id!r} holds no sharded_state_dict() under {key!r} (no "
+                         f"'{key}.params' entry): pass the key it was saved under, e.g. "
+                         "dcp.save({'optim': opt.sharded_state_dict()}) -> key='optim'")
+    space = _FlatSpace(opt)
+    _check_tables(opt, space, _json(tables, "params", "parameter table"),
+                  _json(tables, "shapes", "shape table") if tables["shapes"] else None)
 
 
 def _json(sharded: Mapping, key: str, what: str) -> list:
