@@ -1,6 +1,6 @@
 // shardadam._tensor_scan: what the optimizers read from every tensor on every
-// step (data pointer, bytes, dtype) and the version-counter bump after a
-// launch, in one C-level pass over a Python list ([Note: the tensor scan] in
+// step (.grad, data pointer, bytes, dtype) and the version-counter bump after
+// a launch, in one C-level pass over a Python list ([Note: the tensor scan] in
 // python/shardadam/_addresses.py says why). This is the one compiled file
 // that includes torch's headers: it is built against the torch the build
 // machine has, and the package uses it only under that same torch version
@@ -8,7 +8,6 @@
 #include <Python.h>
 
 #include <cstdint>
-#include <string>
 
 #include <torch/csrc/autograd/python_variable.h>
 

@@ -29,7 +29,7 @@ from torch.autograd.graph import increment_version
 
 try:
     from . import _tensor_scan
-except ImportError:  # built without torch at build time
+except ImportError:  # built without torch at build time (or its libraries no longer load)
     _tensor_scan = None
 
 if _tensor_scan is not None and _tensor_scan.TORCH_VERSION != torch.__version__:
