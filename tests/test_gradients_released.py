@@ -181,6 +181,36 @@ def test_distributed_optimizers_let_go_of_the_gradients(case, optimizer, one_ran
     _assert_released(refs)
 
 
+@pytest.mark.parametrize("overlap_grad_sync", [True, False], ids=["first step", "every step"])
+def test_distributed_step_releases_each_gradient_once_staged(overlap_grad_sync, one_rank):
+    """A step that reduces the gradients itself (the first iteration, before
+    backward's order is known, or without overlap_grad_sync) lets go of each
+    one as it is copied into its bucket, as backward's hand-over does: with
+    separate buffers, all gradients alive until the last bucket was one
+    transient of pipeline buckets on top of every gradient."""
+    model = nn.Sequential(*(nn.Linear(16, 16) for _ in range(6)))
+    opt = shardadam.DistributedFusedAdam(model.parameters(), lr=1e-3, bucket_cap_mb=1e-3,
+                                         overlap_grad_sync=overlap_grad_sync)
+    params = list(model.parameters())
+    transport = opt._grad_sync.transport
+    alive_at_reduce = []
+    reduce = transport.reduce
+
+    def counting_reduce(b, out, absent):
+        gc.collect()
+        alive_at_reduce.append(sum(not r.expired() for r in refs))
+        return reduce(b, out, absent)
+
+    transport.reduce = counting_reduce
+    model(torch.randn(4, 16)).square().mean().backward()
+    refs = [StorageWeakRef(p.grad.untyped_storage()) for p in params]
+    opt.step()
+    assert len(alive_at_reduce) >= 4, "the test needs several buckets"
+    assert alive_at_reduce[0] < len(params) and alive_at_reduce[-1] <= 2, alive_at_reduce
+    assert all(p.grad is None for p in params)
+    _assert_released(refs)
+
+
 # ---------------------------------------------------------------- the checks the release must keep
 
 def _stepped_once(device):

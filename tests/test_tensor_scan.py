@@ -15,7 +15,7 @@ import shardadam
 from shardadam import _addresses
 
 ADDRESSES = Path(_addresses.__file__)
-PUBLIC = ("addresses", "memory_records", "grads", "pointers", "pointer_record", "splice", "bump_versions")
+PUBLIC = ("addresses", "memory_records", "grads", "grads_and_records", "pointers", "pointer_record", "splice", "bump_versions")
 
 
 def _python_fallback():
@@ -105,6 +105,24 @@ def test_grads_are_the_tensors_grads(scan):
     assert all(g is p.grad for g, p in zip(got, params))
     with pytest.raises((TypeError, AttributeError)):  # the fallback's attrgetter: AttributeError
         scan.grads([params[0], "not a tensor"])
+
+
+def test_grads_and_records_are_grads_then_their_records(scan):
+    params = [torch.nn.Parameter(torch.randn(3, dtype=dtype)) for dtype in (torch.float32, torch.float64,
+                                                                             torch.bfloat16)]
+    params[0].grad, params[1].grad = torch.ones(3), torch.ones(6, dtype=torch.float64)[::2]
+    params[2].grad = torch.zeros(3, dtype=torch.bfloat16)
+    got, records = scan.grads_and_records(params)
+    assert all(g is p.grad for g, p in zip(got, params))
+    assert records == scan.memory_records(got)
+    params[1].grad = None
+    got, records = scan.grads_and_records(params)
+    assert got[1] is None and got[0] is params[0].grad and records is None
+    params[1].grad = torch.ones(3, dtype=torch.float64).to_sparse()  # no storage: no records, the gradients still read
+    got, records = scan.grads_and_records(params)
+    assert got[1] is params[1].grad and records is None
+    with pytest.raises((TypeError, AttributeError)):  # as grads
+        scan.grads_and_records([params[0], "not a tensor"])
 
 
 def test_splice_replaces_a_span(scan):

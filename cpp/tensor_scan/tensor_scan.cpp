@@ -112,11 +112,71 @@ PyObject* grads(PyObject*, PyObject* arg) {
   return out;
 }
 
+// grads_and_records(params) -> (list, bytes | None): grads(params), and the
+// records(grads, True) of that list read in the same pass (each gradient's
+// C++ object is at hand once its parameter's is), or None in its place when
+// some parameter has no gradient or a gradient has no storage (sparse):
+// FusedAdam's per-step read of its gradients in one pass instead of two.
+PyObject* grads_and_records(PyObject*, PyObject* arg) {
+  if (!list_arg(arg)) return nullptr;
+  const Py_ssize_t n = PyList_GET_SIZE(arg);
+  PyObject* out = PyList_New(n);
+  if (out == nullptr) return nullptr;
+  PyObject* record = PyBytes_FromStringAndSize(nullptr, n * 3 * static_cast<Py_ssize_t>(sizeof(int64_t)));
+  if (record == nullptr) {
+    Py_DECREF(out);
+    return nullptr;
+  }
+  auto* fields = reinterpret_cast<int64_t*>(PyBytes_AS_STRING(record));
+  bool complete = true;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    const at::Tensor* t = tensor_at(arg, i);
+    if (t == nullptr) {
+      Py_DECREF(out);
+      Py_DECREF(record);
+      return nullptr;
+    }
+    const at::TensorBase& grad = t->grad();
+    if (!grad.defined()) {
+      PyList_SET_ITEM(out, i, Py_NewRef(Py_None));
+      complete = false;
+      continue;
+    }
+    PyObject* item = THPVariable_Wrap(grad);
+    if (item == nullptr) {
+      Py_DECREF(out);
+      Py_DECREF(record);
+      return nullptr;
+    }
+    PyList_SET_ITEM(out, i, item);
+    if (!complete) continue;
+    c10::TensorImpl* impl = grad.unsafeGetTensorImpl();
+    try {
+      fields[i * 3] = reinterpret_cast<int64_t>(impl->mutable_data());  // as records()
+      fields[i * 3 + 1] = impl->numel() * static_cast<int64_t>(impl->itemsize());
+      fields[i * 3 + 2] = static_cast<int64_t>(impl->dtype().toScalarType());
+    } catch (const c10::Error&) {  // no storage (sparse): where records() raises
+      complete = false;
+    }
+  }
+  if (!complete) {
+    Py_DECREF(record);
+    record = Py_NewRef(Py_None);
+  }
+  PyObject* result = PyTuple_Pack(2, out, record);
+  Py_DECREF(out);
+  Py_DECREF(record);
+  return result;
+}
+
 PyMethodDef methods[] = {
     {"records", records, METH_VARARGS,
      "records(tensors: list, sizes: bool) -> bytes: each tensor's data pointer, and with sizes its bytes and "
      "dtype code, as int64s"},
     {"grads", grads, METH_O, "grads(tensors: list) -> list: each tensor's .grad, None where it has none"},
+    {"grads_and_records", grads_and_records, METH_O,
+     "grads_and_records(tensors: list) -> (list, bytes | None): grads(tensors) and records(that list, True), "
+     "None for the records where a gradient is missing or has no storage"},
     {"bump", bump, METH_O, "bump(tensors: list) -> None: increment each tensor's version counter"},
     {nullptr, nullptr, 0, nullptr}};
 

@@ -63,6 +63,12 @@ if SCAN_IN_C:
         and Parameters (a subclass's ``__torch_function__`` is not consulted)."""
         return _tensor_scan.grads(_as_list(tensors))
 
+    def grads_and_records(tensors) -> tuple[list, bytes | None]:
+        """``grads(tensors)`` and the ``memory_records`` of that list, in one
+        pass; None for the records when a gradient is missing or has no
+        storage (sparse)."""
+        return _tensor_scan.grads_and_records(_as_list(tensors))
+
     def pointers(record: bytes) -> list[int]:
         """The data pointers of an ``addresses`` record."""
         return memoryview(record).cast("q").tolist()
@@ -90,6 +96,13 @@ else:
 
     def grads(tensors) -> list:
         return list(map(_GRAD, tensors))
+
+    def grads_and_records(tensors) -> tuple[list, tuple | None]:
+        found = grads(tensors)
+        try:
+            return found, memory_records(found)
+        except (TypeError, RuntimeError):  # a missing gradient (None), or one without storage (sparse)
+            return found, None
 
     def pointers(record: list[int]) -> list[int]:
         return list(record)

@@ -90,8 +90,23 @@ class PlainTensors:
         return list(map(grad_of, params))
 
     @staticmethod
+    def grads_and_records(params: list, grad_of=GRAD) -> tuple[list, object]:
+        """``grads``, and their ``_addresses.memory_records`` (None when a
+        gradient is missing or has no storage)."""
+        if grad_of is GRAD:
+            return _addresses.grads_and_records(params)
+        return _with_records(list(map(grad_of, params)))
+
+    @staticmethod
     def wrap(local: torch.Tensor, param) -> torch.Tensor:
         return local
+
+
+def _with_records(grads: list) -> tuple[list, object]:
+    try:
+        return grads, _addresses.memory_records(grads)
+    except (TypeError, RuntimeError):  # None (no gradient), or a sparse gradient
+        return grads, None
 
 
 PLAIN = PlainTensors()
@@ -133,6 +148,10 @@ class LocalShards:
                 self._local_grad(i, p, g)
             self._checked_specs = specs
         return list(map(LOCAL, grads))
+
+    def grads_and_records(self, params: list, grad_of=GRAD) -> tuple[list, object]:
+        """As ``PlainTensors.grads_and_records``, for the local tensors."""
+        return _with_records(self.grads(params, grad_of))
 
     def _local_grad(self, i: int, p, g) -> torch.Tensor:
         where = f"the gradient of {self.names[i]}"

@@ -237,11 +237,8 @@ class Bucket:
         """The parameters' gradients, re-pointing the plan when they moved
         (new gradient tensors, or ``p.grad.data = t``); None when some
         parameter has no gradient this step."""
-        grads = self.local_grads()
-        try:
-            records = _addresses.memory_records(grads)
-        except (TypeError, RuntimeError):  # None (no gradient), or a sparse gradient: told apart below
-            records = None
+        # records: None for a missing or sparse gradient, told apart below.
+        grads, records = self.shards.grads_and_records(self.owners, self.grad_of)
         # The plan holds no gradient between steps ([Note: borrowed read lists]
         # in _plan.py): tensors at the addresses the table holds may be new
         # ones, so their sizes in bytes and dtypes are compared too (equal

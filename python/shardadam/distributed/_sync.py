@@ -104,13 +104,20 @@ class GradSync:
         while self.next_bucket < len(self.missing) and self.missing[self.next_bucket] == 0:
             self._start(self.next_bucket)
 
-    def finish(self) -> None:
+    def finish(self, release_grads: bool) -> None:
         """Stage the gradients backward did not hand over (hooks off, or set
         by hand), start the remaining buckets (absent gradients count as
-        zeros) and wait for every reduce-scatter."""
+        zeros) and wait for every reduce-scatter. release_grads: set each
+        staged parameter's .grad to None at once, as backward's hand-over
+        does, so that a step reducing every gradient (the first, or one
+        without overlap_grad_sync) holds no more memory than a step after an
+        overlapped backward: the staged copy and the shards hold what the
+        reduction needs, and one gradient fewer is alive with each bucket."""
         for k, p in enumerate(self.params):
             if not self.arrived[k] and p.grad is not None:
                 self.pack(k, p.grad)
+                if release_grads:
+                    p.grad = None
         self._flush_round()
         self.pipeline.drain()
         if self.redundant_group is not None:  # replicas of a shard add their sums

@@ -435,7 +435,7 @@ class ShardedOptimizer(LayoutBuild, StateIO, GradScaling, HostStep, ApexMethods,
             self._adopt_backward_order()
         self._hand_over_guard.refuse(self)
         self._leave_consumed(range(len(self.params)))
-        self._grad_sync.finish()
+        self._grad_sync.finish(release_grads=not self.contiguous_grad_buffer)
         if self.contiguous_grad_buffer:
             self._hand_over_guard.record(self)  # after the synchronisation's own writes
         else:
