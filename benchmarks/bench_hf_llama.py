@@ -9,7 +9,7 @@ A LlamaForCausalLM of about 1B parameters from its config, trained three ways
 from the same seed on the same batches of Python source bytes (bf16 autocast,
 clipping, AdamW lr 3e-4): DistributedFusedAdam (both overlaps, contiguous
 parameter buffer, store_params=False), DDP and FSDP2 with AdamW(fused=True).
-Rank 0 writes every step's loss to --out; plot_hf_llama.py draws the curves.
+Rank 0 writes every step's loss to --out; svg.py draws the curves.
 
     torchrun --standalone --nproc_per_node 2 benchmarks/bench_hf_llama.py \\
         --out benchmarks/results/bench_hf_llama_2xh200.json

@@ -14,7 +14,7 @@ torchrun, else a one-rank NCCL group) stepped during backward
 (host_step_in_backward=True). --torchao also times torchao's
 CPUOffloadOptimizer for fp32. --timeline records one host-state iteration
 (forward and backward, each copy and CPU step, ms from its start) for
-plot_host_timeline.py. GPU only.
+svg.py. GPU only.
 
     python benchmarks/bench_host_state.py --d-model 2048 --layers 24 --out host.json --timeline tl.json
     python benchmarks/bench_host_state.py --optimizer distributed --kinds fp32 --out host_dist.json
