@@ -84,6 +84,13 @@ def time_steps(fn, dev, reps: int, warmup: int) -> list[float]:
     return [lap for lap, in timed_calls(marked(fn), dev, reps, warmup)[0]]
 
 
+def clock_ms(fn) -> float:
+    """Host milliseconds of one call (on the CPU: until its work is done)."""
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
 def median_ms(fn, dev, reps: int, warmup: int = 0, sync_after: bool = True) -> float:
     """Median milliseconds of one call from an idle device: synchronised
     before each call and, with sync_after, inside the clock after it (host plus

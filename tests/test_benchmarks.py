@@ -184,7 +184,7 @@ def test_bench_capacity_one_attempt():
 
 
 def test_kernel_and_step_benchmarks_on_the_cpu():
-    out = run("bench_cpu_interleaved", "--quick", "--reps", "3")
+    out = run("bench_kernels", "--interleaved", "--quick", "--reps", "3")
     assert len(table_rows(out)) == 3
     out = run("bench_plan_checks", "--device", "cpu", "--tensors", "200", "--reps", "5")
     assert "800 tensors checked, 600 version counters bumped per launch" in out
