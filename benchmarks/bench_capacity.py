@@ -32,14 +32,12 @@ import torch
 import torch.distributed as dist
 
 from bench_distributed import build_ddp_fused, build_fsdp2, build_shardadam
-from harness import agree_on_error, fmt, init_distributed, max_over_ranks, md_table
-from models import build_model, lm_loss
-from quality_storage import KINDS as QUALITY_KINDS
+from harness import agree_on_error, choose, fmt, init_distributed, max_over_ranks, md_table
+from models import BLOCKWISE8, KINDS as STORAGE_KINDS, STOCHASTIC, build_model, lm_loss
 
 # name -> (parameter dtype, DistributedFusedAdam options)
-KINDS = {name: QUALITY_KINDS[name] for name in ("fp32", "FP8 states", "8-bit blockwise states")}
-KINDS["bf16 stochastic rounding + 8-bit states"] = (
-    torch.bfloat16, {**QUALITY_KINDS["bf16 stochastic rounding"][1], **QUALITY_KINDS["8-bit blockwise states"][1]})
+KINDS = {name: STORAGE_KINDS[name] for name in ("fp32", "FP8 states", "8-bit blockwise states")}
+KINDS["bf16 stochastic rounding + 8-bit states"] = (torch.bfloat16, {**STOCHASTIC, **BLOCKWISE8})
 CANDIDATES = ("ddp", "fsdp2", *(f"shardadam:{kind}" for kind in KINDS))
 TINY = dict(d_model=64, heads=4, vocab=256, seq=32, layers="1,2,3", start=2)
 
@@ -173,10 +171,7 @@ def main() -> None:
         attempt(args)
         return
     args.layers = [int(v) for v in str(args.layers).split(",")]
-    candidates = args.candidates.split(",")
-    unknown = [c for c in candidates if c not in CANDIDATES]
-    if unknown:
-        ap.error(f"--candidates: unknown {unknown}; choose from {', '.join(CANDIDATES)}")
+    candidates = choose(ap, args.candidates, CANDIDATES, "--candidates")
     if args.layers != sorted(args.layers):
         ap.error("--layers must be ascending")
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 import warnings
 from functools import partial
 
@@ -31,10 +30,9 @@ import torch.nn.functional as F
 
 import shardadam
 from bench_distributed import WARMUP, WEIGHT_DECAY, build_ddp_fused
-from harness import (agree_on_error, attempt, describe, fmt, gpt_meta, init_distributed, losses_ok, max_over_ranks,
-                     md_table, optimizer_bytes, write_json)
-from models import FULL, add_size_args, autocast, build_model, count_params, fill_defaults, make_batch
-from timing import Stopwatch, free, sync
+from harness import add_run_args, choose, memory_figures, results_table, run_case, say, start_gpt, write_json
+from models import FULL, add_size_args, autocast, build_model, fill_defaults, make_batch
+from timing import capture_graph, timed_calls
 
 REFERENCE = "ddp_fused"
 BF16 = dict(param_sync_dtype=torch.bfloat16)
@@ -108,53 +106,13 @@ def make_iteration(module, opt, scaler, clip, inputs, targets, cuda: bool):
     return iteration
 
 
-def capture(warm_step, iteration):
-    """The README's recipe: warm-up iterations on a side stream (the first one
-    learns the bucket order, the scaler creates its tensors), then one iteration
-    captured. Returns the graph, its static loss and the warm-up losses."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        losses = [warm_step() for _ in range(WARMUP)]
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_loss = iteration()
-    return graph, static_loss, losses
-
-
-def measure(step, cuda: bool, iters: int) -> tuple[dict, list]:
-    """`iters` calls back to back between Stopwatch marks, with the wall clock
-    around them; then `iters` more, each from an idle device, timed on the host
-    until step() returns. The medians and every call's loss (cloned: a replay
-    overwrites its static loss)."""
-    losses, watches = [], []
-    sync(cuda)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        watch = Stopwatch(cuda)
-        watch.mark()
-        loss = step()
-        watch.mark()
-        losses.append(loss.clone())
-        watches.append(watch)
-    sync(cuda)
-    wall = (time.perf_counter() - t0) * 1e3 / iters
-    host = []
-    for _ in range(iters):
-        sync(cuda)
-        t0 = time.perf_counter()
-        loss = step()
-        host.append((time.perf_counter() - t0) * 1e3)
-        losses.append(loss.clone())
-    sync(cuda)
-    return dict(ms=statistics.median(w.laps_ms()[0] for w in watches), wall_ms=wall,
-                host_ms=statistics.median(host)), losses
-
-
 def train(mode: str, iteration, load, cuda: bool, iters: int) -> tuple[dict, list]:
-    """WARMUP eager iterations (on a side stream before a capture), then the
-    measured ones: the figures and every iteration's loss."""
+    """WARMUP eager iterations (on a side stream before a capture: the first
+    one learns the bucket order, the scaler creates its tensors), then `iters`
+    calls back to back between Stopwatch marks, with the wall clock around
+    them, then `iters` more, each from an idle device, timed on the host until
+    it returns. The medians and every iteration's loss (cloned: a replay
+    overwrites its static loss)."""
     def eager() -> torch.Tensor:
         load()
         return iteration()
@@ -163,20 +121,27 @@ def train(mode: str, iteration, load, cuda: bool, iters: int) -> tuple[dict, lis
         warm = [eager() for _ in range(WARMUP)]
         step = eager
     else:
-        graph, static_loss, warm = capture(eager, iteration)
+        graph, static_loss, warm = capture_graph(eager, WARMUP)
 
         def step() -> torch.Tensor:
             load()
             graph.replay()
             return static_loss
-    figures, losses = measure(step, cuda, iters)
-    return figures, warm + losses
+
+    def call(watch) -> torch.Tensor:
+        watch.mark()
+        loss = step()
+        watch.mark()
+        return loss.clone()
+    laps, wall, losses = timed_calls(call, cuda, iters)
+    host, _, more = timed_calls(call, cuda, iters, idle=True, host=True)
+    return dict(ms=statistics.median(lap for lap, in laps), wall_ms=wall,
+                host_ms=statistics.median(lap for lap, in host)), warm + losses + more
 
 
 def run_one(config: str, mode: str, batch: int, args, dev: torch.device, n_params: int) -> dict:
     """Build `config` on a fresh model, train it in `mode`, and report its figures."""
     cuda = dev.type == "cuda"
-    free(cuda)
 
     def run():
         module, opt, scaler, clip = build(config, args, dev)
@@ -184,23 +149,9 @@ def run_one(config: str, mode: str, batch: int, args, dev: torch.device, n_param
         figures, losses = train(mode, make_iteration(module, opt, scaler, clip, inputs, targets, cuda), load,
                                 cuda, args.iters)
         opt.zero_grad()  # gradients freed, as between iterations (DDP keeps them until then)
-        sync(cuda)
-        memory = [torch.cuda.max_memory_allocated() if cuda else 0, torch.cuda.memory_allocated() if cuda else 0]
-        return figures, losses, optimizer_bytes(opt), memory
-    out, error = attempt(run)
-    result = dict(config=config, mode=mode, batch=batch, capturable=cuda and config != REFERENCE,
-                  error=agree_on_error(error, dev))
-    if result["error"]:
-        return result
-    figures, losses, opt_bytes, (peak, resident) = out
-    losses = torch.stack(losses).float().tolist()  # rank 0's: each rank has its own batch
-    ms, wall, host, opt_bytes, peak, resident = max_over_ranks(
-        [figures["ms"], figures["wall_ms"], figures["host_ms"], opt_bytes, peak, resident], dev)
-    result.update(ms=ms, wall_ms=wall, host_ms=host, opt_bytes_per_param=opt_bytes / n_params,
-                  peak_gib=peak / 2**30 if cuda else None,
-                  resident_bytes_per_param=resident / n_params if cuda else None,
-                  losses=losses, loss_first=losses[0], loss_last=losses[-1], loss_ok=losses_ok(losses))
-    return result
+        return dict(figures, **memory_figures(opt, cuda)), torch.stack(losses).float().tolist()
+    return run_case(dict(config=config, mode=mode, batch=batch, capturable=cuda and config != REFERENCE), run, dev,
+                    n_params, keep_losses=True)
 
 
 def add_ratios(results: list[dict]) -> None:
@@ -235,15 +186,13 @@ def failures(results: list[dict]) -> list[str]:
 
 
 def table(results: list[dict]) -> str:
-    rows = [[r["config"], r["mode"], r["batch"], f"failed: {r['error']}"] + [""] * 10 if r["error"] else
-            [r["config"], r["mode"], r["batch"], f"{r['ms']:.1f}", fmt(r["vs_ddp"], ".3f"), fmt(r["vs_eager"], ".3f"),
-             f"{r['host_ms']:.2f}", fmt(r["host_vs_ddp"], ".3f"), fmt(r["host_vs_eager"], ".3f"),
-             fmt(r["peak_gib"], ".2f"), f"{r['opt_bytes_per_param']:.2f}", fmt(r["resident_bytes_per_param"], ".2f"),
-             f"{r['loss_first']:.4f} -> {r['loss_last']:.4f}", fmt(r["loss_diff_vs_eager"], ".2e")]
-            for r in results]
-    return md_table(["config", "mode", "batch", "ms/iter", "vs DDP", "vs eager", "host ms/iter", "host vs DDP",
-                     "host vs eager", "peak GiB", "opt B/param", "resident B/param", "loss first -> last",
-                     "loss diff vs eager"], rows, "llrrrrrrrrrrlr")
+    return results_table(results, ["config", "mode", "batch"], [
+        ("ms/iter", "ms", ".1f"), ("vs DDP", "vs_ddp", ".3f"), ("vs eager", "vs_eager", ".3f"),
+        ("host ms/iter", "host_ms", ".2f"), ("host vs DDP", "host_vs_ddp", ".3f"),
+        ("host vs eager", "host_vs_eager", ".3f"), ("peak GiB", "peak_gib", ".2f"),
+        ("opt B/param", "opt_bytes_per_param", ".2f"), ("resident B/param", "resident_bytes_per_param", ".2f"),
+        ("loss first -> last", lambda r: f"{r['loss_first']:.4f} -> {r['loss_last']:.4f}", None),
+        ("loss diff vs eager", "loss_diff_vs_eager", ".2e")], "llrrrrrrrrrrlr")
 
 
 def parse_args():
@@ -255,33 +204,21 @@ def parse_args():
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of " + ",".join(CONFIGS))
     ap.add_argument("--modes", default=",".join(MODES),
                     help="comma-separated subset of " + ",".join(MODES) + f" ({REFERENCE} runs eager only)")
-    ap.add_argument("--lr", type=float, default=1e-4)
-    ap.add_argument("--bucket-cap-mb", type=float, help="DistributedFusedAdam's bucket size in MiB (default 100)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", help="write the results here as JSON")
+    add_run_args(ap)
     args = ap.parse_args()
     fill_defaults(args, dict(FULL, batches="4"))
     args.batches = [int(b) for b in args.batches.split(",")]
-    args.configs, args.modes = args.configs.split(","), args.modes.split(",")
+    args.configs, args.modes = choose(ap, args.configs, CONFIGS, "--configs"), choose(ap, args.modes, MODES, "--modes")
     if args.iters < 1:
         ap.error("--iters must be at least 1")
-    for option, chosen, known in (("--configs", args.configs, CONFIGS), ("--modes", args.modes, MODES)):
-        if set(chosen) - set(known):
-            ap.error(f"unknown {option} {sorted(set(chosen) - set(known))}; choose from {known}")
     return args
 
 
 def main() -> None:
     args = parse_args()
-    dev, cuda = init_distributed()
-    rank = dist.get_rank()
-    n_params = count_params(args)
-    meta = gpt_meta(args, dev, n_params)
-    if rank == 0:
-        print(describe(meta, args), flush=True)
-        if not cuda and "captured" in args.modes:
-            print("captured mode skipped: CUDA graphs need CUDA (this run is eager only, capturable=False)",
-                  flush=True)
+    dev, cuda, n_params, meta = start_gpt(args)
+    if not cuda and "captured" in args.modes:
+        say("captured mode skipped: CUDA graphs need CUDA (this run is eager only, capturable=False)")
     # (config, mode) in order: the reference first, each captured run after its eager one
     modes = [m for m in MODES if m in args.modes and (cuda or m == "eager")]
     runs = [(c, m) for c in CONFIGS if c in args.configs for m in (["eager"] if c == REFERENCE else modes)]
@@ -290,22 +227,19 @@ def main() -> None:
         for config, mode in runs:
             r = run_one(config, mode, batch, args, dev, n_params)
             results.append(r)
-            if rank == 0:
-                status = (f"failed: {r['error']}" if r["error"] else
-                          f"{r['ms']:.1f} ms/iter, host {r['host_ms']:.2f} ms/iter, "
-                          f"loss {r['loss_first']:.4f} -> {r['loss_last']:.4f}")
-                print(f"{config} {mode} batch {batch}: {status}", flush=True)
+            say(f"{config} {mode} batch {batch}: " + (f"failed: {r['error']}" if r["error"] else
+                f"{r['ms']:.1f} ms/iter, host {r['host_ms']:.2f} ms/iter, "
+                f"loss {r['loss_first']:.4f} -> {r['loss_last']:.4f}"))
     add_ratios(results)
     failed = failures(results)
-    if rank == 0:
-        print()
-        print(table(results))
-        compared = sum(r.get("loss_matches_eager") is not None for r in results)
-        print("\n".join(failed) or "every loss finite and falling" + (
-            f"; {compared} captured runs within {LOSS_TOLERANCE} of their eager runs' losses" if compared else ""))
+    compared = sum(r.get("loss_matches_eager") is not None for r in results)
+    say("", table(results), "\n".join(failed) or "every loss finite and falling" + (
+        f"; {compared} captured runs within {LOSS_TOLERANCE} of their eager runs' losses" if compared else ""))
+    rank0 = dist.get_rank() == 0
+    if rank0:
         write_json(args.out, meta=meta, results=results)
     dist.destroy_process_group()
-    if rank == 0 and failed:
+    if rank0 and failed:
         sys.exit(1)
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import functools
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -30,10 +29,9 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 import shardadam
-from harness import (agree_on_error, attempt, describe, fmt, gpt_meta, init_distributed, losses_ok, max_over_ranks,
-                     md_table, optimizer_bytes, pct, write_json)
-from models import FULL, add_size_args, autocast, build_model, count_params, fill_defaults, make_batch
-from timing import Stopwatch, free, sync
+from harness import add_run_args, choose, fmt, memory_figures, pct, results_table, run_case, say, start_gpt, write_json
+from models import FULL, add_size_args, autocast, build_model, fill_defaults, make_batch
+from timing import timed_calls
 
 IMPLS = ("ddp_fused", "fsdp2", "zero1", "shardadam", "shardadam_contiguous_grads", "shardadam_contiguous_masters",
          "shardadam_nccl_grads", "shardadam_nccl")
@@ -102,7 +100,7 @@ BUILDERS = {BASELINE: build_compute_only, "ddp_fused": build_ddp_fused, "fsdp2":
 
 def make_iteration(module, opt, inputs, targets, cuda: bool):
     """One training iteration, marked after backward and after the optimizer step."""
-    def iteration(watch: Stopwatch) -> torch.Tensor:
+    def iteration(watch) -> torch.Tensor:
         watch.mark()
         with autocast(cuda):
             loss = F.cross_entropy(module(inputs).flatten(0, 1), targets.flatten())
@@ -115,56 +113,23 @@ def make_iteration(module, opt, inputs, targets, cuda: bool):
     return iteration
 
 
-def measure(iteration, cuda: bool, iters: int) -> dict:
-    """WARMUP iterations, then `iters` timed ones: median ms per iteration and per
-    phase (forward+backward, step), the wall-clock mean over the timed loop
-    (synchronised around it), and every iteration's loss."""
-    losses, watches = [], []
-    for i in range(WARMUP + iters):
-        if i == WARMUP:
-            sync(cuda)
-            t0 = time.perf_counter()
-        watch = Stopwatch(cuda)
-        losses.append(iteration(watch))
-        watches.append(watch)
-    sync(cuda)
-    wall = (time.perf_counter() - t0) * 1e3 / iters
-    laps = [w.laps_ms() for w in watches[WARMUP:]]
-    fwd_bwd, step = (statistics.median(col) for col in zip(*laps))
-    return dict(ms=statistics.median(sum(lap) for lap in laps), fwd_bwd_ms=fwd_bwd, step_ms=step,
-                wall_ms=wall, losses=torch.stack(losses).float().tolist())
-
-
 def run_one(name: str, batch: int, args, dev: torch.device, n_params: int) -> dict:
-    """Build `name` on a fresh model, train it, and report its figures."""
+    """Build `name` on a fresh model and train it: WARMUP iterations, then
+    `iters` timed ones: median ms per iteration and per phase (forward+backward,
+    step), the wall-clock mean over the timed loop, memory and losses."""
     cuda = dev.type == "cuda"
-    free(cuda)
 
     def train():
         module, opt = BUILDERS[name](build_model(args, dev), args, cuda)
         inputs, targets = make_batch(args, batch, dev)
-        timing = measure(make_iteration(module, opt, inputs, targets, cuda), cuda, args.iters)
+        laps, wall, losses = timed_calls(make_iteration(module, opt, inputs, targets, cuda), cuda, args.iters,
+                                         WARMUP)
         if isinstance(opt, shardadam.DistributedFusedAdam):
             opt.param_sync()  # overlap_param_sync leaves the last all-gathers running
-        return opt, timing
-    out, error = attempt(train)
-    result = dict(impl=name, batch=batch, error=agree_on_error(error, dev))
-    if result["error"]:
-        return result
-    opt, timing = out
-    sync(cuda)
-    # Between iterations (gradients freed): parameters, optimizer states, buffers.
-    resident = torch.cuda.memory_allocated() if cuda else 0
-    peak = torch.cuda.max_memory_allocated() if cuda else 0
-    ms, fwd_bwd, step, wall, opt_bytes, peak, resident = max_over_ranks(
-        [timing["ms"], timing["fwd_bwd_ms"], timing["step_ms"], timing["wall_ms"], optimizer_bytes(opt), peak,
-         resident], dev)
-    losses = timing["losses"]  # rank 0's: each rank has its own batch
-    result.update(ms=ms, fwd_bwd_ms=fwd_bwd, step_ms=step, wall_ms=wall, opt_bytes_per_param=opt_bytes / n_params,
-                  peak_gib=peak / 2**30 if cuda else None,
-                  resident_bytes_per_param=resident / n_params if cuda else None,
-                  loss_first=losses[0], loss_last=losses[-1], loss_ok=losses_ok(losses))
-    return result
+        fwd_bwd, step = (statistics.median(col) for col in zip(*laps))
+        return dict(ms=statistics.median(sum(lap) for lap in laps), fwd_bwd_ms=fwd_bwd, step_ms=step, wall_ms=wall,
+                    **memory_figures(opt, cuda)), torch.stack(losses).float().tolist()
+    return run_case(dict(impl=name, batch=batch), train, dev, n_params)
 
 
 def add_ratios(results: list[dict], world: int) -> None:
@@ -183,12 +148,10 @@ def add_ratios(results: list[dict], world: int) -> None:
 
 
 def table(results: list[dict]) -> str:
-    rows = [[r["impl"], r["batch"], f"failed: {r['error']}", "", "", "", "", ""] if r["error"] else
-            [r["impl"], r["batch"], f"{r['ms']:.1f}", fmt(r["vs_ddp"], ".3f"), fmt(r["peak_gib"], ".2f"),
-             f"{r['opt_bytes_per_param']:.2f}", fmt(r["resident_bytes_per_param"], ".2f"), pct(r["exposed_comm"])]
-            for r in results]
-    return md_table(["impl", "batch", "ms/iter", "vs DDP", "peak GiB", "opt B/param", "resident B/param",
-                     "exposed comm"], rows)
+    return results_table(results, ["impl", "batch"], [
+        ("ms/iter", "ms", ".1f"), ("vs DDP", "vs_ddp", ".3f"), ("peak GiB", "peak_gib", ".2f"),
+        ("opt B/param", "opt_bytes_per_param", ".2f"), ("resident B/param", "resident_bytes_per_param", ".2f"),
+        ("exposed comm", lambda r: pct(r["exposed_comm"]), None)])
 
 
 def goals(results: list[dict], world: int) -> list[str]:
@@ -212,44 +175,30 @@ def parse_args():
     ap.add_argument("--batches", help="batch sizes per GPU, comma-separated (default 4,8)")
     ap.add_argument("--iters", type=int, help=f"timed iterations after {WARMUP} warm-up ones (default 10)")
     ap.add_argument("--impls", default=",".join(IMPLS), help="comma-separated subset of " + ",".join(IMPLS))
-    ap.add_argument("--lr", type=float, default=1e-4)
-    ap.add_argument("--bucket-cap-mb", type=float, help="DistributedFusedAdam's bucket size in MiB (default 100)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", help="write the results here as JSON")
+    add_run_args(ap)
     args = ap.parse_args()
     fill_defaults(args, FULL)
     args.batches = [int(b) for b in args.batches.split(",")]
-    args.impls = args.impls.split(",")
+    args.impls = choose(ap, args.impls, IMPLS, "--impls")
     if args.iters < 1:
         ap.error("--iters must be at least 1")
-    if set(args.impls) - set(IMPLS):
-        ap.error(f"unknown --impls {sorted(set(args.impls) - set(IMPLS))}; choose from {IMPLS}")
     return args
 
 
 def main() -> None:
     args = parse_args()
-    dev, cuda = init_distributed()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    n_params = count_params(args)
-    meta = gpt_meta(args, dev, n_params)
-    if rank == 0:
-        print(describe(meta, args), flush=True)
+    dev, cuda, n_params, meta = start_gpt(args)
     results = []
     for batch in args.batches:
         for name in [BASELINE] + args.impls:
             r = run_one(name, batch, args, dev, n_params)
             results.append(r)
-            if rank == 0:
-                status = (f"failed: {r['error']}" if r["error"] else
-                          f"{r['ms']:.1f} ms/iter, loss {r['loss_first']:.4f} -> {r['loss_last']:.4f}"
-                          f"{'' if r['loss_ok'] else '  (loss not finite, or not falling)'}")
-                print(f"{name} batch {batch}: {status}", flush=True)
-    add_ratios(results, world)
-    if rank == 0:
-        print()
-        print(table(results))
-        print("\n".join(goals(results, world)))
+            say(f"{name} batch {batch}: " + (f"failed: {r['error']}" if r["error"] else
+                f"{r['ms']:.1f} ms/iter, loss {r['loss_first']:.4f} -> {r['loss_last']:.4f}"
+                f"{'' if r['loss_ok'] else '  (loss not finite, or not falling)'}"))
+    add_ratios(results, dist.get_world_size())
+    say("", table(results), *goals(results, dist.get_world_size()))
+    if dist.get_rank() == 0:
         write_json(args.out, meta=meta, results=results)
     dist.destroy_process_group()
 

@@ -26,10 +26,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import shardadam
-from harness import describe, gpt_meta, init_distributed
-from models import FULL, add_size_args, autocast, build_model, count_params, fill_defaults, make_batch
+from harness import add_run_args, say, start_gpt
+from models import FULL, add_size_args, autocast, build_model, fill_defaults, make_batch
 from shardadam.distributed._first_use import FirstUseGuard
-from timing import sync
+from timing import timed_calls
 
 VARIANTS = ("no_overlap", "hooks_only", "hooks_and_guard", "guard_only")
 WARMUP = 3
@@ -48,31 +48,29 @@ def build(variant: str, args, dev: torch.device):
 
 
 def run(variant: str, args, dev: torch.device, cuda: bool) -> dict:
+    """Host ms of zero_grad(), the forward and step() (medians), each
+    iteration from an idle device, and the last loss."""
     model, opt = build(variant, args, dev)
     inputs, targets = make_batch(args, args.batch, dev)
-    times = {"step": [], "zero_grad": [], "forward": []}
-    for i in range(WARMUP + args.iters):
-        sync(cuda)
-        t0 = time.perf_counter()
+
+    def iteration(watch) -> torch.Tensor:
+        watch.mark()
         opt.zero_grad()
-        t1 = time.perf_counter()
+        watch.mark()
         with autocast(cuda):
             logits = model(inputs)
-        t2 = time.perf_counter()
+        watch.mark()
         with autocast(cuda):
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
         loss.backward()
-        t3 = time.perf_counter()
+        watch.mark()
         opt.step()
-        t4 = time.perf_counter()
-        if i >= WARMUP:
-            times["zero_grad"].append(t1 - t0)
-            times["forward"].append(t2 - t1)
-            times["step"].append(t4 - t3)
+        watch.mark()
+        return loss
+    laps, _, losses = timed_calls(iteration, cuda, args.iters, WARMUP, idle=True, host=True)
     opt.param_sync()
-    result = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-    result["loss_last"] = loss.item()
-    return result
+    zero_grad, forward, _, step = (statistics.median(col) for col in zip(*laps))
+    return dict(step=step, zero_grad=zero_grad, forward=forward, loss_last=losses[-1].item())
 
 
 def per_parameter_costs(count: int = 300, rounds: int = 30) -> dict:
@@ -107,27 +105,23 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_size_args(ap)
     ap.add_argument("--batch", type=int, default=4, help="batch size per rank")
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--iters", type=int, default=10, help=f"timed iterations after {WARMUP} warm-up ones")
-    ap.add_argument("--bucket-cap-mb", type=float, help="bucket size in MiB (default 100; --tiny 0.1)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
+    add_run_args(ap, lr=None, buckets="bucket size in MiB (default 100; --tiny 0.1)", out=None)
     args = ap.parse_args()
     fill_defaults(args, FULL, ("d_model", "layers", "heads", "vocab", "seq", "bucket_cap_mb"))
-    dev, cuda = init_distributed()
+    dev, cuda, _, _ = start_gpt(args)
     if dist.get_rank() == 0:
-        print(describe(gpt_meta(args, dev, count_params(args)), args), flush=True)
         costs = per_parameter_costs()
-        print("guard, us per parameter: " + ", ".join(f"{k} {v:.2f}" for k, v in costs.items()), flush=True)
-        print(f"{'variant':<16} {'step ms':>9} {'zero_grad ms':>13} {'forward ms':>11} {'last loss':>10}")
+        say("guard, us per parameter: " + ", ".join(f"{k} {v:.2f}" for k, v in costs.items()),
+            f"{'variant':<16} {'step ms':>9} {'zero_grad ms':>13} {'forward ms':>11} {'last loss':>10}")
     results = {}
     for variant in args.variants.split(","):
         r = results[variant] = run(variant, args, dev, cuda)
-        if dist.get_rank() == 0:
-            print(f"{variant:<16} {r['step']:9.3f} {r['zero_grad']:13.3f} {r['forward']:11.3f} {r['loss_last']:10.4f}",
-                  flush=True)
-    if dist.get_rank() == 0 and {"hooks_only", "hooks_and_guard"} <= results.keys():
-        print(f"forward with the guard / without: "
-              f"{results['hooks_and_guard']['forward'] / results['hooks_only']['forward']:.3f}x")
+        say(f"{variant:<16} {r['step']:9.3f} {r['zero_grad']:13.3f} {r['forward']:11.3f} {r['loss_last']:10.4f}")
+    if {"hooks_only", "hooks_and_guard"} <= results.keys():
+        say(f"forward with the guard / without: "
+            f"{results['hooks_and_guard']['forward'] / results['hooks_only']['forward']:.3f}x")
     dist.destroy_process_group()
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -29,10 +28,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import shardadam
 from bench_distributed import WARMUP, WEIGHT_DECAY
-from harness import (agree_on_error, attempt, describe, fmt, gpt_meta, init_distributed, losses_ok, max_over_ranks,
-                     md_table, optimizer_bytes, write_json)
-from models import FULL, add_size_args, build_model, count_params, fill_defaults, lm_loss, make_batch
-from timing import free, interleaved, sync
+from harness import add_run_args, optimizer_bytes, results_table, run_case, say, start_gpt, write_json
+from models import FULL, add_size_args, build_model, fill_defaults, lm_loss, make_batch
+from timing import interleaved, sync, timed_calls
 
 REFERENCE = "torch_fused"
 OPTIMIZERS = {
@@ -59,51 +57,36 @@ def forward_backward(model, inputs, targets) -> torch.Tensor:
     return loss.detach()
 
 
-def measure(model, opt, inputs, targets, cuda: bool, iters: int) -> dict:
-    """WARMUP iterations, then `iters` with the step timed alone, then `iters`
-    back to back. Returns ms figures and the losses."""
-    losses, steps, hosts = [], [], []
-    for i in range(WARMUP + iters):
-        losses.append(forward_backward(model, inputs, targets))
-        sync(cuda)  # backward's reduce-scatters are done: the clock sees the step only
-        t0 = time.perf_counter()
-        opt.step()
-        t1 = time.perf_counter()
-        sync(cuda)
-        t2 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        if i >= WARMUP:
-            hosts.append((t1 - t0) * 1e3)
-            steps.append((t2 - t0) * 1e3)
-    sync(cuda)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        losses.append(forward_backward(model, inputs, targets))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    sync(cuda)
-    return dict(step_ms=statistics.median(steps), step_host_ms=statistics.median(hosts),
-                iter_ms=(time.perf_counter() - t0) * 1e3 / iters, losses=torch.stack(losses).float().tolist())
-
-
 def run_one(name: str, args, dev: torch.device, cuda: bool, n_params: int) -> dict:
-    free(cuda)
-
+    """WARMUP iterations, then `iters` with the step timed alone (host clock,
+    synchronised before and after it; step_host: until step() returned), then
+    `iters` back to back. Returns ms figures and the losses."""
     def run():
         model, opt = build(name, args, dev, cuda)
         inputs, targets = make_batch(args, args.batch, dev)
-        return measure(model, opt, inputs, targets, cuda, args.iters), optimizer_bytes(opt)
-    out, error = attempt(run)
-    result = dict(impl=name, error=agree_on_error(error, dev))
-    if result["error"]:
-        return result
-    timing, opt_bytes = out
-    step, host, iteration, opt_bytes = max_over_ranks(
-        [timing["step_ms"], timing["step_host_ms"], timing["iter_ms"], opt_bytes], dev)
-    losses = timing["losses"]  # rank 0's: each rank has its own batch
-    result.update(step_ms=step, step_host_ms=host, iter_ms=iteration, opt_bytes_per_param=opt_bytes / n_params,
-                  loss_first=losses[0], loss_last=losses[-1], loss_ok=losses_ok(losses))
-    return result
+
+        def timed_step(watch) -> torch.Tensor:
+            loss = forward_backward(model, inputs, targets)
+            sync(cuda)  # backward's reduce-scatters are done: the clock sees the step only
+            watch.mark()
+            opt.step()
+            watch.mark()
+            sync(cuda)
+            watch.mark()
+            opt.zero_grad(set_to_none=True)
+            return loss
+
+        def iteration(watch) -> torch.Tensor:
+            loss = forward_backward(model, inputs, targets)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+        laps, _, losses = timed_calls(timed_step, cuda, args.iters, WARMUP, host=True)
+        _, wall, more = timed_calls(iteration, cuda, args.iters)
+        return dict(step_ms=statistics.median(a + b for a, b in laps),
+                    step_host_ms=statistics.median(a for a, _ in laps), iter_ms=wall,
+                    opt_bytes=optimizer_bytes(opt)), torch.stack(losses + more).float().tolist()
+    return run_case(dict(impl=name), run, dev, n_params)
 
 
 def summarize(rounds: dict[str, list[dict]]) -> list[dict]:
@@ -128,16 +111,11 @@ def summarize(rounds: dict[str, list[dict]]) -> list[dict]:
     return summary
 
 
-# (header, summary key, format) of each column after the implementation's name
-COLUMNS = (("step ms", "step_ms", ".2f"), ("step host ms", "step_host_ms", ".2f"), ("iteration ms", "iter_ms", ".1f"),
-           ("step vs fused", "step_vs_torch_fused", ".3f"), ("iteration vs fused", "iter_vs_torch_fused", ".3f"),
-           ("opt B/param", "opt_bytes_per_param", ".2f"))
-
-
 def table(summary: list[dict]) -> str:
-    return md_table(["impl"] + [c[0] for c in COLUMNS], [
-        [s["impl"], f"failed: {s['error']}"] + [""] * (len(COLUMNS) - 1) if s["error"] else
-        [s["impl"]] + [fmt(s.get(key), spec) for _, key, spec in COLUMNS] for s in summary])
+    return results_table(summary, ["impl"], [
+        ("step ms", "step_ms", ".2f"), ("step host ms", "step_host_ms", ".2f"), ("iteration ms", "iter_ms", ".1f"),
+        ("step vs fused", "step_vs_torch_fused", ".3f"), ("iteration vs fused", "iter_vs_torch_fused", ".3f"),
+        ("opt B/param", "opt_bytes_per_param", ".2f")])
 
 
 def goals(summary: list[dict]) -> str:
@@ -156,9 +134,8 @@ def parse_args():
     ap.add_argument("--batch", type=int, help="sequences per GPU (default 4; --tiny 2)")
     ap.add_argument("--iters", type=int, help="timed iterations per phase after the warm-up (default 10; --tiny 3)")
     ap.add_argument("--rounds", type=int, help="interleaved rounds of every implementation (default 2; --tiny 1)")
-    ap.add_argument("--lr", type=float, default=1e-4)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", help="write the results here as JSON (e.g. benchmarks/results/bench_fsdp2_2xh200.json)")
+    add_run_args(ap, buckets=None,
+                 out="write the results here as JSON (e.g. benchmarks/results/bench_fsdp2_2xh200.json)")
     args = ap.parse_args()
     fill_defaults(args, dict(FULL, batch=4, iters=10, rounds=2), ["d_model", "layers", "heads", "vocab", "seq",
                                                                     "batch", "iters", "rounds"],
@@ -171,27 +148,18 @@ def parse_args():
 
 def main() -> None:
     args = parse_args()
-    dev, cuda = init_distributed(args.device)
-    rank = dist.get_rank()
-    n_params = count_params(args)
-    meta = gpt_meta(args, dev, n_params)
-    if rank == 0:
-        print(describe(meta, args) + f"; FSDP2, batch {args.batch}", flush=True)
+    dev, cuda, n_params, meta = start_gpt(args, args.device, f"; FSDP2, batch {args.batch}")
 
     def one(name):
         r = run_one(name, args, dev, cuda, n_params)
-        if rank == 0:
-            print(f"{name}: " + (f"failed: {r['error']}" if r["error"] else
-                                 f"step {r['step_ms']:.2f} ms (host {r['step_host_ms']:.2f}), iteration "
-                                 f"{r['iter_ms']:.1f} ms, loss {r['loss_first']:.4f} -> {r['loss_last']:.4f}"),
-                  flush=True)
+        say(f"{name}: " + (f"failed: {r['error']}" if r["error"] else
+                           f"step {r['step_ms']:.2f} ms (host {r['step_host_ms']:.2f}), iteration "
+                           f"{r['iter_ms']:.1f} ms, loss {r['loss_first']:.4f} -> {r['loss_last']:.4f}"))
         return r
     rounds = interleaved({name: (lambda name=name: one(name)) for name in OPTIMIZERS}, args.rounds)
     summary = summarize(rounds)
-    if rank == 0:
-        print()
-        print(table(summary))
-        print(goals(summary))
+    say("", table(summary), goals(summary))
+    if dist.get_rank() == 0:
         write_json(args.out, meta=meta, summary=summary, rounds=[[rounds[n][k] for n in rounds]
                                                                  for k in range(args.rounds)])
     dist.destroy_process_group()

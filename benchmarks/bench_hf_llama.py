@@ -9,7 +9,7 @@ A LlamaForCausalLM of about 1B parameters from its config, trained three ways
 from the same seed on the same batches of Python source bytes (bf16 autocast,
 clipping, AdamW lr 3e-4): DistributedFusedAdam (both overlaps, contiguous
 parameter buffer, store_params=False), DDP and FSDP2 with AdamW(fused=True).
-Rank 0 writes every step's loss to --out; plot_hf_llama.py draws the curves.
+Rank 0 writes every step's loss to --out; svg.py draws the curves.
 
     torchrun --standalone --nproc_per_node 2 benchmarks/bench_hf_llama.py \\
         --out benchmarks/results/bench_hf_llama_2xh200.json
@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from train import corpus  # noqa: E402
 
 import shardadam  # noqa: E402
-from harness import write_json  # noqa: E402
+from harness import choose, init_distributed, say, write_json  # noqa: E402
 from timing import sync  # noqa: E402
 
 RUNS = ("shardadam", "ddp", "fsdp2")
@@ -144,34 +144,25 @@ def main() -> None:
     args.steps = args.steps or (12 if args.tiny else 200)
     args.warmup = args.warmup if args.warmup is not None else (2 if args.tiny else 10)
     args.seq = args.seq or (64 if args.tiny else 2048)
-    runs = args.runs.split(",")
-    unknown = set(runs) - set(RUNS)
-    if unknown:
-        parser.error(f"--runs: unknown {sorted(unknown)}; choose from {','.join(RUNS)}")
-    cuda = args.device == "cuda"
-    dist.init_process_group("nccl" if cuda else "gloo")
+    runs = choose(parser, args.runs, RUNS, "--runs")
+    if args.device == "cpu":
+        torch.set_num_threads(1)
+    device, cuda = init_distributed(args.device)
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.global_batch % world:
         parser.error(f"--global-batch {args.global_batch} must be a multiple of the {world} ranks")
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank))) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(1)
     config = llama_config(args.tiny)
     text = corpus(4_000_000 if not args.tiny else 200_000).encode("utf-8", errors="replace")
     tokens = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
     results = {}
     for run in runs:
-        results[run] = train(run, args, config, tokens, rank, world, device)
-        if rank == 0:
-            r = results[run]
-            memory = f", peak {r['peak_memory_gib']:.1f} GiB" if r["peak_memory_gib"] is not None else ""
-            print(f"{run:>9}: {r['tokens_per_s']:,.0f} tokens/s ({r['step_ms']:.1f} ms/step){memory}, "
-                  f"loss {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}", flush=True)
-    if rank == 0 and "ddp" in results:
-        print("tokens/s vs DDP: " + ", ".join(f"{run} {r['tokens_per_s'] / results['ddp']['tokens_per_s']:.3f}x"
-                                              for run, r in results.items()))
+        r = results[run] = train(run, args, config, tokens, rank, world, device)
+        memory = f", peak {r['peak_memory_gib']:.1f} GiB" if r["peak_memory_gib"] is not None else ""
+        say(f"{run:>9}: {r['tokens_per_s']:,.0f} tokens/s ({r['step_ms']:.1f} ms/step){memory}, "
+            f"loss {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}")
+    if "ddp" in results:
+        say("tokens/s vs DDP: " + ", ".join(f"{run} {r['tokens_per_s'] / results['ddp']['tokens_per_s']:.3f}x"
+                                            for run, r in results.items()))
     if rank == 0:
         params = sum(p.numel() for p in build_model(config, torch.device("meta")).parameters())
         meta = dict(world=world, device=torch.cuda.get_device_name(device) if cuda else "cpu",

@@ -23,27 +23,19 @@ import torch
 
 import shardadam
 from harness import rss_bytes
-from models import build_model, lm_loss
+from models import BLOCKWISE8, FULL, STOCHASTIC, add_size_args, build_model, lm_loss
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def optimizer_options(args) -> dict:
-    options = dict(state_device="cpu")
-    if args.states == "8-bit":
-        options.update(exp_avg_dtype=shardadam.BLOCKWISE8, exp_avg_sq_dtype=shardadam.BLOCKWISE8)
-    if args.param_dtype == "bf16":
-        options.update(bf16_stochastic_round=True, stochastic_round_seed=0)
-    return options
+    return dict(state_device="cpu", **(BLOCKWISE8 if args.states == "8-bit" else {}),
+                **(STOCHASTIC if args.param_dtype == "bf16" else {}))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--d-model", type=int, required=True)
-    ap.add_argument("--layers", type=int, required=True)
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--vocab", type=int, default=50304)
-    ap.add_argument("--seq", type=int, default=1024)
+    add_size_args(ap, None, dict(FULL, heads=32))
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--param-dtype", choices=sorted(DTYPES), default="fp32")
     ap.add_argument("--states", choices=["fp32", "8-bit"], default="fp32")

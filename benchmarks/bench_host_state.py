@@ -14,7 +14,7 @@ torchrun, else a one-rank NCCL group) stepped during backward
 (host_step_in_backward=True). --torchao also times torchao's
 CPUOffloadOptimizer for fp32. --timeline records one host-state iteration
 (forward and backward, each copy and CPU step, ms from its start) for
-plot_host_timeline.py. GPU only.
+svg.py. GPU only.
 
     python benchmarks/bench_host_state.py --d-model 2048 --layers 24 --out host.json --timeline tl.json
     python benchmarks/bench_host_state.py --optimizer distributed --kinds fp32 --out host_dist.json
@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 
 import shardadam
-from harness import write_json
-from models import build_model, lm_loss
+from harness import init_distributed, init_one_rank, write_json
+from models import BLOCKWISE8, FULL, add_size_args, build_model, lm_loss
 from shardadam import _fused_buckets, _host_state
 from shardadam._rules import AdamRule
 from shardadam.distributed import _host_shards
@@ -45,12 +45,7 @@ def timed(fn, reps: int, warmup: int) -> float:
     return median_ms(fn, "cuda", reps, warmup)
 
 
-def kind_options(kind: str) -> dict:
-    if kind == "fp32":
-        return {}
-    if kind == "8-bit":
-        return dict(exp_avg_dtype=shardadam.BLOCKWISE8, exp_avg_sq_dtype=shardadam.BLOCKWISE8)
-    raise ValueError(kind)
+KIND_OPTIONS = {"fp32": {}, "8-bit": BLOCKWISE8}
 
 
 class Transfers:
@@ -159,12 +154,8 @@ def record_timeline(run, distributed: bool) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--d-model", type=int, default=2048)
-    ap.add_argument("--layers", type=int, default=24)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--vocab", type=int, default=50304)
-    ap.add_argument("--seq", type=int, default=1024)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_size_args(ap, None, FULL)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--kinds", default="fp32,8-bit")
     ap.add_argument("--optimizer", choices=("fused", "distributed"), default="fused")
@@ -177,12 +168,10 @@ def main() -> None:
     args = ap.parse_args()
 
     distributed = args.optimizer == "distributed"
-    if distributed:
-        if "WORLD_SIZE" in os.environ:  # torchrun
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-            dist.init_process_group("nccl")
-        else:
-            dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
+    if distributed and "WORLD_SIZE" in os.environ:  # torchrun: one rank per GPU
+        init_distributed("cuda")
+    elif distributed:
+        init_one_rank("cuda")
     model = build_model(args, "cpu").cuda()
     params = list(model.parameters())
     numel = sum(p.numel() for p in params)
@@ -200,8 +189,8 @@ def main() -> None:
 
     def make(kind: str, **extra):
         if distributed:
-            return shardadam.DistributedFusedAdam(params, lr=1e-5, **kind_options(kind), **extra)
-        return shardadam.FusedAdam(params, lr=1e-5, **kind_options(kind), **extra)
+            return shardadam.DistributedFusedAdam(params, lr=1e-5, **KIND_OPTIONS[kind], **extra)
+        return shardadam.FusedAdam(params, lr=1e-5, **KIND_OPTIONS[kind], **extra)
 
     ranks = dist.get_world_size() if distributed else 1
     result = dict(model=dict(d_model=args.d_model, layers=args.layers, params=numel, batch=args.batch,
@@ -244,7 +233,7 @@ def main() -> None:
             [torch.nn.Parameter(p.detach().cpu()) for p in params]
         for p in cpu_params:
             p.grad = torch.randn_like(p)
-        cpu_opt = shardadam.FusedAdam(cpu_params, lr=1e-5, **kind_options(kind))
+        cpu_opt = shardadam.FusedAdam(cpu_params, lr=1e-5, **KIND_OPTIONS[kind])
         t0 = time.perf_counter()
         cpu_opt.step()  # first step: plans and state
         row["host_step_first_ms"] = (time.perf_counter() - t0) * 1e3

@@ -13,9 +13,19 @@ foreach and mixed-precision paths move more; the same count is used for them,
 so bandwidth ratios equal time ratios. "Copy" is a large device-to-device
 copy_ (bytes read + written).
 
+--interleaved: CPU steps taken in turn with torch's, what a training loop
+sees. Goal (issue 2, CPU): shardadam's step at least as fast as torch fused
+AdamW's when each step starts right after torch's own CPU ops, whose OpenMP
+workers keep spinning for a while after each parallel region (libgomp's
+default wait policy) on the same cores. Judged by the speedup: torch fused's
+median ms over shardadam's (kernels.adam on a plan), the two stepping in
+turn, each on its own tensors (the CPU cases' sizes).
+
     python benchmarks/bench_kernels.py --device cuda --out bench.json --plot bench.png
     python benchmarks/bench_kernels.py --device cpu
     python benchmarks/bench_kernels.py --device all --quick      # smoke run
+    python benchmarks/bench_kernels.py --interleaved --reps 30
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_kernels.py --interleaved   # torch's workers sleep at once
 """
 from __future__ import annotations
 
@@ -30,7 +40,7 @@ import torch
 import shardadam
 from harness import md_table, run_meta, write_json
 from shardadam import kernels
-from timing import free, time_steps, time_wall_and_host
+from timing import clock_ms, free, interleaved, time_steps, time_wall_and_host
 
 LR, WD, BYTES_PER_ELEM = 1e-3, 1e-2, 28
 TORCH_FUSED, TORCH_FOREACH, SHARD, COPY = "torch fused", "torch foreach", "shardadam", "copy"
@@ -195,6 +205,21 @@ def run_cpu(quick: bool) -> list[dict]:
             case_many("cpu", many, 1000, cfg, copy)]
 
 
+def run_interleaved(quick: bool, reps: int) -> str:
+    """run_cpu's two cases (smaller with quick), torch's step and then
+    shardadam's, reps times after 3 warm-up rounds: the median ms of each."""
+    rows = []
+    for count, numel in [(16, 2 ** 12), (200, 100)] if quick else [(64, 2 ** 19), (20_000, 1000)]:
+        sizes = [numel] * count
+        steps = {"torch": torch_step(rand(sizes, "cpu"), rand(sizes, "cpu"), fused=True),
+                 "shardadam": shard_step(rand(sizes, "cpu"), rand(sizes, "cpu"))}
+        times = interleaved({name: functools.partial(clock_ms, fn) for name, fn in steps.items()}, reps + 3)
+        theirs, ours = (statistics.median(times[name][3:]) for name in steps)
+        rows.append([f"fp32, {count} x {numel}", f"{ours:.3f}", f"{theirs:.3f}", f"{theirs / ours:.2f}x"])
+        del steps
+    return md_table(["case", "shardadam ms", "torch fused ms", "speedup"], rows)
+
+
 # ---------------------------------------------------------------- report
 
 def markdown(cases: list[dict]) -> str:
@@ -242,7 +267,13 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
     ap.add_argument("--out", help="write all figures as JSON here")
     ap.add_argument("--plot", help="write a bandwidth bar chart (PNG) here")
+    ap.add_argument("--interleaved", action="store_true", help="only the CPU steps in turn with torch's")
+    ap.add_argument("--reps", type=int, default=30, help="--interleaved: timed rounds")
     args = ap.parse_args()
+    if args.interleaved:
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+        print(run_interleaved(args.quick, args.reps))
+        return
     devices = ["cpu", "cuda"] if args.device == "all" else [args.device]
     if "cuda" in devices and not torch.cuda.is_available():
         if args.device == "cuda":

@@ -27,7 +27,7 @@ import torch
 from harness import md_table, run_meta, write_json
 from shardadam import FusedMuon
 from shardadam._newton_schulz import newton_schulz_
-from timing import median_ms
+from timing import capture_graph, median_ms
 
 D_MODEL, FFN, VOCAB = 2048, 8192, 50304
 NS_COEFFICIENTS, NS_STEPS = (3.4445, -4.775, 2.0315), 5
@@ -65,17 +65,7 @@ def step_ms(build, layers: int, dtype, steps: int, graph: bool) -> float:
             o.step()
 
     step()  # the state is allocated
-    run = step
-    if graph:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        captured = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(captured):
-            step()
-        run = captured.replay
+    run = capture_graph(step, 1)[0].replay if graph else step
     return median_ms(run, torch.device("cuda"), steps, warmup=3)
 
 

@@ -18,8 +18,8 @@ import torch.nn as nn
 
 import shardadam
 from harness import held_tensors, md_table, model_buffer_storages
+from models import BLOCKWISE8, FP8
 
-B8 = shardadam.BLOCKWISE8
 BUFFERS = dict(contiguous_param_buffer=True, contiguous_grad_buffer=True)
 CONFIGS = {
     "fp32 params, fp32 state": dict(param_dtype=torch.float32),
@@ -31,15 +31,13 @@ CONFIGS = {
     "fp32 params, contiguous param + grad buffers": dict(param_dtype=torch.float32, **BUFFERS),
     "fp32 params, contiguous buffers, store_params=True": dict(param_dtype=torch.float32, store_params=True,
                                                               **BUFFERS),
-    "fp32 params, contiguous buffers, FP8 states": dict(param_dtype=torch.float32, exp_avg_dtype=torch.uint8,
-                                                       exp_avg_sq_dtype=torch.uint8, **BUFFERS),
-    "fp32 params, contiguous buffers, 8-bit blockwise states": dict(param_dtype=torch.float32, exp_avg_dtype=B8,
-                                                                   exp_avg_sq_dtype=B8, **BUFFERS),
-    "bf16 params, stochastic rounding, 8-bit blockwise states": dict(
-        param_dtype=torch.bfloat16, bf16_stochastic_round=True, exp_avg_dtype=B8, exp_avg_sq_dtype=B8, **BUFFERS),
+    "fp32 params, contiguous buffers, FP8 states": dict(param_dtype=torch.float32, **FP8, **BUFFERS),
+    "fp32 params, contiguous buffers, 8-bit blockwise states": dict(param_dtype=torch.float32, **BLOCKWISE8,
+                                                                   **BUFFERS),
+    "bf16 params, stochastic rounding, 8-bit blockwise states": dict(param_dtype=torch.bfloat16,
+                                                                    bf16_stochastic_round=True, **BLOCKWISE8, **BUFFERS),
     "bf16 params, stochastic rounding, FP8 states": dict(param_dtype=torch.bfloat16, bf16_stochastic_round=True,
-                                                        exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8,
-                                                        **BUFFERS),
+                                                        **FP8, **BUFFERS),
 }
 
 

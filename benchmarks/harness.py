@@ -1,5 +1,6 @@
-"""What the benchmarks share around a run: process groups, run metadata, JSON
-and markdown output, failures every rank agrees on, optimizer memory."""
+"""What the benchmarks share around a run: process groups, command-line
+options, run metadata, JSON and markdown output, failures every rank agrees
+on, a case's figures over ranks, optimizer memory."""
 from __future__ import annotations
 
 import ctypes
@@ -19,7 +20,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import shardadam
+from models import count_params
 from shardadam.distributed import BucketRows
+from timing import free, is_cuda, sync
 
 
 # ------------------------------------------------------------------ process groups
@@ -85,6 +88,73 @@ def losses_ok(losses: list[float]) -> bool:
     return all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
 
 
+def memory_figures(opt, cuda: bool) -> dict:
+    """Between iterations (gradients freed): the optimizer's bytes, and this
+    rank's peak and resident (allocated) GPU memory, for run_case."""
+    sync(cuda)
+    return dict(opt_bytes=optimizer_bytes(opt), peak=torch.cuda.max_memory_allocated() if cuda else 0,
+                resident=torch.cuda.memory_allocated() if cuda else 0)
+
+
+def run_case(result: dict, fn, dev, n_params: int, keep_losses: bool = False) -> dict:
+    """`result` with what fn() measured on a freed device: fn returns (figures,
+    losses). A failure on any rank is every rank's ("error"). The figures are
+    maxima over ranks, memory_figures' as opt_bytes_per_param, peak_gib and
+    resident_bytes_per_param (None without CUDA); the losses (rank 0's: each
+    rank has its own batch) give loss_first, loss_last, loss_ok and, with
+    keep_losses, "losses"."""
+    free(dev)
+    out, error = attempt(fn)
+    result["error"] = agree_on_error(error, dev)
+    if result["error"]:
+        return result
+    figures, losses = out
+    figures = dict(zip(figures, max_over_ranks(list(figures.values()), dev)))
+    cuda = is_cuda(dev)
+    for key, name, scale in (("opt_bytes", "opt_bytes_per_param", 1 / n_params), ("peak", "peak_gib", 2**-30),
+                             ("resident", "resident_bytes_per_param", 1 / n_params)):
+        if key in figures:
+            value = figures.pop(key)
+            result[name] = value * scale if cuda or key == "opt_bytes" else None
+    result.update(figures)
+    if keep_losses:
+        result["losses"] = losses
+    result.update(loss_first=losses[0], loss_last=losses[-1], loss_ok=losses_ok(losses))
+    return result
+
+
+# ------------------------------------------------------------------ command line
+
+def choose(ap, value: str, known, option: str) -> list[str]:
+    """The comma-separated subset of `known` that `value` names; an unknown name stops the parser."""
+    chosen = value.split(",")
+    if set(chosen) - set(known):
+        ap.error(f"unknown {option} {sorted(set(chosen) - set(known))}; choose from {','.join(known)}")
+    return chosen
+
+
+def add_run_args(ap, lr: float | None = 1e-4, buckets: str | None = "DistributedFusedAdam's bucket size in MiB "
+                 "(default 100)", out: str | None = "write the results here as JSON") -> None:
+    """--lr, --bucket-cap-mb (its help: buckets), --seed and --out (its help: out), each unless None."""
+    if lr is not None:
+        ap.add_argument("--lr", type=float, default=lr)
+    if buckets is not None:
+        ap.add_argument("--bucket-cap-mb", type=float, help=buckets)
+    ap.add_argument("--seed", type=int, default=0)
+    if out is not None:
+        ap.add_argument("--out", help=out)
+
+
+def start_gpt(args, device: str | None = None, note: str = "") -> tuple[torch.device, bool, int, dict]:
+    """init_distributed, the GPT's parameter count and gpt_meta; rank 0 prints
+    the machine and the model (describe), then `note`."""
+    dev, cuda = init_distributed(device)
+    n_params = count_params(args)
+    meta = gpt_meta(args, dev, n_params)
+    say(describe(meta, args) + note)
+    return dev, cuda, n_params, meta
+
+
 # ------------------------------------------------------------------ metadata and output
 
 def run_meta(dev=None, **extra) -> dict:
@@ -112,6 +182,12 @@ def describe(meta: dict, args) -> str:
             f"vocab {args.vocab}, seq {args.seq}: {meta['params']:,} parameters")
 
 
+def say(*lines) -> None:
+    """Print on rank 0 (in every process without a process group), at once."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*lines, sep="\n", flush=True)
+
+
 def write_json(path, indent: int = 1, **data) -> None:
     if path:
         pathlib.Path(path).write_text(json.dumps(data, indent=indent))
@@ -131,6 +207,17 @@ def md_table(header: list[str], rows: list[list], align: str | None = None) -> s
     align = align or "l" + "r" * (len(header) - 1)
     rule = "|" + "|".join("---" if a == "l" else "---:" for a in align) + "|"
     return "\n".join(["| " + " | ".join(header) + " |", rule] + ["| " + " | ".join(map(str, r)) + " |" for r in rows])
+
+
+def results_table(results: list[dict], names: list[str], columns, align: str | None = None) -> str:
+    """A row per result: its `names` keys, then a cell per (header, key,
+    format) column: fmt(result[key], format), or key(result) where key is a
+    function; a result with an "error" says so in its first cell."""
+    def cells(r):
+        if r.get("error"):
+            return [f"failed: {r['error']}"] + [""] * (len(columns) - 1)
+        return [key(r) if callable(key) else fmt(r.get(key), spec) for _, key, spec in columns]
+    return md_table(names + [c[0] for c in columns], [[r[n] for n in names] + cells(r) for r in results], align)
 
 
 # ------------------------------------------------------------------ host memory

@@ -1,5 +1,6 @@
 """The models and data the benchmarks train: the GPT (default 1.4B
-parameters), GPT-2 medium's parameter shapes, and the size options."""
+parameters), GPT-2 medium's parameter shapes, the size options, and the
+optimizers' storage kinds."""
 from __future__ import annotations
 
 import contextlib
@@ -9,11 +10,27 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import shardadam
+
 # The tiny model's 135k parameters fill several 0.1 MiB buckets, some parameters
 # split across two, as the full model fills 100 MiB ones.
 FULL = dict(d_model=2048, layers=24, heads=16, vocab=50304, seq=1024, batches="4,8", iters=10, bucket_cap_mb=100)
 TINY = dict(d_model=64, layers=2, heads=4, vocab=256, seq=32, batches="2", iters=5, bucket_cap_mb=0.1)
 SIZE_KEYS = ("d_model", "layers", "heads", "vocab", "seq")
+
+# Storage kinds: name -> (parameter dtype, FusedAdam / DistributedFusedAdam options)
+FP8 = dict(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8)
+BLOCKWISE8 = dict(exp_avg_dtype=shardadam.BLOCKWISE8, exp_avg_sq_dtype=shardadam.BLOCKWISE8)
+STOCHASTIC = dict(bf16_stochastic_round=True, stochastic_round_seed=0)
+KINDS = {
+    "fp32": (torch.float32, {}),
+    "FP8 states": (torch.float32, FP8),
+    "FP8 exp_avg": (torch.float32, dict(exp_avg_dtype=torch.uint8)),
+    "8-bit blockwise states": (torch.float32, BLOCKWISE8),
+    "bf16 + fp32 masters": (torch.bfloat16, dict(master_weights=True)),
+    "bf16 stochastic rounding": (torch.bfloat16, STOCHASTIC),
+    "bf16 round to nearest": (torch.bfloat16, {}),
+}
 
 
 class Block(nn.Module):
@@ -105,13 +122,20 @@ def lm_loss(module, inputs: torch.Tensor, targets: torch.Tensor, cuda: bool) -> 
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
-def add_size_args(ap, tiny: dict = TINY, full: dict = FULL) -> None:
-    """--tiny and the GPT's size options."""
-    ap.add_argument("--tiny", action="store_true", help=f"smoke run, CPU or GPU: {tiny}")
-    for key, what in zip(SIZE_KEYS, ("model width", "transformer blocks", "attention heads", "vocabulary",
-                                     "sequence length")):
-        ap.add_argument(f"--{key.replace('_', '-')}", type=int,
-                        help=f"{what} (default {full[key]}; --tiny {tiny[key]})")
+def add_size_args(ap, tiny: dict | None = TINY, full: dict = FULL) -> None:
+    """The GPT's size options, and --tiny unless tiny is None (the defaults
+    then full's)."""
+    def default(key, what):
+        if tiny is None:
+            return dict(default=full[key], help=what)
+        return dict(help=f"{what} (default {full[key]}; --tiny {tiny[key]})")
+    if tiny is not None:
+        ap.add_argument("--tiny", action="store_true", help=f"smoke run, CPU or GPU: {tiny}")
+    ap.add_argument("--d-model", type=int, **default("d_model", "model width"))
+    ap.add_argument("--layers", type=int, **default("layers", "transformer blocks"))
+    ap.add_argument("--heads", type=int, **default("heads", "attention heads"))
+    ap.add_argument("--vocab", type=int, **default("vocab", "vocabulary"))
+    ap.add_argument("--seq", type=int, **default("seq", "sequence length"))
 
 
 def fill_defaults(args, full: dict = FULL, keys=None, tiny: dict = TINY) -> None:

@@ -20,21 +20,16 @@ import argparse
 import gc
 import pathlib
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
 import shardadam
-from harness import describe, fmt, gpt_meta, init_distributed, md_table, write_json
-from models import add_size_args, build_model, count_params, fill_defaults, lm_loss
-from quality_storage import KINDS
-
-EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
-sys.path.insert(0, str(EXAMPLES))
-from report import write_loss_csv, write_loss_svg  # noqa: E402
-from train import corpus, learning_rate, mean_over_ranks, param_groups, rank_slice, sample_batch  # noqa: E402
+from harness import fmt, start_gpt
+from models import KINDS, add_size_args, build_model, fill_defaults, lm_loss
+from quality_storage import kinds_arg, report, write_curves
+from train import corpus, learning_rate, mean_over_ranks, param_groups, rank_slice, sample_batch  # examples/
 
 # The kinds of quality_storage.py that DistributedFusedAdam takes as they are
 # (it keeps fp32 masters for bf16 parameters unless they round stochastically).
@@ -45,14 +40,13 @@ SIZES = dict(d_model=2048, layers=24, heads=16, vocab=50304, seq=1024)
 SMOOTH = 10  # steps per point of the plotted curves
 
 
-def write_plot(path: pathlib.Path, curves: dict[str, list[float]], title: str) -> None:
+def smoothed(curves: dict[str, list[float]]) -> dict[str, list[float]]:
     """The curves as running means over SMOOTH steps (one step's loss on a
     batch of a few sequences is noisy), values above the first loss drawn at
     it so that a diverging kind leaves the others readable."""
     cap = max(c[0] for c in curves.values())
     windows = {name: [c[max(0, i + 1 - SMOOTH):i + 1] for i in range(len(c))] for name, c in curves.items()}
-    shown = {name: [min(cap, sum(w) / len(w)) for w in ws] for name, ws in windows.items()}
-    write_loss_svg(path, f"{title}; running mean of {SMOOTH} steps, capped at the first loss", shown)
+    return {name: [min(cap, sum(w) / len(w)) for w in ws] for name, ws in windows.items()}
 
 
 def train_kind(name: str, args, data: torch.Tensor, dev: torch.device, cuda: bool) -> dict:
@@ -103,35 +97,24 @@ def main() -> None:
     ap.add_argument("--out", type=pathlib.Path, help="rank 0 writes <out>.csv, <out>.svg and <out>.json")
     args = ap.parse_args()
     fill_defaults(args, SIZES, keys=SIZES)
-    kinds = args.kinds.split(",")
-    unknown = [k for k in kinds if k not in DISTRIBUTED_KINDS]
-    if unknown or "fp32" not in kinds:
-        ap.error(f"--kinds: unknown {unknown}, or fp32 (the reference) missing")
+    kinds = kinds_arg(ap, args.kinds, DISTRIBUTED_KINDS)
     if args.steps < 10:
         ap.error("--steps must be at least 10 (the final loss is the mean of the last tenth)")
     args.log_every = max(1, args.steps // 10)
-    dev, cuda = init_distributed()
+    dev, cuda, _, meta = start_gpt(args)
     data = torch.frombuffer(bytearray(corpus(args.chars).encode()), dtype=torch.uint8).long()
-    meta = gpt_meta(args, dev, count_params(args))
-    rank0 = dist.get_rank() == 0
-    if rank0:
-        print(describe(meta, args), flush=True)
     runs = {name: train_kind(name, args, data, dev, cuda) for name in kinds}
-    tail = max(1, args.steps // 10)
-    final = {name: sum(r["losses"][-tail:]) / tail for name, r in runs.items()}
-    if rank0:
-        print(f"\nfinal loss (mean of the last {tail} steps), {args.steps} steps, {dist.get_world_size()} ranks:")
-        print(md_table(["storage", "final loss", "vs fp32", "ms / step", "peak GiB (rank 0)"], [
-            [name, f"{loss:.4f}", f"{loss / final['fp32'] - 1:+.2%}", f"{runs[name]['ms']:.1f}",
-             fmt(runs[name]["peak_gib"], ".1f")] for name, loss in final.items()]))
+    if dist.get_rank() == 0:
+        curves = {name: r["losses"] for name, r in runs.items()}
+        final = report(curves, args.steps, f", {dist.get_world_size()} ranks", {
+            "ms / step": [f"{r['ms']:.1f}" for r in runs.values()],
+            "peak GiB (rank 0)": [fmt(r["peak_gib"], ".1f") for r in runs.values()]})
         if args.out:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            curves = {name: r["losses"] for name, r in runs.items()}
-            write_loss_csv(args.out.with_suffix(".csv"), curves)
-            write_plot(args.out.with_suffix(".svg"), curves, f"GPT {meta['params'] / 1e9:.2f}B, {args.steps} steps, "
-                       f"{meta['world_size']} x {meta['device']}, DistributedFusedAdam")
-            summary = {name: dict(final=final[name], ms=r["ms"], peak_gib=r["peak_gib"]) for name, r in runs.items()}
-            write_json(args.out.with_suffix(".json"), indent=2, meta=meta, kinds=summary)
+            title = f"GPT {meta['params'] / 1e9:.2f}B, {args.steps} steps, {meta['world_size']} x {meta['device']}"
+            write_curves(args.out, curves, f"{title}, DistributedFusedAdam; running mean of {SMOOTH} steps, capped at "
+                         "the first loss", smoothed(curves), meta=meta,
+                         kinds={name: dict(final=final[name], ms=r["ms"], peak_gib=r["peak_gib"])
+                                for name, r in runs.items()})
     dist.destroy_process_group()
 
 

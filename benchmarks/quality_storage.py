@@ -23,23 +23,43 @@ import sys
 import torch
 
 import shardadam
-from harness import md_table, run_meta, write_json
+from harness import choose, md_table, run_meta, write_json
+from models import KINDS
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 from report import write_loss_csv, write_loss_svg  # noqa: E402
 from train import corpus, train  # noqa: E402
 
-KINDS = {
-    "fp32": (torch.float32, {}),
-    "FP8 states": (torch.float32, dict(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8)),
-    "FP8 exp_avg": (torch.float32, dict(exp_avg_dtype=torch.uint8)),
-    "8-bit blockwise states": (torch.float32, dict(exp_avg_dtype=shardadam.BLOCKWISE8,
-                                                   exp_avg_sq_dtype=shardadam.BLOCKWISE8)),
-    "bf16 + fp32 masters": (torch.bfloat16, dict(master_weights=True)),
-    "bf16 stochastic rounding": (torch.bfloat16, dict(bf16_stochastic_round=True, stochastic_round_seed=0)),
-    "bf16 round to nearest": (torch.bfloat16, {}),
-}
+
+def kinds_arg(ap, value: str, known) -> list[str]:
+    """--kinds: a subset of `known` with fp32, the reference, in it."""
+    kinds = choose(ap, value, known, "--kinds")
+    if "fp32" not in kinds:
+        ap.error("--kinds: fp32 (the reference) missing")
+    return kinds
+
+
+def report(curves: dict, steps: int, where: str, columns: dict | None = None) -> dict:
+    """Prints each kind's final loss (mean of the last tenth of the steps) and
+    its ratio to fp32's, then `columns` (header: a cell per kind); returns the
+    final losses."""
+    tail = max(1, steps // 10)
+    final = {name: sum(c[-tail:]) / tail for name, c in curves.items()}
+    columns = columns or {}
+    print(f"\nfinal loss (mean of the last {tail} steps), {steps} steps{where}:")
+    print(md_table(["storage", "final loss", "vs fp32", *columns], [
+        [name, f"{loss:.4f}", f"{loss / final['fp32'] - 1:+.2%}", *(c[i] for c in columns.values())]
+        for i, (name, loss) in enumerate(final.items())]))
+    return final
+
+
+def write_curves(out: pathlib.Path, curves: dict, title: str, svg_curves: dict | None = None, **data) -> None:
+    """<out>.csv, <out>.svg (svg_curves, default the curves) and <out>.json (data)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_loss_csv(out.with_suffix(".csv"), curves)
+    write_loss_svg(out.with_suffix(".svg"), title, svg_curves or curves)
+    write_json(out.with_suffix(".json"), indent=2, **data)
 
 
 def main() -> None:
@@ -54,10 +74,7 @@ def main() -> None:
     ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated subset of: " + ", ".join(KINDS))
     ap.add_argument("--out", type=pathlib.Path, help="write <out>.csv, <out>.svg and <out>.json")
     args = ap.parse_args()
-    kinds = args.kinds.split(",")
-    unknown = [k for k in kinds if k not in KINDS]
-    if unknown or "fp32" not in kinds:
-        ap.error(f"--kinds: unknown {unknown}, or fp32 (the reference) missing")
+    kinds = kinds_arg(ap, args.kinds, KINDS)
     args.log_every = max(1, args.steps // 6)
     text = corpus(args.chars)
     chars = sorted(set(text))
@@ -68,17 +85,10 @@ def main() -> None:
         dtype, options = KINDS[name]
         curves[name] = train(name, lambda groups, o=options: shardadam.FusedAdam(groups, lr=args.lr, **o), args,
                              data, len(chars), dtype)
-    tail = max(1, args.steps // 10)
-    final = {name: sum(c[-tail:]) / tail for name, c in curves.items()}
-    print(f"\nfinal loss (mean of the last {tail} steps), {args.steps} steps on {args.device}:")
-    print(md_table(["storage", "final loss", "vs fp32"],
-                   [[name, f"{loss:.4f}", f"{loss / final['fp32'] - 1:+.2%}"] for name, loss in final.items()]))
+    final = report(curves, args.steps, f" on {args.device}")
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        write_loss_csv(args.out.with_suffix(".csv"), curves)
-        write_loss_svg(args.out.with_suffix(".svg"), f"example GPT, {args.steps} steps, FusedAdam storage kinds",
-                       curves)
-        write_json(args.out.with_suffix(".json"), indent=2, meta=run_meta(args.device, steps=args.steps), final=final)
+        write_curves(args.out, curves, f"example GPT, {args.steps} steps, FusedAdam storage kinds",
+                     meta=run_meta(args.device, steps=args.steps), final=final)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ contiguous_param_buffer, a scheduler, clipping, a fresh batch every step, a
 state_dict() round trip every --checkpoint-every steps); every --sample-every
 steps each rank records RSS, malloc's bytes in use, tracked Python objects and
 GPU memory. CPU: gloo and a small MLP; CUDA: NCCL and a small GPT, the copy
-engines required with --copy-engines. plot_soak.py draws the JSON.
+engines required with --copy-engines. svg.py draws the JSON.
 
     torchrun --standalone --nproc_per_node 2 benchmarks/soak.py --steps 5000 --out benchmarks/results/soak_gloo.json
     NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc_per_node 2 benchmarks/soak.py --device cuda --copy-engines \\
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 import shardadam
 from harness import init_distributed, malloc_in_use, md_table, rss_bytes, run_meta, write_json
 from models import build_model, lm_loss
-from plot_soak import write_svg
+from svg import soak_svg
 
 MIB = 2**20
 WARMUP_FRACTION = 0.1
@@ -278,7 +278,7 @@ def main() -> None:
             data = dict(meta=meta, passed=ok, verdicts=verdicts, samples=everyone)
             write_json(args.out, **data)
             svg = pathlib.Path(args.out).with_suffix(".svg")
-            write_svg(data, svg)
+            soak_svg(data, svg)
             print(f"wrote {args.out} and {svg}")
     dist.destroy_process_group()
     sys.exit(0 if ok else 1)

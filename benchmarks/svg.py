@@ -1,7 +1,29 @@
+#!/usr/bin/env python
 """Plots for the benchmarks as self-contained SVG files (standard library
-only: the benchmark machines need no plotting package)."""
+only: the benchmark machines need no plotting package): the drawing
+primitives, and a chart per result the benchmarks write, picked by what the
+JSON holds:
+
+- bench_distributed.py --out (one file or several, earliest first: a pair of
+  implementation and batch takes its figures from the last file that has it,
+  and the caption names its file): ms per iteration, labelled with the ratio to
+  DDP + fused AdamW, the ratio the benchmark is judged by, and peak GPU
+  memory, one bar per implementation grouped by batch size per GPU;
+- soak.py --out: memory against step, one line per rank and a panel per
+  metric, the warm-up shaded, checkpoint round trips dotted, each rank's limit
+  dashed in its colour;
+- bench_host_state.py --timeline: one host-state iteration, a lane each for the
+  GPU's forward and backward, the gradient copies down, the CPU steps and the
+  parameter copies up;
+- bench_hf_llama.py --out: the loss curves, with tokens/s and peak memory.
+
+    python benchmarks/svg.py results/run3.json results/run4.json --out plot.svg
+    python benchmarks/svg.py benchmarks/results/bench_hf_llama_2xh200.json   # writes the .svg beside it
+"""
 from __future__ import annotations
 
+import argparse
+import json
 import math
 import pathlib
 from xml.sax.saxutils import escape
@@ -98,3 +120,182 @@ class Axes:
 
     def vline(self, v: float, color: str, **attrs) -> None:
         self.c.line(self.x(v), self.y0, self.x(v), self.y0 + self.h, stroke=color, **attrs)
+
+
+# ------------------------------------------------------------------ the benchmarks' charts
+
+MIB = 2**20
+
+
+def machine(meta: dict) -> str:
+    return f"{meta['device']} x {meta['world_size']} ({meta['backend']}), torch {meta['torch']}"
+
+
+def bars(c: Canvas, box: tuple, title: str, key: str, unit: str, rows: dict, impls: list, batches: list,
+         colors: tuple, ratio_to: str | None = None) -> None:
+    """A bar per (implementation, batch) of rows[(impl, batch)][key], grouped by batch; labelled with the value, or
+    with ratio_to its ratio to that implementation's bar of the same batch."""
+    x0, y0, w, h = box
+    top = max(r[key] for r in rows.values()) * 1.15
+    slot = w / len(batches)
+    bar = slot * 0.8 / len(impls)
+    y = lambda v: y0 + h * (1 - v / top)  # noqa: E731
+    c.text(x0 + w / 2, y0 - 25, title, text_anchor="middle", font_weight="bold")
+    c.add("path", d=f"M{x0},{y0} V{y0 + h} H{x0 + w}", fill="none", stroke="black")
+    for i in range(6):
+        c.text(x0 - 5, y(top * i / 5) + 4, f"{top * i / 5:.0f}", text_anchor="end", font_size=11)
+    mid = y0 + h / 2
+    c.text(x0 - 41, mid, unit, text_anchor="middle", transform=f"rotate(-90 {x0 - 41} {mid})")
+    for b, batch in enumerate(batches):
+        left = x0 + b * slot + slot * 0.1
+        c.text(left + slot * 0.4, y0 + h + 18, f"batch {batch} per GPU", text_anchor="middle")
+        base = rows.get((ratio_to, batch))
+        for i, impl in enumerate(impls):
+            if (r := rows.get((impl, batch))) is not None:
+                c.rect(left + i * bar, y(r[key]), bar * 0.9, y0 + h - y(r[key]), colors[i % len(colors)])
+                label = f"{r[key] / base[key]:.2f}" if base else f"{r[key]:.0f}"
+                c.text(left + (i + 0.45) * bar, y(r[key]) - 3, label, text_anchor="middle", font_size=9)
+
+
+def distributed_svg(paths: list, path) -> None:
+    """bench_distributed.py's results: ms per iteration and peak GPU memory."""
+    rows, source, meta = {}, {}, None
+    for p in map(pathlib.Path, paths):
+        data = json.loads(p.read_text())
+        meta = meta or data["meta"]
+        for r in data["results"]:
+            if r.get("error") is None:
+                rows[(r["impl"], r["batch"])], source[(r["impl"], r["batch"])] = r, p.name
+    first = pathlib.Path(paths[0]).name
+    impls, batches = list(dict.fromkeys(impl for impl, _ in rows)), sorted({batch for _, batch in rows})
+    later = sorted({f"{impl} (batch {batch}): {name}" for (impl, batch), name in source.items() if name != first})
+    panel_w, panel_h, top, left = 430, 300, 50, 55
+    legend_y = top + panel_h + 40
+    c = Canvas(2 * panel_w + 50, legend_y + 20 * len(impls) + 18 * (len(later) + 2) + 10)
+    colors = ("#7f7f7f",) + COLORS
+    bars(c, (left, top, panel_w - left, panel_h), "ms per iteration (label: ratio to ddp_fused)", "ms", "ms", rows,
+         impls, batches, colors, ratio_to="ddp_fused")
+    bars(c, (panel_w + 30 + left, top, panel_w - left, panel_h), "peak GPU memory", "peak_gib", "GiB", rows, impls,
+         batches, colors)
+    caption_y = c.legend(left, legend_y, [(colors[i % len(colors)], impl) for i, impl in enumerate(impls)]) + 15
+    config = meta["config"]
+    c.text(left, caption_y, f"{machine(meta)}, GPT of {meta['params']:,} parameters (d_model {config['d_model']}, "
+           f"{config['layers']} layers, seq {config['seq']}); {first}", font_size=11)
+    for i, line in enumerate(later):
+        c.text(left, caption_y + 18 * (i + 1), f"from {line} (its ratio compares two runs)", font_size=11)
+    c.write(path)
+
+
+SOAK_METRICS = (("rss", "host RSS"), ("malloc_in_use", "host malloc in use (not judged)"),
+                ("gpu_allocated", "GPU allocated"), ("gpu_reserved", "GPU reserved"))
+
+
+def soak_svg(data: dict, path) -> None:
+    """soak.py's samples: memory against step, one line per rank, a panel per metric the run recorded."""
+    meta, ranks, verdicts = data["meta"], data["samples"], data["verdicts"]
+    width, panel_h, top, left, gap = 760, 220, 40, 75, 70
+    keys = [(k, t) for k, t in SOAK_METRICS if verdicts[0].get(k) is not None]
+    last_step = max(s["step"] for samples in ranks for s in samples)
+    legend_y = top + len(keys) * (panel_h + gap)
+    c = Canvas(width, legend_y + 20 * len(verdicts) + 50)
+    for i, (key, title) in enumerate(keys):
+        y0 = top + i * (panel_h + gap)
+        # a judged metric's limit line per rank (None: reported only, no line)
+        limits = [None if v[key]["limit"] is None else (v[key]["base"] + v[key]["limit"]) / MIB for v in verdicts]
+        values = [s[key] / MIB for samples in ranks for s in samples] + [m for m in limits if m is not None]
+        c.text(left, y0 - 10, f"{title} per rank (MiB)", font_weight="bold")
+        ax = Axes(c, (left, y0, width - left - 20, panel_h), (0, last_step), values, xlabel="step")
+        warm = verdicts[0][key]["base_step"]
+        c.rect(left, y0, ax.x(warm) - left, panel_h, "#eeeeee", fill_opacity=0.6)
+        c.text(left + 4, y0 + 14, "warm-up", font_size=10, fill="#666")
+        every = meta["config"]["checkpoint_every"]
+        for step in range(every, last_step + 1, every):
+            ax.vline(step, "#999", stroke_dasharray="1,3")
+        for rank, (samples, limit) in enumerate(zip(ranks, limits)):
+            ax.plot([s["step"] for s in samples], [s[key] / MIB for s in samples], COLORS[rank % len(COLORS)])
+            if limit is not None:
+                ax.hline(limit, COLORS[rank % len(COLORS)], x_from=warm, stroke_dasharray="6,4")
+    caption_y = c.legend(left, legend_y, [
+        (COLORS[rank % len(COLORS)], f"rank {rank}: RSS {v['rss']['growth'] / MIB:+.2f} MiB after warm-up, slope "
+         f"{v['rss']['slope']:+.1f} B/step, limit {v['rss']['limit'] / MIB:.1f} MiB (dashed); "
+         f"{'flat' if v['ok'] else 'GROWS'}") for rank, v in enumerate(verdicts)]) + 15
+    c.text(left, caption_y, f"{machine(meta)}, {meta['params']:,} parameters in {meta['buckets']} buckets, "
+           f"{meta['config']['steps']} steps; dotted: state_dict + load_state_dict; {meta['date'][:10]}", font_size=11)
+    c.write(path)
+
+
+LANES = [("compute", "GPU forward + backward", "#1f77b4"), ("down", "gradients down (PCIe)", "#ff7f0e"),
+         ("cpu", "CPU step", "#2ca02c"), ("up", "parameters up (PCIe)", "#d62728")]
+
+
+def timeline_svg(data: dict, path) -> None:
+    """bench_host_state.py --timeline: one iteration with state in host memory, a lane per engine."""
+    width, left, top, lane_h, gap = 900, 190, 50, 34, 12
+    end = max([data["total_ms"]] + [e for spans in data["spans"].values() for _, e in spans])
+    scale = (width - left - 20) / end
+    axis_y = top + len(LANES) * (lane_h + gap)
+    m = data["model"]
+    c = Canvas(width, axis_y + 40)
+    c.text(10, 22, f"One iteration, {data.get('optimizer', 'FusedAdam')}, state in host memory: GPT "
+           f"{m['params'] / 1e9:.2f}B (d {m['d_model']}, {m['layers']} layers), batch {m['batch']} x {m['seq']}, "
+           f"{data['kind']} states, {data['gpu']}, {data['date']}", font_size=13)
+    for i, (key, label, color) in enumerate(LANES):
+        y = top + i * (lane_h + gap)
+        c.text(10, y + lane_h / 2 + 4, label)
+        c.text(10, y + lane_h / 2 + 18, f"busy {sum(e - s for s, e in data['spans'][key]):.0f} ms", fill="#555",
+               font_size=10)
+        c.rect(left, y, end * scale, lane_h, "#f2f2f2")
+        for s, e in data["spans"][key]:
+            c.rect(left + s * scale, y, max((e - s) * scale, 0.5), lane_h, color, fill_opacity=0.85)
+    step = next(s for s in (10, 20, 50, 100, 200, 500, 1000) if end / s <= 12)
+    for t in range(0, int(end) + 1, step):
+        c.line(left + t * scale, top - 4, left + t * scale, axis_y, stroke="#ccc")
+        c.text(left + t * scale, axis_y + 14, t, text_anchor="middle")
+    c.text(left + (width - left) / 2, axis_y + 32, f"ms from the start of the iteration (total "
+           f"{data['total_ms']:.0f} ms)", text_anchor="middle")
+    c.write(path)
+
+
+LLAMA_COLORS = {"shardadam": "#d62728", "ddp": "#1f77b4", "fsdp2": "#2ca02c"}
+
+
+def hf_llama_svg(data: dict, path) -> None:
+    """bench_hf_llama.py's loss curves, with their tokens/s and peak memory."""
+    runs, meta = data["runs"], data["meta"]
+    left, top, plot_w, plot_h = 80, 50, 640, 300
+    steps = max(len(r["losses"]) for r in runs.values())
+    size = f"{meta['parameters'] / 1e9:.2f}B" if meta["parameters"] >= 1e8 else f"{meta['parameters'] / 1e6:.2f}M"
+    c = Canvas(760, top + plot_h + 60 + 20 * len(runs))
+    c.text(left, 24, f"LlamaForCausalLM {size}, {meta['world']} x {meta['device']}, "
+           f"{'bf16 autocast, ' if meta['bf16'] else ''}{meta['global_batch']} x {meta['seq']} tokens/step",
+           font_size=14)
+    ax = Axes(c, (left, top, plot_w, plot_h), (0, steps - 1), [v for r in runs.values() for v in r["losses"]],
+              xlabel="step", ylabel="loss")
+    for k, (name, r) in enumerate(runs.items()):
+        color = LLAMA_COLORS.get(name, "black")
+        ax.plot(range(len(r["losses"])), r["losses"], color, opacity=0.8)
+        memory = f", peak {r['peak_memory_gib']:.1f} GiB" if r.get("peak_memory_gib") is not None else ""
+        c.text(left, top + plot_h + 54 + 20 * k, f"{name}: {r['tokens_per_s']:,.0f} tokens/s ({r['step_ms']:.1f} "
+               f"ms/step){memory}, final loss {r['losses'][-1]:.4f}", fill=color)
+    c.write(path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("results", nargs="+", help="JSON files a benchmark wrote (several: bench_distributed.py's only)")
+    ap.add_argument("--out", help="the SVG file to write (default: the first JSON file's name, .svg)")
+    args = ap.parse_args()
+    out = args.out or pathlib.Path(args.results[0]).with_suffix(".svg")
+    data = json.loads(pathlib.Path(args.results[0]).read_text())
+    if "results" in data:
+        distributed_svg(args.results, out)
+    elif len(args.results) > 1:
+        ap.error("several files: bench_distributed.py's results only")
+    else:
+        chart = timeline_svg if "spans" in data else hf_llama_svg if "runs" in data else soak_svg
+        chart(data, out)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

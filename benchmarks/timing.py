@@ -30,10 +30,11 @@ def free(dev) -> None:
 
 class Stopwatch:
     """Marks within one call: CUDA events on the GPU (read after the loop, so
-    timing adds no host sync between calls), the host clock on the CPU."""
+    timing adds no host sync between calls), the host clock on the CPU (or
+    with host=True: the time the host spends, whatever the device does)."""
 
-    def __init__(self, dev):
-        self.cuda, self.marks = is_cuda(dev), []
+    def __init__(self, dev, host: bool = False):
+        self.cuda, self.marks = is_cuda(dev) and not host, []
 
     def mark(self) -> None:
         if self.cuda:
@@ -49,20 +50,45 @@ class Stopwatch:
         return [(b - a) * 1e3 for a, b in pairwise(self.marks)]
 
 
+def timed_calls(fn, dev, calls: int, warmup: int = 0, idle: bool = False, host: bool = False):
+    """`warmup` calls, then `calls` timed ones, back to back or (idle) each
+    from an idle device: fn(watch) marks its own phases on the Stopwatch it is
+    given (host: on the host clock). Returns each timed call's laps in ms, the
+    wall ms per call over the timed loop (synchronised around it) and every
+    call's result, warm-up ones included."""
+    outputs, watches = [], []
+    for i in range(warmup + calls):
+        if i == warmup:
+            sync(dev)
+            t0 = time.perf_counter()
+        if idle:
+            sync(dev)
+        watches.append(Stopwatch(dev, host))
+        outputs.append(fn(watches[-1]))
+    sync(dev)
+    return [w.laps_ms() for w in watches[warmup:]], (time.perf_counter() - t0) * 1e3 / calls, outputs
+
+
+def marked(fn):
+    """fn as a timed_calls call of one lap: marks around it, fn's result returned."""
+    def call(watch):
+        watch.mark()
+        out = fn()
+        watch.mark()
+        return out
+    return call
+
+
 def time_steps(fn, dev, reps: int, warmup: int) -> list[float]:
     """Milliseconds of each of `reps` back-to-back calls after `warmup` calls."""
-    for _ in range(warmup):
-        fn()
-    sync(dev)
-    watches = []
-    for _ in range(reps):
-        watch = Stopwatch(dev)
-        watch.mark()
-        fn()
-        watch.mark()
-        watches.append(watch)
-    sync(dev)
-    return [w.laps_ms()[0] for w in watches]
+    return [lap for lap, in timed_calls(marked(fn), dev, reps, warmup)[0]]
+
+
+def clock_ms(fn) -> float:
+    """Host milliseconds of one call (on the CPU: until its work is done)."""
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
 
 
 def median_ms(fn, dev, reps: int, warmup: int = 0, sync_after: bool = True) -> float:
@@ -114,6 +140,21 @@ def time_wall_and_host(fn, dev, reps: int, warmup: int, setup=None) -> tuple[flo
         host.append((time.perf_counter() - t0) * 1e3)
     sync(dev)
     return wall, statistics.median(host)
+
+
+def capture_graph(fn, warmup: int):
+    """CUDA graphs' recipe: `warmup` calls on a side stream, then one call
+    captured. Returns the graph, the captured call's (static) result and the
+    warm-up calls' results."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        outputs = [fn() for _ in range(warmup)]
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = fn()
+    return graph, static, outputs
 
 
 def interleaved(cases: dict, rounds: int) -> dict[str, list]:
