@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
@@ -108,6 +109,19 @@ def test_inductor_compiled_model_with_distributed_fused_adam_trains_as_eager(one
     _compare(lambda m: shardadam.DistributedFusedAdam(m.parameters(), lr=1e-2, weight_decay=0.1, bucket_cap_mb=1e-4,
                                                       overlap_grad_sync=overlap, overlap_param_sync=overlap),
              "inductor")
+
+
+@pytest.mark.cuda
+def test_inductor_compiled_model_with_distributed_fused_adam_trains_as_eager_on_cuda():
+    """The wait operator on CUDA parameters, in a one-rank NCCL group: the
+    all-gathers run on NCCL's stream and the compiled forward waits for them."""
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda:0"))
+    try:
+        _compare(lambda m: shardadam.DistributedFusedAdam(m.parameters(), lr=1e-2, weight_decay=0.1,
+                                                          bucket_cap_mb=1e-4, overlap_param_sync=True),
+                 "inductor", "cuda")
+    finally:
+        dist.destroy_process_group()
 
 
 def test_compiled_read_outside_a_modules_forward_waits_in_the_graph(one_rank):

@@ -104,7 +104,7 @@ class GradSync:
         while self.next_bucket < len(self.missing) and self.missing[self.next_bucket] == 0:
             self._start(self.next_bucket)
 
-    def finish(self, release_grads: bool) -> None:
+    def finish(self, release_grads: bool = False) -> None:
         """Stage the gradients backward did not hand over (hooks off, or set
         by hand), start the remaining buckets (absent gradients count as
         zeros) and wait for every reduce-scatter. release_grads: set each
