@@ -23,11 +23,6 @@ zero_grad() between step() and the next forward does not end the overlap.
 The engine's own work on the parameters (the copies out of the all-gather)
 runs with subclass __torch_function__ disabled.
 
-Under torch.compile, dynamo traces this __torch_function__: the wait goes
-into the graph as an operator ([Note: waits inside compiled graphs] in
-_compiled_wait.py), and the compiler's own reads of a parameter while it
-traces (its metadata, for the fake tensor it traces with) pass through.
-
 The guard sees only what goes through torch's Python dispatch: a C++
 extension handed the parameter directly (pybind / nanobind) reads it as it
 is, so call param_sync() before such reads outside a forward.
@@ -37,8 +32,6 @@ from __future__ import annotations
 import weakref
 
 import torch
-
-from . import _compiled_wait
 
 # Reads and writes that never touch a parameter's values: they pass through.
 _METADATA = frozenset([getattr(torch.Tensor, name).__get__ for name in (
@@ -65,16 +58,12 @@ def _tensors(value, found: list) -> list:
 class FirstUseGuard:
     """Arms parameters (swaps in the waiting subclass) and disarms them.
     land(params): the owner's wait for those parameters' buckets; the guard
-    disarms them afterwards. key and each armed parameter's index name them
-    to the compiled graphs' operator ([Note: waits inside compiled graphs])."""
+    disarms them afterwards."""
 
     def __init__(self, land):
         self._land = weakref.WeakMethod(land)  # the owner holds the guard: no cycle back to it
         self._stale_classes: dict = {}  # a parameter's class -> its waiting subclass
         self._armed: dict = {}          # id(param) -> (param, its class)
-        self._params: list = []         # every parameter ever armed, in the order first armed
-        self._index: dict = {}          # id(param) -> its place in _params
-        self.key = _compiled_wait.register(self)
 
     @property
     def armed(self) -> bool:
@@ -82,9 +71,6 @@ class FirstUseGuard:
 
     def arm(self, params) -> None:
         for p in params:
-            if id(p) not in self._index:
-                self._index[id(p)] = len(self._params)
-                self._params.append(p)
             if id(p) not in self._armed:
                 cls = type(p)
                 self._armed[id(p)] = (p, cls)
@@ -98,12 +84,6 @@ class FirstUseGuard:
 
     def disarm_all(self) -> None:
         self.disarm([p for p, _ in list(self._armed.values())])
-
-    def index_of(self, param) -> int:
-        return self._index[id(param)]
-
-    def indexed(self, index: list) -> list:
-        return [self._params[i] for i in index]
 
     def first_use(self, params: list) -> None:
         """Parameters of this guard's owner met in an operation: wait for
@@ -132,11 +112,7 @@ class FirstUseGuard:
 def _make_current_first(cls, func, types, args=(), kwargs=None):
     """__torch_function__ of an armed parameter's class ([Note: first-use guard])."""
     kwargs = kwargs or {}
-    if func in _METADATA or (torch.compiler.is_compiling() and not torch.compiler.is_dynamo_compiling()):
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
-    if torch.compiler.is_dynamo_compiling():
-        _wait_in_graph(_tensors((args, kwargs), []))
+    if func in _METADATA:
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
     by_guard: dict = {}
@@ -152,16 +128,3 @@ def _make_current_first(cls, func, types, args=(), kwargs=None):
             for p in params:
                 p.__class__ = type(p).__bases__[0]
     return func(*args, **kwargs)
-
-
-def _wait_in_graph(tensors: list) -> None:
-    """Traced by dynamo: the armed parameters among an operation's tensors
-    wait in the graph, each guard's at once ([Note: waits inside compiled graphs])."""
-    by_key: dict = {}  # keyed by int: dynamo compares no weak references
-    for t in tensors:
-        owner = getattr(type(t), "_shardadam_guard", None)
-        guard = owner() if owner is not None else None
-        if guard is not None:
-            by_key.setdefault(guard.key, (guard, []))[1].append(t)
-    for guard, params in by_key.values():
-        _compiled_wait.wait_in_graph(guard, params)

@@ -92,12 +92,17 @@ def grad_ready(optimizer: weakref.ref, k: int, param: torch.Tensor) -> None:
 _READS_CHILD_PARAMS = (torch.nn.MultiheadAttention,)
 
 
+# [Note: hooks outside compiled graphs] The forward-pre hook waits on
+# collectives and swaps the first-use guard's classes: host work that must run
+# at every call, not once when dynamo traces the module. Traced, inductor
+# failed inside it (InternalTorchDynamoError: KeyError in the guard's
+# bookkeeping) and aot_eager broke the graph wherever it met untraceable code.
+# Disabled for the compiler, it runs eagerly before each module's compiled
+# piece: a compiled model trains as the eager one, with a graph break per
+# module whose forward runs the hook (tests/test_compile.py).
+@torch.compiler.disable
 def wait_for_own_params(optimizer: weakref.ref, module: torch.nn.Module, args) -> None:
-    """Module forward-pre hook: wait for the all-gathers of this module's
-    parameters. Traced by dynamo, nothing: the parameters wait in the graph at
-    their first use ([Note: waits inside compiled graphs] in _compiled_wait.py)."""
-    if torch.compiler.is_dynamo_compiling():
-        return
+    """Module forward-pre hook: wait for the all-gathers of this module's parameters."""
     opt = optimizer()
     if opt is not None and opt.iteration.params is not Params.CURRENT:
         opt._make_current(list(module.parameters(recurse=isinstance(module, _READS_CHILD_PARAMS))))
