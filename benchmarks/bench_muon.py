@@ -16,6 +16,11 @@ counted whole.
 
     python benchmarks/bench_muon.py --out results/bench_muon_h200.json
     python benchmarks/bench_muon.py --layers 2 --steps 3      # smoke run (CUDA)
+    python benchmarks/bench_muon.py --owners 2,4,8            # only the work split (CPU)
+
+DistributedFusedMuon (--distributed: one NCCL rank, its reduce and gather
+included) is judged by its Newton-Schulz work per rank against 1/N (goal:
+within 10%), from the owners its layout gives the same matrices at N ranks.
 """
 from __future__ import annotations
 
@@ -25,8 +30,13 @@ from collections import Counter
 import torch
 
 from harness import md_table, run_meta, write_json
-from shardadam import FusedMuon
+import os
+
+import torch.distributed as dist
+
+from shardadam import DistributedFusedMuon, FusedMuon
 from shardadam._newton_schulz import newton_schulz_
+from shardadam.distributed._muon_owners import plan_owner_buckets
 from timing import capture_graph, median_ms
 
 D_MODEL, FFN, VOCAB = 2048, 8192, 50304
@@ -47,6 +57,21 @@ def gpt_params(layers: int, dtype: torch.dtype) -> tuple[list, list]:
     return matrices, others
 
 
+def gpt_shapes(layers: int) -> list[tuple[int, int]]:
+    return [(3 * D_MODEL, D_MODEL), (D_MODEL, D_MODEL), (FFN, D_MODEL), (D_MODEL, FFN)] * layers
+
+
+def owner_shares(layers: int, world: int, bucket_cap_mb: float = 100) -> list[float]:
+    """Each rank's share of the Newton-Schulz work at `world` ranks (1/N is even)."""
+    shapes = gpt_shapes(layers)
+    buckets = plan_owner_buckets(shapes, [torch.float32] * len(shapes), world, int(bucket_cap_mb * 2 ** 18))
+    load = [0.0] * world
+    for b in buckets:
+        for m in b.matrices:
+            load[m.owner] += ns_flops(Counter({(m.rows, m.cols): 1}))
+    return [x / sum(load) for x in load]
+
+
 def ns_flops(shapes: Counter) -> float:
     total = 0.0
     for (rows, cols), count in shapes.items():
@@ -60,7 +85,11 @@ def step_ms(build, layers: int, dtype, steps: int, graph: bool) -> float:
     matrices, others = gpt_params(layers, dtype)
     opts = build(matrices, others)
 
+    grads = [(q, q.grad) for q in matrices + others]
+
     def step():
+        for q, g in grads:  # a distributed step hands the gradients over and lets go of them
+            q.grad = g
         for o in opts:
             o.step()
 
@@ -91,8 +120,16 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="the parameters' dtype")
     ap.add_argument("--steps", type=int, default=20, help="timed steps per case")
+    ap.add_argument("--distributed", action="store_true", help="also DistributedFusedMuon on one NCCL rank")
+    ap.add_argument("--owners", default="", help="only print the Newton-Schulz share per rank at these world sizes")
     ap.add_argument("--out", help="write the figures as JSON here")
     args = ap.parse_args()
+    if args.owners:
+        for world in map(int, args.owners.split(",")):
+            shares = owner_shares(args.layers, world)
+            print(f"{world} ranks: Newton-Schulz work per rank {min(shares):.4f}-{max(shares):.4f}, the largest "
+                  f"{max(shares) * world:.3f}x of 1/N")
+        return
     dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
     adamw = dict(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.0)
 
@@ -107,6 +144,13 @@ def main() -> None:
     times = {"torch.optim.Muon + AdamW(fused=True)": step_ms(reference(False), args.layers, dtype, args.steps, False),
              "FusedMuon": step_ms(fused(False), args.layers, dtype, args.steps, False),
              "FusedMuon, CUDA graph": step_ms(fused(True), args.layers, dtype, args.steps, True)}
+    if args.distributed:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29517")
+        dist.init_process_group("nccl", rank=0, world_size=1)
+        times["DistributedFusedMuon, 1 rank"] = step_ms(
+            lambda m, o: [DistributedFusedMuon([dict(params=m), dict(params=o, use_muon=False, **adamw)], lr=0.02)],
+            args.layers, dtype, args.steps, False)
     shapes = Counter({(3 * D_MODEL, D_MODEL): args.layers, (D_MODEL, D_MODEL): args.layers,
                       (FFN, D_MODEL): args.layers, (D_MODEL, FFN): args.layers})
     ns_ms, peak = newton_schulz_ms(shapes, args.steps), matmul_tflops(args.steps)
@@ -119,7 +163,8 @@ def main() -> None:
           f"{times['FusedMuon'] - ns_ms:.2f} ms ({(times['FusedMuon'] - ns_ms) / ns_ms:.0%} on top)")
     if args.out:
         write_json(args.out, meta=run_meta(torch.device("cuda"), config=vars(args)), step_ms=times,
-                   newton_schulz_ms=ns_ms, newton_schulz_tflops=ns_tflops, bf16_matmul_tflops=peak)
+                   newton_schulz_ms=ns_ms, newton_schulz_tflops=ns_tflops, bf16_matmul_tflops=peak,
+                   owner_shares={w: owner_shares(args.layers, w) for w in (2, 4, 8)})
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ if _os.environ.get("SHARDADAM_CPU_GATHERS", "avx512") not in ("plain", "avx2", "
                       "avx512 (the widest gathers the CPU engine may use), or unset it")
 
 from . import _addresses, _core, checkpoint, kernels
-from .distributed import DistributedFusedAdam, DistributedFusedLion
+from .distributed import DistributedFusedAdam, DistributedFusedLion, DistributedFusedMuon
 from ._state_dict import torch_adam_state_dict
 from ._storage import BLOCKWISE8
 from .fused_adam import FusedAdam
@@ -25,5 +25,5 @@ def build_info() -> dict:
     return _core.build_info() | {"tensor_scan": _addresses.SCAN_IN_C}
 
 
-__all__ = ["BLOCKWISE8", "DistributedFusedAdam", "DistributedFusedLion", "FusedAdam", "FusedLion", "FusedMuon", "build_info", "checkpoint",
+__all__ = ["BLOCKWISE8", "DistributedFusedAdam", "DistributedFusedLion", "DistributedFusedMuon", "FusedAdam", "FusedLion", "FusedMuon", "build_info", "checkpoint",
            "kernels", "torch_adam_state_dict", "__version__"]

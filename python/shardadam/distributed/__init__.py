@@ -4,8 +4,9 @@ its optimizers."""
 from .adam import DistributedFusedAdam
 from .layout import Bucket, BucketLayout, Fragment, ShardFragment
 from .lion import DistributedFusedLion
+from .muon import DistributedFusedMuon
 from .optimizer import ShardedOptimizer
 from ._rows import BucketRows
 
-__all__ = ["Bucket", "BucketLayout", "BucketRows", "DistributedFusedAdam", "DistributedFusedLion", "Fragment",
+__all__ = ["Bucket", "BucketLayout", "BucketRows", "DistributedFusedAdam", "DistributedFusedLion", "DistributedFusedMuon", "Fragment",
            "ShardFragment", "ShardedOptimizer"]

@@ -1,0 +1,208 @@
+"""The Muon groups of DistributedFusedMuon: gradients reduced to each
+matrix's owner, momentum and Newton-Schulz on the owner only, the updated
+matrices all-gathered ([Note: matrix-atomic ownership] in _muon_owners.py).
+
+An iteration, per bucket (in bucket order on every rank, so the collectives
+match across ranks):
+
+1. backward: each parameter's gradient is copied into its matrices' places
+   in the bucket (its owners' slots) and ``.grad`` is let go; once every
+   parameter of the bucket and of every bucket before it has been handed
+   over, the bucket is reduce-scattered (overlap_grad_sync; otherwise all of
+   it happens in step(), as it does for buckets whose parameters got no
+   gradient: they contribute zeros, as in DistributedFusedAdam);
+2. step(): the owner's momentum pass, batched Newton-Schulz and update pass
+   (FusedMuon's MuonLayout over its matrices only) update its matrices in
+   the parameters;
+3. each rank copies its matrices into its slot and the slots are
+   all-gathered into every rank's parameters.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from .._muon_layout import Entry, MuonLayout, layout_key
+from ._muon_owners import Matrix, OwnerBucket, plan_owner_buckets
+from ._transport import _all_gather, _reduce_scatter
+
+
+def _matrix(flat: torch.Tensor, m: Matrix, base: int = 0) -> torch.Tensor:
+    return flat[base + m.offset:base + m.offset + m.numel].view(m.rows, m.cols)
+
+
+def _of_param(p: torch.Tensor, m: Matrix) -> torch.Tensor:
+    return p if m.index is None else p[m.index]
+
+
+class OwnedMuon:
+    """The Muon parameters' buckets, hooks, reductions, step and momentum I/O
+    on one rank of ``group``."""
+
+    def __init__(self, params: list[torch.Tensor], group_of: list[int], group, *, cap: int,
+                 overlap_grad_sync: bool, average_grad_sync: bool, ns_dtype: torch.dtype):
+        self.params = params
+        self.group_of = group_of
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.average = average_grad_sync
+        self.ns_dtype = ns_dtype
+        self.buckets: list[OwnerBucket] = plan_owner_buckets([tuple(p.shape) for p in params],
+                                                             [p.dtype for p in params], self.world, cap)
+        self.bucket_of = {k: b for b, bucket in enumerate(self.buckets) for k in bucket.params}
+        device = params[0].device
+        self.full = [torch.zeros(self.world * b.slot_size, dtype=b.dtype, device=device) for b in self.buckets]
+        self.shard = [torch.empty(b.slot_size, dtype=b.dtype, device=device) for b in self.buckets]
+        self.momentum = [torch.zeros(b.slot_size, dtype=b.dtype, device=device) for b in self.buckets]
+        self.stepped = False  # torch's state has no momentum_buffer before the first step
+        self.no_sync = False
+        self._pending = [set(b.params) for b in self.buckets]
+        self._works: list = [None] * len(self.buckets)
+        self._launched = 0
+        self._layout = None
+        self._addresses = None
+        self._entries_now: list[Entry] = []
+        self._hooks = []
+        if overlap_grad_sync:
+            me = weakref.ref(self)
+            for k, p in enumerate(params):
+                self._hooks.append(p.register_post_accumulate_grad_hook(
+                    lambda p, k=k: (lambda o: o is not None and o.hand_over(k, p))(me())))
+
+    # ------------------------------------------------------------ gradients
+
+    def hand_over(self, k: int, p: torch.Tensor) -> None:
+        """Backward produced parameter k's gradient: into its bucket, then
+        launch every bucket that is complete and next in order."""
+        if self.no_sync or p.grad is None:
+            return  # inside no_sync() the gradient accumulates in .grad
+        b = self.bucket_of[k]
+        if self._works[b] is not None or b < self._launched:
+            raise RuntimeError(
+                f"DistributedFusedMuon: a second backward reached Muon parameter {k} after its bucket was "
+                "reduced this iteration; accumulate gradients inside optimizer.no_sync() for every "
+                "micro-batch but the last")
+        self._stage(b, k, p.grad)
+        p.grad = None
+        self._pending[b].discard(k)
+        while self._launched < len(self.buckets) and not self._pending[self._launched]:
+            self._launch(self._launched)
+
+    def _stage(self, b: int, k: int, grad: torch.Tensor) -> None:
+        bucket, full = self.buckets[b], self.full[b]
+        p = self.params[k]
+        if grad.shape != p.shape:
+            raise ValueError(f"the gradient of Muon parameter {k} has shape {tuple(grad.shape)}, the parameter "
+                             f"{tuple(p.shape)}")
+        for m in bucket.matrices:
+            if m.param == k:
+                _matrix(full, m, m.owner * bucket.slot_size).add_(_of_param(grad, m))
+
+    def _launch(self, b: int) -> None:
+        self._works[b] = _reduce_scatter(self.shard[b], self.full[b], group=self.group, async_op=True)
+        self._launched = b + 1
+
+    def finish_grad_sync(self) -> None:
+        """Stage the gradients backward has not handed over (no overlap, or
+        parameters without a gradient: zeros), launch every bucket left, in
+        order, and wait for all."""
+        for b in range(self._launched, len(self.buckets)):
+            for k in sorted(self._pending[b]):
+                g = self.params[k].grad
+                if g is not None:
+                    self._stage(b, k, g)
+                    self.params[k].grad = None
+            self._pending[b].clear()
+            self._launch(b)
+        for work in self._works:
+            work.wait()
+
+    # ------------------------------------------------------------ step
+
+    def _entries(self) -> list[Entry]:
+        entries = []
+        for b, bucket in enumerate(self.buckets):
+            for m in bucket.owned_by(self.rank):
+                entries.append(Entry(self.group_of[m.param], _of_param(self.params[m.param], m),
+                                     _matrix(self.shard[b], m), _matrix(self.momentum[b], m)))
+        return entries
+
+    def _current_layout(self, param_groups: list[dict]) -> MuonLayout | None:
+        """The owner's plans, rebuilt when a parameter moved or the groups'
+        Newton-Schulz settings changed."""
+        addresses = [(p.data_ptr(), p.shape) for p in self.params]
+        if self._layout is None or addresses != self._addresses:
+            self._entries_now = self._entries()
+            self._addresses = addresses
+            self._layout = None
+        entries = self._entries_now
+        if not entries:
+            return None
+        key = layout_key(entries, param_groups, self.ns_dtype)
+        if self._layout is None or self._layout.key != key:
+            self._layout = MuonLayout(entries, param_groups, self.ns_dtype, key)
+        return self._layout
+
+    @torch.no_grad()
+    def step(self, param_groups: list[dict]) -> None:
+        """Reduce, step the owned matrices, all-gather the parameters."""
+        self.finish_grad_sync()
+        layout = self._current_layout(param_groups)
+        if layout is not None:
+            grads = {id(e.param): e.grad for e in layout.entries}
+            layout.step(grads, param_groups, grad_scale=1.0 / self.world if self.average else 1.0,
+                        found_inf=None, unscale_grads=False)
+        self.stepped = True
+        self._gather_params()
+        for full in self.full:
+            full.zero_()
+        self._pending = [set(b.params) for b in self.buckets]
+        self._works = [None] * len(self.buckets)
+        self._launched = 0
+
+    def _gather_params(self) -> None:
+        works = []
+        for b, bucket in enumerate(self.buckets):
+            for m in bucket.owned_by(self.rank):
+                _matrix(self.shard[b], m).copy_(_of_param(self.params[m.param], m))
+            works.append(_all_gather(self.full[b], self.shard[b], group=self.group, async_op=True))
+        for b, (bucket, work) in enumerate(zip(self.buckets, works)):
+            work.wait()
+            for m in bucket.matrices:
+                if m.owner != self.rank:
+                    _of_param(self.params[m.param], m).copy_(_matrix(self.full[b], m, m.owner * bucket.slot_size))
+
+    # ------------------------------------------------------------ momentum I/O
+
+    @torch.no_grad()
+    def momentum_buffers(self) -> dict[int, torch.Tensor]:
+        """Every Muon parameter's whole momentum (its owners' pieces
+        all-gathered), by parameter index, on every rank; {} before the
+        first step. Every rank must call it."""
+        if not self.stepped:
+            return {}
+        out = {k: torch.empty_like(p) for k, p in enumerate(self.params)}
+        for b, bucket in enumerate(self.buckets):
+            gathered = torch.empty_like(self.full[b])
+            _all_gather(gathered, self.momentum[b], group=self.group)
+            for m in bucket.matrices:
+                _of_param(out[m.param], m).copy_(_matrix(gathered, m, m.owner * bucket.slot_size))
+        return out
+
+    @torch.no_grad()
+    def load_momentum(self, buffers: dict[int, torch.Tensor]) -> None:
+        """Take whole momentum buffers (checked by the caller): each rank
+        keeps its matrices' pieces; no buffers: the state before a first step."""
+        for b, bucket in enumerate(self.buckets):
+            self.momentum[b].zero_()
+            for m in bucket.owned_by(self.rank):
+                if buffers:
+                    _matrix(self.momentum[b], m).copy_(_of_param(buffers[m.param], m))
+        self.stepped = bool(buffers)
+
+    def owned(self) -> list[Matrix]:
+        """The matrices this rank orthogonalizes."""
+        return [m for bucket in self.buckets for m in bucket.owned_by(self.rank)]

@@ -1,0 +1,295 @@
+"""DistributedFusedMuon: Muon sharded by whole matrices, AdamW groups on the
+ZeRO-2 engine."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from .._groups import run_closure
+from .._muon_groups import (MUON_KEYS, check_group, check_muon_hyper, check_params, fill_adamw_group,
+                            uses_muon)
+from ._agreement import check_same
+from ._muon_owned import OwnedMuon
+from .adam import DistributedFusedAdam
+
+__all__ = ["DistributedFusedMuon"]
+
+_REFUSED_OPTIONS = ("capturable", "state_device", "host_step_in_backward", "contiguous_grad_buffer", "nccl_ub",
+                    "grad_sync_copy_engine")
+
+
+class DistributedFusedMuon(torch.optim.Optimizer):
+    """Muon with ZeRO's memory and 1/N of the Newton-Schulz work per rank, on
+    NCCL (GPU) or gloo (CPU).
+
+    The constructor and every hyperparameter are FusedMuon's (and so
+    torch.optim.Muon's), ``use_muon=False`` groups included. Each Muon
+    matrix (a 2-D parameter, or one ``p[i]`` of a 3-D one) is owned whole by
+    one rank, chosen to balance the Newton-Schulz cost: its gradient is
+    reduced to the owner, its momentum lives only there, only the owner
+    orthogonalizes it, and the updated matrices are all-gathered ([Note:
+    matrix-atomic ownership] in _muon_owners.py). The ``use_muon=False``
+    groups are stepped by an inner DistributedFusedAdam (AdamW sharded
+    element-wise), which takes the keyword options in ``adamw_options``
+    (dtype, grad_sync_dtype, param_sync_dtype, storage kinds, bucket and
+    overlap options, ...).
+
+    Every rank builds the same model and passes the same parameters; they are
+    broadcast from rank 0 of ``process_group``. With average_grad_sync=True
+    (the default) the result equals FusedMuon (or torch.optim.Muon + AdamW)
+    on the global batch. With overlap_grad_sync=True a Muon parameter's
+    ``.grad`` is handed to the optimizer as backward produces it and is then
+    None; inside no_sync() gradients accumulate in ``.grad``. A trainable
+    Muon parameter that got no gradient on any rank is stepped with a zero
+    gradient (its momentum still acts), as DistributedFusedAdam steps its
+    parameters.
+
+    Checkpoints: state_dict() gives FusedMuon's dict (torch's keys: Muon's
+    ``momentum_buffer``, the AdamW groups' ``exp_avg``, ``exp_avg_sq`` and
+    steps, plus their fp32 ``param`` masters) with whole tensors on every
+    rank, so it loads at any world size. Not offered yet: GradScaler (use
+    bf16 autocast), capturable steps and CUDA-graph capture, gradient
+    clipping across both parts, DCP's sharded state dict (save state_dict()
+    instead), and the options named in ``_REFUSED_OPTIONS``.
+    """
+
+    def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
+                 ns_coefficients=(3.4445, -4.775, 2.0315), eps=1e-7, ns_steps=5, adjust_lr_fn=None, *,
+                 process_group=None, overlap_grad_sync=True, average_grad_sync=True, bucket_cap_mb=100,
+                 ns_dtype=torch.bfloat16, **adamw_options):
+        name = type(self).__name__
+        refused = [k for k in _REFUSED_OPTIONS if adamw_options.get(k)]
+        if refused:
+            raise ValueError(f"{name} does not offer {refused} yet: leave them out (the AdamW groups' "
+                             "DistributedFusedAdam takes its other options)")
+        if ns_dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"ns_dtype must be torch.bfloat16 or torch.float32, got {ns_dtype}")
+        if not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                        ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
+        check_muon_hyper(name, defaults)
+        self.process_group = process_group
+        self.ns_dtype = ns_dtype
+        self._adamw_given: list[dict] = []
+        super().__init__(params, defaults)
+        muon_params = [p for g in self.param_groups if uses_muon(g) for p in g["params"]]
+        group_of = [gi for gi, g in enumerate(self.param_groups) if uses_muon(g) for _ in g["params"]]
+        device = muon_params[0].device if muon_params else torch.device("cpu")
+        check_same(f"{name}: the {{ranks}} ranks of process_group were not given the same Muon parameters and "
+                   "hyperparameters: {difference}. Every rank must build the same model and optimizer",
+                   self._muon_setup(), process_group, device)
+        # The AdamW groups' engine: its own groups replace the placeholders, so
+        # schedulers and users see one list of groups.
+        self._adamw = None
+        if self._adamw_given:
+            self._adamw = DistributedFusedAdam(
+                [dict(g) for g in self._adamw_given], process_group=process_group,
+                overlap_grad_sync=overlap_grad_sync, average_grad_sync=average_grad_sync,
+                bucket_cap_mb=bucket_cap_mb, **adamw_options)
+            inner = iter(self._adamw.param_groups)
+            self.param_groups = [g if uses_muon(g) else next(inner) for g in self.param_groups]
+        self._muon = None
+        if muon_params:
+            src = 0 if process_group is None else dist.get_global_rank(process_group, 0)
+            with torch.no_grad():
+                for p in muon_params:
+                    dist.broadcast(p.data, src=src, group=process_group)
+            elem = muon_params[0].element_size()
+            self._muon = OwnedMuon(muon_params, group_of, process_group,
+                                   cap=max(1, int(bucket_cap_mb * (1 << 20)) // elem),
+                                   overlap_grad_sync=overlap_grad_sync, average_grad_sync=average_grad_sync,
+                                   ns_dtype=ns_dtype)
+        self._built = True
+
+    # ------------------------------------------------------------ groups
+
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "_built", False):
+            raise RuntimeError(f"{type(self).__name__}: parameter groups are fixed at construction (the matrices' "
+                               "owners and the buckets are laid out for them); build a new optimizer")
+        where = f"param_groups[{len(self.param_groups)}]"
+        group = dict(param_group)
+        if not uses_muon(group):
+            fill_adamw_group(where, group)
+        given = set(group)
+        super().add_param_group(group)
+        group = self.param_groups[-1]
+        try:
+            if not uses_muon(group):
+                for key in set(self.defaults) - given:  # torch.optim filled Muon's defaults in: not AdamW's
+                    del group[key]
+            check_group(where, group)
+            check_params(where, group)
+        except ValueError:
+            self.param_groups.pop()
+            raise
+        if not uses_muon(group):
+            self._adamw_given.append(group)
+
+    def _muon_setup(self) -> list:
+        items = [("the number of parameter groups", len(self.param_groups))]
+        for gi, g in enumerate(self.param_groups):
+            items.append((f"param_groups[{gi}]: use_muon", uses_muon(g)))
+            if uses_muon(g):
+                items += [(f"param_groups[{gi}]['{k}']", repr(g[k])) for k in MUON_KEYS]
+                items += [(f"param_groups[{gi}]['params'][{pi}]", (tuple(p.shape), str(p.dtype)))
+                          for pi, p in enumerate(g["params"])]
+        return items
+
+    # ------------------------------------------------------------ iteration
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Reduce the Muon gradients to their owners, step the owned matrices
+        and all-gather them; then the AdamW groups' ZeRO step."""
+        loss = run_closure(closure)
+        for i, group in enumerate(self.param_groups):
+            if uses_muon(group):
+                check_group(f"param_groups[{i}]", group)
+        if self._muon is not None:
+            self._muon.step(self.param_groups)
+        if self._adamw is not None:
+            self._adamw.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for g in self.param_groups:
+            if uses_muon(g):
+                for p in g["params"]:
+                    if set_to_none:
+                        p.grad = None
+                    elif p.grad is not None:
+                        p.grad.zero_()
+        if self._adamw is not None:
+            self._adamw.zero_grad(set_to_none=set_to_none)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradient accumulation: backward passes inside this context add into
+        ``p.grad`` with no communication; the first backward outside it (or
+        step()) synchronises the sum."""
+        inner = self._adamw.no_sync() if self._adamw is not None else contextlib.nullcontext()
+        before = self._muon.no_sync if self._muon is not None else False
+        with inner:
+            if self._muon is not None:
+                self._muon.no_sync = True
+            try:
+                yield
+            finally:
+                if self._muon is not None:
+                    self._muon.no_sync = before
+
+    def param_sync(self) -> None:
+        """Bring every parameter up to date (the AdamW groups' all-gathers
+        with overlap_param_sync; the Muon matrices are current after step())."""
+        if self._adamw is not None:
+            self._adamw.param_sync()
+
+    def orthogonalized_matrices(self) -> list[tuple[int, int | None]]:
+        """(Muon parameter index, matrix index or None) of each matrix this
+        rank owns and orthogonalizes."""
+        return [] if self._muon is None else [(m.param, m.index) for m in self._muon.owned()]
+
+    # ------------------------------------------------------------ checkpoints
+
+    def _indices(self) -> tuple[list[int], list[int]]:
+        """Global parameter indices (param_groups order) of the Muon and AdamW parameters."""
+        muon, adamw, i = [], [], 0
+        for g in self.param_groups:
+            for _ in g["params"]:
+                (muon if uses_muon(g) else adamw).append(i)
+                i += 1
+        return muon, adamw
+
+    def state_dict(self) -> dict:
+        """FusedMuon's state dict with whole tensors, on every rank (every
+        rank must call it)."""
+        muon_idx, adamw_idx = self._indices()
+        state, groups = {}, []
+        momenta = self._muon.momentum_buffers() if self._muon is not None else {}
+        for k, t in momenta.items():
+            state[muon_idx[k]] = {"momentum_buffer": t}
+        inner = self._adamw.state_dict() if self._adamw is not None else None
+        if inner is not None:
+            for j, s in inner["state"].items():
+                state[adamw_idx[j]] = s
+        inner_groups = iter(inner["param_groups"] if inner is not None else [])
+        start = 0
+        for g in self.param_groups:
+            ids = list(range(start, start + len(g["params"])))
+            start += len(g["params"])
+            if uses_muon(g):
+                groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": ids})
+            else:
+                groups.append(_adamw_group_as_fused_muon(next(inner_groups), ids, state))
+        return {"state": state, "param_groups": groups}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Loads a state_dict() of any world size (each rank keeps its own
+        matrices' momentum). Everything is checked before anything is written."""
+        name = type(self).__name__
+        groups, state = state_dict.get("param_groups"), state_dict.get("state")
+        if not isinstance(groups, list) or not isinstance(state, dict):
+            raise ValueError(f"{name}.load_state_dict: expected a dict with 'state' and 'param_groups'")
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"{name}.load_state_dict: the checkpoint has {len(groups)} parameter groups, this optimizer "
+                   f"{len(self.param_groups)}")
+        start, momenta, inner_state, inner_groups = 0, {}, {}, []
+        muon_k = adamw_k = 0
+        for gi, (saved, g) in enumerate(zip(groups, self.param_groups)):
+            n = len(g["params"])
+            if len(saved.get("params", ())) != n or bool(saved.get("use_muon", True)) != uses_muon(g):
+                raise ValueError(f"{name}.load_state_dict: param_groups[{gi}] has {len(saved.get('params', ()))} parameters "
+                       f"(use_muon={saved.get('use_muon', True)}), this optimizer's {n} "
+                       f"(use_muon={uses_muon(g)})")
+            for pi, (idx, p) in enumerate(zip(saved["params"], g["params"])):
+                s = state.get(idx, {})
+                if uses_muon(g):
+                    t = s.get("momentum_buffer")
+                    if t is not None:
+                        if not isinstance(t, torch.Tensor) or t.shape != p.shape:
+                            raise ValueError(f"{name}.load_state_dict: the momentum_buffer of param_groups[{gi}]['params']"
+                                   f"[{pi}] has shape {tuple(getattr(t, 'shape', ()))}, the parameter "
+                                   f"{tuple(p.shape)}")
+                        momenta[muon_k] = t.to(p.device, p.dtype)
+                    muon_k += 1
+                else:
+                    if s:
+                        inner_state[adamw_k] = s
+                    adamw_k += 1
+            if not uses_muon(g):
+                inner_groups.append({**saved, "params": list(range(adamw_k - n, adamw_k))})
+            start += n
+        for gi, (saved, g) in enumerate(zip(groups, self.param_groups)):
+            if uses_muon(g):
+                check_muon_hyper(f"{name}.load_state_dict: param_groups[{gi}]",
+                                 {**g, **{k: saved[k] for k in MUON_KEYS if k in saved}})
+        if momenta and len(momenta) != muon_k:
+            raise ValueError(f"{name}.load_state_dict: the checkpoint holds momentum for {len(momenta)} of the "
+                   f"{muon_k} Muon parameters; a partial load would leave state behind")
+        if self._adamw is not None:
+            self._adamw.load_state_dict({"state": inner_state, "param_groups": inner_groups})
+        for saved, g in zip(groups, self.param_groups):
+            if uses_muon(g):
+                g.update({k: saved[k] for k in MUON_KEYS if k in saved})
+        if self._muon is not None:
+            self._muon.load_momentum(momenta)
+
+
+def _adamw_group_as_fused_muon(group: dict, ids: list[int], state: dict) -> dict:
+    """An AdamW group of the inner engine's portable dict in FusedMuon's (and
+    torch.optim.AdamW's) schema: the step per parameter, bias_correction
+    only where it is False ([Note: torch.optim's checkpoint schema] in
+    .._rules.py). The inner engine loads either."""
+    group = {k: v for k, v in group.items() if k != "params"}
+    step = group.pop("step")
+    if group.get("bias_correction", True):
+        group.pop("bias_correction", None)
+    for i in ids:
+        if i in state:
+            state[i]["step"] = torch.tensor(float(step), dtype=torch.float32)
+    return {**group, "params": ids}

@@ -1,0 +1,212 @@
+"""DistributedFusedMuon on gloo ranks against FusedMuon in one process on the
+global batch ([Note: matrix-atomic ownership] in distributed/_muon_owners.py).
+
+The model has a tall and a wide Muon matrix, a 3-D expert parameter (a batch
+of three matrices) and an AdamW group (biases and the output layer). Each
+rank computes the mean loss of its slice of the global batch, so the
+averaged gradients are the global batch's; with ns_dtype=torch.float32 the
+runs then differ only by the reduction's fp32 rounding, which the
+Newton-Schulz iteration carries into the update at about 1e-6 of its size.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import shardadam
+from shardadam.distributed._muon_owners import SLOT_ALIGN, ns_cost, plan_owner_buckets
+from test_distributed import _exit, _rank_group, _spawn_all
+
+STEPS, GLOBAL_BATCH = 4, 12
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(16, 48)           # 48 x 16: tall
+        self.hidden = nn.Linear(48, 40)          # 40 x 48: wide
+        self.experts = nn.Parameter(torch.randn(3, 20, 40) * 0.2)
+        self.head = nn.Linear(20, 1)
+
+    def forward(self, x):
+        h = torch.tanh(self.hidden(torch.tanh(self.embed(x))))
+        return self.head(torch.einsum("bi,eoi->beo", h, self.experts).tanh().mean(1))
+
+
+def _groups(model: _Net) -> list[dict]:
+    return [dict(params=[model.embed.weight, model.hidden.weight, model.experts]),
+            dict(params=[model.embed.bias, model.hidden.bias, model.head.weight, model.head.bias], use_muon=False,
+                 lr=1e-2, betas=(0.9, 0.95), weight_decay=0.01)]
+
+
+def _data():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(STEPS, GLOBAL_BATCH, 16, generator=g), torch.randn(STEPS, GLOBAL_BATCH, 1, generator=g)
+
+
+def _train(model, opt, steps, rank=0, world=1, micro=1) -> None:
+    device = next(model.parameters()).device
+    xs, ys = (t.to(device) for t in _data())
+    per = GLOBAL_BATCH // world
+    for s in steps:
+        x, y = xs[s, rank * per:(rank + 1) * per], ys[s, rank * per:(rank + 1) * per]
+        for m, (xm, ym) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
+            loss = nn.functional.mse_loss(model(xm), ym) / micro
+            if m < micro - 1:
+                with opt.no_sync():
+                    loss.backward()
+            else:
+                loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+OPTIONS = dict(lr=0.05, weight_decay=0.1)
+
+
+def _reference(ns_dtype, steps=STEPS, device="cpu") -> list[torch.Tensor]:
+    model = _Net().to(device)
+    _train(model, shardadam.FusedMuon(_groups(model), ns_dtype=ns_dtype, **OPTIONS), range(steps))
+    return [p.detach().cpu().clone() for p in model.parameters()]
+
+
+def _worker(rank, world, port, cfg, out) -> None:
+    cuda = cfg["device"] == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    with _rank_group(rank, world, port, out, "nccl" if cuda else "gloo"):
+        model = _Net().to(f"cuda:{rank}" if cuda else "cpu")
+        if rank != 0:  # the optimizer broadcasts rank 0's parameters
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)
+        opt = shardadam.DistributedFusedMuon(_groups(model), ns_dtype=cfg["ns_dtype"],
+                                             overlap_grad_sync=cfg["overlap"], bucket_cap_mb=cfg["cap"], **OPTIONS)
+        _train(model, opt, range(STEPS), rank, world, cfg["micro"])
+        out.put((rank, dict(params=[p.detach().cpu().numpy().copy() for p in model.parameters()],
+                            owned=opt.orthogonalized_matrices(),
+                            buckets=len(opt._muon.buckets))))
+    _exit()
+
+
+def _config(ns_dtype=torch.float32, overlap=True, cap=100.0, micro=1, device="cpu"):
+    return dict(ns_dtype=ns_dtype, overlap=overlap, cap=cap, micro=micro, device=device)
+
+
+@pytest.mark.parametrize("world,cfg", [
+    (2, _config()),
+    (3, _config(cap=1e-3)),                     # a bucket per parameter
+    (4, _config()),                             # more ranks than matrices of some shapes
+    (2, _config(overlap=False)),
+    (3, _config(micro=2)),                      # no_sync accumulation
+    pytest.param(1, _config(device="cuda"), marks=pytest.mark.cuda),
+    pytest.param(2, _config(device="cuda", cap=1e-3, micro=2), marks=pytest.mark.multigpu),
+], ids=["world-2", "world-3-small-buckets", "world-4", "no-overlap", "no_sync-3", "nccl-1", "nccl-2-small-buckets"])
+def test_matches_fused_muon_on_the_global_batch(world, cfg):
+    results = _spawn_all(_worker, world, cfg)
+    want = _reference(cfg["ns_dtype"], device=cfg["device"])
+    for r, result in enumerate(results):
+        for i, (got, w) in enumerate(zip(result["params"], want)):
+            torch.testing.assert_close(torch.from_numpy(got), w, rtol=1e-5, atol=2e-6,
+                                       msg=lambda m: f"rank {r}, param {i}: {m}")
+    if cfg["cap"] < 1:
+        assert results[0]["buckets"] == 3
+    # Every matrix is orthogonalized by exactly one rank.
+    owned = [m for result in results for m in result["owned"]]
+    assert sorted(owned, key=repr) == sorted([(0, None), (1, None), (2, 0), (2, 1), (2, 2)], key=repr)
+
+
+def test_bf16_newton_schulz_moves_the_parameters_as_fused_muon():
+    results = _spawn_all(_worker, 2, _config(ns_dtype=torch.bfloat16))
+    start = [p.detach() for p in _Net().parameters()]
+    want = _reference(torch.bfloat16)
+    for i, (got, w, p0) in enumerate(zip(results[0]["params"], want, start)):
+        moved, want_moved = torch.from_numpy(got) - p0, w - p0
+        error = (moved - want_moved).norm() / want_moved.norm()
+        assert error < 1e-2, f"param {i}: movement differs by {error:.2e} of its size"
+
+
+def _checkpoint_worker(rank, world, port, path, phase, out) -> None:
+    """phase "save": 2 steps, state_dict() to path; "load": load it and take the rest."""
+    with _rank_group(rank, world, port, out):
+        model = _Net()
+        opt = shardadam.DistributedFusedMuon(_groups(model), ns_dtype=torch.float32, **OPTIONS)
+        if phase == "save":
+            _train(model, opt, range(2), rank, world)
+            sd = opt.state_dict()
+            if rank == 0:
+                torch.save(dict(model=model.state_dict(), optim=sd), path)
+            out.put((rank, sorted(sd["state"][0])))
+        else:
+            saved = torch.load(path)
+            model.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["optim"])
+            _train(model, opt, range(2, STEPS), rank, world)
+            out.put((rank, [p.detach().numpy().copy() for p in model.parameters()]))
+    _exit()
+
+
+@pytest.mark.parametrize("load_world", [1, 3])
+def test_state_dict_of_2_ranks_resumes_at_other_world_sizes(tmp_path, load_world):
+    path = str(tmp_path / "ckpt.pt")
+    keys = _spawn_all(_checkpoint_worker, 2, path, "save")
+    assert keys[0] == ["momentum_buffer"]
+    resumed = _spawn_all(_checkpoint_worker, load_world, path, "load")
+    for i, (got, want) in enumerate(zip(resumed[0], _reference(torch.float32))):
+        torch.testing.assert_close(torch.from_numpy(got), want, rtol=1e-5, atol=2e-6, msg=lambda m: f"param {i}: {m}")
+
+
+def test_state_dict_loads_into_fused_muon(tmp_path):
+    """The checkpoint is FusedMuon's: a single-process run resumes from it."""
+    path = str(tmp_path / "ckpt.pt")
+    _spawn_all(_checkpoint_worker, 2, path, "save")
+    saved = torch.load(path)
+    model = _Net()
+    model.load_state_dict(saved["model"])
+    opt = shardadam.FusedMuon(_groups(model), ns_dtype=torch.float32, **OPTIONS)
+    opt.load_state_dict(saved["optim"])
+    _train(model, opt, range(2, STEPS))
+    for i, (got, want) in enumerate(zip(model.parameters(), _reference(torch.float32))):
+        torch.testing.assert_close(got.detach(), want, rtol=1e-5, atol=2e-6, msg=lambda m: f"param {i}: {m}")
+
+
+def test_owners_balance_newton_schulz_cost_and_slots_do_not_overlap():
+    shapes = [(512, 128), (128, 512), (8, 256, 256), (300, 300), (64, 64), (1000, 10)]
+    dtypes = [torch.float32] * len(shapes)
+    for world in (1, 2, 3, 4, 7):
+        buckets = plan_owner_buckets(shapes, dtypes, world, cap=200_000)
+        assert len(buckets) > 1
+        assert [k for b in buckets for k in b.params] == list(reversed(range(len(shapes))))
+        matrices = [m for b in buckets for m in b.matrices]
+        assert sorted((m.param, m.index) for m in matrices if m.index is not None) == [(2, i) for i in range(8)]
+        load = [sum(m.cost for m in matrices if m.owner == r) for r in range(world)]
+        largest = max(m.cost for m in matrices)
+        assert max(load) - min(load) <= largest, f"world {world}: loads {load}"
+        for b in buckets:
+            for r in range(world):
+                spans = sorted((m.offset, m.offset + m.numel) for m in b.owned_by(r))
+                assert all(s % SLOT_ALIGN == 0 for s, _ in spans)
+                assert all(e1 <= s2 for (_, e1), (s2, _) in zip(spans, spans[1:]))
+                assert all(e <= b.slot_size for _, e in spans)
+    assert ns_cost(512, 128) == 512 * 128 * 128
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda m: [dict(params=[m.embed.bias])], r"has shape \(48,\).*use_muon=False"),
+    (lambda m: [dict(params=[m.embed.weight], ns_steps=100)], "ns_steps"),
+    (lambda m: [dict(params=[m.head.bias], use_muon=False, momentum=0.9)], "only Muon groups take"),
+])
+def test_bad_groups_raise_before_anything_is_written(bad, match):
+    model = _Net()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=match):
+        shardadam.DistributedFusedMuon(bad(model))
+    assert all(torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))
+
+
+def test_options_not_offered_are_refused_by_name():
+    model = _Net()
+    with pytest.raises(ValueError, match="capturable"):
+        shardadam.DistributedFusedMuon(_groups(model), capturable=True)
