@@ -1,5 +1,5 @@
-"""FusedAdam's low-bit storage kinds on FSDP2 (fully_shard) parameters and
-through DCP, on gloo ranks on the CPU.
+"""FusedAdam's low-bit storage kinds and host state (state_device="cpu") on
+FSDP2 (fully_shard) parameters and through DCP, on gloo ranks on the CPU.
 
 Each kind trains a model whose 300 x 64 weight's shards (150 rows of 64 at 2
 ranks, 100 at 3) cut its 8-bit blocks of 256 elements mid-block, so blocks
@@ -12,7 +12,9 @@ rounding noise (its difference from fp32 storage on the plain model; fp32
 storage itself agrees to fp32 rounding). The checkpoints hold fp32 values
 (DTensors of the parameters' placements), so dcp.save at 2 ranks loads at 1
 and at 3 ranks and training continues as the uninterrupted run did, within
-the same noise.
+the same noise. Host state runs its pipeline on the CPU parameters' local
+shards (forced, in every rank: host_state_forced) and, with fp32 storage,
+agrees with the plain model to fp32 rounding.
 """
 from __future__ import annotations
 
@@ -31,7 +33,9 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import shardadam
+from shardadam._host_state import HostStateBucket
 from test_distributed import _exit, _rank_group, _spawn_all
+from test_host_state import host_state_forced
 
 STEPS, SAVED_AT, GLOBAL_BATCH, LR = 6, 3, 12, 1e-2
 KINDS = {
@@ -39,7 +43,11 @@ KINDS = {
     "8-bit": (torch.float32, dict(exp_avg_dtype=shardadam.BLOCKWISE8, exp_avg_sq_dtype=shardadam.BLOCKWISE8)),
     "FP8": (torch.float32, dict(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8)),
     "bf16 stochastic rounding": (torch.bfloat16, dict(bf16_stochastic_round=True, stochastic_round_seed=3)),
+    "host state": (torch.float32, dict(state_device="cpu")),
+    "host state 8-bit": (torch.float32, dict(state_device="cpu", exp_avg_dtype=shardadam.BLOCKWISE8,
+                                             exp_avg_sq_dtype=shardadam.BLOCKWISE8)),
 }
+FP32_STORAGE = ("fp32", "host state")
 
 
 def _data():
@@ -89,20 +97,22 @@ def _resumed(kind: str, path: str, rank: int, world: int) -> list[torch.Tensor]:
     dtype, kw = KINDS[kind]
     model = _model(dtype, init_device_mesh("cpu", (world,)))
     opt = shardadam.FusedAdam(model.parameters(), lr=LR, **kw)
-    _load(model, opt, f"{path}/{kind}")
-    _train(model, opt, range(SAVED_AT, STEPS), rank, world)
+    with host_state_forced():
+        _load(model, opt, f"{path}/{kind}")
+        _train(model, opt, range(SAVED_AT, STEPS), rank, world)
     return _full(model)
 
 
 def _save_worker(rank: int, world: int, port: int, path: str, out) -> None:
     """Every kind on 2 ranks: saved at SAVED_AT, the run continued to STEPS."""
-    with _rank_group(rank, world, port, out):
+    with _rank_group(rank, world, port, out), host_state_forced():
         mesh = init_device_mesh("cpu", (world,))
         result = {}
         for kind, (dtype, kw) in KINDS.items():
             model = _model(dtype, mesh)
             opt = shardadam.FusedAdam(model.parameters(), lr=LR, **kw)
             _train(model, opt, range(SAVED_AT), rank, world)
+            result[kind + " on host buckets"] = all(isinstance(b, HostStateBucket) for b in opt._buckets)
             state = _state(model, opt)
             saved = [v for entry in state["optim"]["state"].values() for k, v in entry.items() if k != "step"]
             result[kind + " saves fp32 DTensors"] = all(isinstance(v, DTensor) and v.dtype == torch.float32
@@ -139,7 +149,8 @@ def _plain(kind: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     dtype, kw = KINDS[kind]
     model = _model(dtype)
     start = _full(model)
-    _train(model, shardadam.FusedAdam(model.parameters(), lr=LR, **kw), range(STEPS))
+    with host_state_forced():
+        _train(model, shardadam.FusedAdam(model.parameters(), lr=LR, **kw), range(STEPS))
     return start, _full(model)
 
 
@@ -153,7 +164,7 @@ def _movement_error(got: list, want: list, start: list) -> float:
 def _noise(kind: str) -> float:
     """How far the kind's own rounding moves a run: its plain run against fp32 storage's (the
     bound for the sharded runs, twice that to be safe; fp32 storage: fp32 rounding)."""
-    if kind == "fp32":
+    if kind in FP32_STORAGE:
         return 1e-6
     start, fp32 = _plain("fp32")
     return 2 * _movement_error(_plain(kind)[1], fp32, start)
@@ -163,6 +174,7 @@ def _noise(kind: str) -> float:
 def test_sharded_training_equals_the_plain_model_within_the_kinds_rounding(saved, kind):
     result, _ = saved
     assert result[kind + " saves fp32 DTensors"], "the checkpoint holds the stored codes, not fp32 values"
+    assert result[kind + " on host buckets"] == ("state_device" in KINDS[kind][1]), "stepped on the wrong buckets"
     start, plain = _plain(kind)
     error = _movement_error(result[kind], plain, start)
     assert error <= _noise(kind), f"{kind}: the sharded run moved {error:.2%} away from the plain one"

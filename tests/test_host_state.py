@@ -9,11 +9,14 @@ differently) and with torch.optim.AdamW.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import weakref
 
 import pytest
 import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import shardadam
 from shardadam import _fused_optimizer, _host_state, _pinned, _plan
@@ -49,12 +52,22 @@ def _assert_same_params(ref_params, host_params):
         assert_bits_equal(a.detach(), b.detach())
 
 
+@contextlib.contextmanager
+def host_state_forced():
+    """Host buckets for CPU parameters too, in segments of at most 400
+    elements. A context, not only a fixture: spawned ranks apply it in their
+    own process."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_fused_optimizer, "_bucket_class",
+                      lambda opts, device: HostStateBucket if opts["host_state"] else _fused_optimizer.Bucket)
+        patch.setattr(_host_state, "HOST_SEGMENT_ELEMS", 400)
+        yield
+
+
 @pytest.fixture
-def forced_host_state(monkeypatch):
-    """Host buckets for CPU parameters too, in segments of at most 400 elements."""
-    monkeypatch.setattr(_fused_optimizer, "_bucket_class",
-                        lambda opts, device: HostStateBucket if opts["host_state"] else _fused_optimizer.Bucket)
-    monkeypatch.setattr(_host_state, "HOST_SEGMENT_ELEMS", 400)
+def forced_host_state():
+    with host_state_forced():
+        yield
 
 
 def test_segments_split_by_size_and_dtype():
@@ -227,6 +240,38 @@ def test_forced_host_buckets_checkpoint_round_trip(forced_host_state):
     _assert_same_params(ref_params, fresh_params)
     _step_alike(ref, fresh, ref_params, fresh_params, [()])
     _assert_same_params(ref_params, fresh_params)
+
+
+def test_forced_host_buckets_on_dtensors_follow_writes(forced_host_state, one_rank):
+    """DTensor parameters (one rank's mesh, so the plain optimizer on the full
+    tensors is the reference): the host bucket steps their local tensors,
+    reads back writes through the parameter and through to_local() (each
+    moves another version counter), and hands out DTensor state."""
+    mesh = init_device_mesh("cpu", (1,))
+    ref_params = _model("cpu")
+    host_params = [torch.nn.Parameter(distribute_tensor(p.detach().clone(), mesh, [Shard(0)])) for p in ref_params]
+    ref = shardadam.FusedAdam(ref_params, lr=1e-2)
+    host = shardadam.FusedAdam(host_params, lr=1e-2, state_device="cpu")
+    for step in range(3):
+        if step:
+            with torch.no_grad():
+                for ps in (ref_params, [p.to_local() for p in host_params]):
+                    ps[2].mul_(0.5)
+                for ps in (ref_params, host_params):
+                    torch.nn.init.constant_(ps[5], 0.25)
+        _grads(ref_params, step, (1,) if step == 1 else ())
+        for p, r in zip(host_params, ref_params):
+            p.grad = None if r.grad is None else distribute_tensor(r.grad, mesh, [Shard(0)])
+        ref.step()
+        host.step()
+    assert isinstance(host._layout()[0], HostStateBucket) and len(host._layout()[0].segments) > 2
+    _assert_same_params(ref_params, [p.full_tensor() for p in host_params])
+    for key, entry in host.state_dict()["state"].items():
+        for name, value in entry.items():
+            if name != "step":
+                assert isinstance(value, DTensor) and value.placements == (Shard(0),)
+                assert_bits_equal(ref.state[ref_params[key]][name], value.full_tensor())
+                assert isinstance(host.state[host_params[key]][name], DTensor)
 
 
 def test_state_device_cpu_on_cpu_params_changes_nothing():

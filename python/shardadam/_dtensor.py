@@ -14,7 +14,9 @@ tracked storage] see the memory the kernels use. What the optimizer hands out
 placements around the local pieces, so torch.distributed.checkpoint saves,
 reshards and loads them as it does torch.optim's state; a load copies the
 local pieces (of a full tensor: this rank's piece). Partial placements are
-refused: their local values are not the parameter's.
+refused: their local values are not the parameter's. A host-state bucket
+([Note: host state] in _host_state.py) keeps host copies of the local tensors
+and hands out its state alike.
 
 A step talks to other ranks only to agree on skipping non-finite gradients
 (agree_on_flag): each rank sees its own shards only.

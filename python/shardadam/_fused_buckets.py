@@ -130,6 +130,9 @@ class Bucket:
         # Blockwise states: each parameter's block maxima, a slice of one flat buffer per state.
         self.blocks = {name: block_views(flat, [p.numel() for p in params]) for name, flat in stored.blocks.items()}
         self.views = [self._views_of(i) for i in range(n)]
+        # Views of this rank's piece alone, handed out plain (exposed_state).
+        self.per_piece = frozenset([f"{name}_scale" for name in self.scales]
+                                   + [f"{name}_absmax" for name in self.blocks])
         for i, p in enumerate(params):
             if self.master is not None:
                 self.views[i]["master_param"].copy_(p.detach())
@@ -163,11 +166,12 @@ class Bucket:
 
     def exposed_state(self, i: int) -> dict:
         """``optimizer.state[p]`` of parameter i: its views, as DTensors of the
-        parameter's placements for a DTensor parameter (the per-tensor scales
-        stay plain: each belongs to this rank's piece)."""
-        own = {f"{name}_scale" for name in self.scales} | {f"{name}_absmax" for name in self.blocks}
+        parameter's placements for a DTensor parameter (per_piece: the
+        per-tensor scales and block maxima stay plain, each belongs to this
+        rank's piece). A host-state bucket hands out its views alike."""
         owner = self.owners[i]
-        return {name: view if name in own else self.shards.wrap(view, owner) for name, view in self.views[i].items()}
+        return {name: view if name in self.per_piece else self.shards.wrap(view, owner)
+                for name, view in self.views[i].items()}
 
     def after_load(self) -> None:
         """A checkpoint was loaded into the views: nothing to follow up, the

@@ -111,9 +111,6 @@ class FusedOptimizer(torch.optim.Optimizer):
                                  "give each parameter to one group once")
             seen.add(id(p))
             check_param(f"param_groups[{len(self.param_groups) - 1}]['params'][{i}]", p)
-            if self._opts["host_state"] and is_dtensor(p):
-                raise ValueError(f"param_groups[{len(self.param_groups) - 1}]['params'][{i}] is a DTensor: "
-                                 "state_device='cpu' takes plain parameters (keep DTensor state on the device)")
             devices.add(p.device)
         if len(devices) > 1:
             raise ValueError(f"parameters of one group are on several devices ({sorted(map(str, devices))}): "

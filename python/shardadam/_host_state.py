@@ -31,6 +31,18 @@ counter) is noticed at the next step, which reads the parameter back first;
 a write through ``p.data`` bypasses the version counter and is overwritten.
 When step() returns, no copy is in flight: host memory may be read and
 written freely (checkpoints, TE's accessors).
+
+A DTensor parameter (FSDP2's fully_shard, tensor parallelism: [Note: DTensor
+parameters] in _dtensor.py) is its local tensor here, as in a device Bucket:
+its shadow copies the local shard, the gradient's local tensor comes down
+and the new values go up into the parameter's local tensor. Two version
+counters are watched: a write through the parameter (``p.copy_``,
+``model.load_state_dict``, set_model_state_dict) moves the DTensor's own and
+not its local tensor's; a write through ``p.to_local()`` moves the local
+tensor's only. state[p] and state_dict() wrap the host views in
+DTensors of the parameter's placements (Bucket.exposed_state, the shards'
+wrap), so torch.distributed.checkpoint saves, reshards and loads them as the
+device state's.
 """
 from __future__ import annotations
 
@@ -217,35 +229,39 @@ def wait_event(event) -> None:
 class HostStateBucket:
     """A bucket of GPU parameters whose optimizer state lives in host memory
     ([Note: host state]); what the fused optimizer and its checkpoints use of
-    a Bucket: owners, kind, states, views, params (the shadows), prepare,
-    grads_read, launch."""
+    a Bucket: owners, shards, kind, states, views, exposed_state, params (the
+    shadows), prepare, grads_read, launch."""
+
+    exposed_state = Bucket.exposed_state  # views, owners, shards and per_piece as a Bucket's
 
     def __init__(self, kind: str, params: list, group_of: list[int], num_groups: int, opts: dict,
                  names: list[str], shards=PLAIN):
-        if shards is not PLAIN:
-            raise ValueError("state_device='cpu' takes plain parameters, not DTensors")
         self.kind = kind
         self.owners = params
-        self.shards = PLAIN
+        self.shards = shards
+        # What the copies read and write: the parameters, or their local tensors ([Note: host state]).
+        self._locals = local = shards.tensors(params)
         self.names = names
-        self.device = params[0].device
+        self.device = local[0].device
         self.grad_of = opts["grad_of"]
-        self.grad_fit = GradFit(params, names)
-        self.param_ptrs = _addresses.addresses(params)
-        self.param_shapes = [p.shape for p in params]
-        self._bounds = segment_bounds(params, HOST_SEGMENT_ELEMS)
+        self.grad_fit = GradFit(local, names)
+        self.param_ptrs = _addresses.addresses(local)
+        self.param_shapes = [p.shape for p in local]
+        self._bounds = segment_bounds(local, HOST_SEGMENT_ELEMS)
         self._streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)) \
             if self.device.type == "cuda" else (None, None)
-        self.segments = [_Segment(kind, params[a:b], group_of[a:b], num_groups, opts, names[a:b], self._streams,
+        self.segments = [_Segment(kind, local[a:b], group_of[a:b], num_groups, opts, names[a:b], self._streams,
                                   k % _SLOTS) for k, (a, b) in enumerate(self._bounds)]
         widest = max(dtype.itemsize for dtype in kernels.FLOATS)
         slot_bytes = max(seg.total for seg in self.segments) * widest
         self._slots = [pinned_empty(slot_bytes, torch.uint8, self.device)
                        for _ in range(min(_SLOTS, len(self.segments)))]
         self.states = self.segments[0].bucket.states
+        self.per_piece = self.segments[0].bucket.per_piece
         self.views = [v for seg in self.segments for v in seg.bucket.views]
         self._shadows = [s for seg in self.segments for s in seg.shadows]
-        self._versions = list(map(VERSION, params))
+        self._watched = local if shards is PLAIN else params + local  # [Note: host state]: the counters
+        self._versions = list(map(VERSION, self._watched))
         self.threads = opts["host_threads"]  # [Note: host step threads]
 
     @property
@@ -254,18 +270,15 @@ class HostStateBucket:
         self._read_changed_params()
         return self._shadows
 
-    def exposed_state(self, i: int) -> dict:
-        return self.views[i]
-
     def _read_changed_params(self) -> None:
         """Parameters written through torch since the last step (their version
         moved) are read back into their shadows ([Note: host state])."""
-        versions = list(map(VERSION, self.owners))
+        versions = list(map(VERSION, self._watched))
         if versions == self._versions:
             return
-        for i, (now, before) in enumerate(zip(versions, self._versions)):
-            if now != before:
-                self._shadows[i].copy_(self.owners[i].detach())
+        n = len(self._locals)
+        for i in {i % n for i, (now, before) in enumerate(zip(versions, self._versions)) if now != before}:
+            self._shadows[i].copy_(self._locals[i].detach())
         self._versions = versions
 
     def after_load(self) -> None:
@@ -334,5 +347,5 @@ class HostStateBucket:
             self._streams[1].synchronize()
         for seg in self.segments:
             seg.release_grads()
-        self._versions = list(map(VERSION, self.owners))
+        self._versions = list(map(VERSION, self._watched))
 

@@ -83,8 +83,9 @@ class FusedAdam(FusedOptimizer):
     _host_state.py). The host copy of a parameter that is its own master is
     authoritative between steps; writes to the parameter through torch
     (p.copy_ under no_grad, load_state_dict, nn.init) are read back at the
-    next step. Not with capturable or flat_grads; plain parameters only. For
-    CPU parameters it changes nothing.
+    next step. Not with capturable or flat_grads. DTensor parameters (FSDP2)
+    keep host copies of their local shards. For CPU parameters it changes
+    nothing.
 
     TE's state accessors: get_unscaled_state, set_scaled_state and
     initialize_state read and write true fp32 values whatever the storage.
