@@ -29,8 +29,9 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 import shardadam
-from harness import add_run_args, choose, fmt, memory_figures, pct, results_table, run_case, say, start_gpt, write_json
-from models import FULL, add_size_args, autocast, build_model, fill_defaults, make_batch
+from harness import (add_run_args, choose, finish, fmt, memory_figures, parse_gpt_args, pct, results_table, run_case,
+                     say, start_gpt)
+from models import add_size_args, autocast, build_model, make_batch
 from timing import timed_calls
 
 IMPLS = ("ddp_fused", "fsdp2", "zero1", "shardadam", "shardadam_contiguous_grads", "shardadam_contiguous_masters",
@@ -176,12 +177,8 @@ def parse_args():
     ap.add_argument("--iters", type=int, help=f"timed iterations after {WARMUP} warm-up ones (default 10)")
     ap.add_argument("--impls", default=",".join(IMPLS), help="comma-separated subset of " + ",".join(IMPLS))
     add_run_args(ap)
-    args = ap.parse_args()
-    fill_defaults(args, FULL)
-    args.batches = [int(b) for b in args.batches.split(",")]
+    args = parse_gpt_args(ap)
     args.impls = choose(ap, args.impls, IMPLS, "--impls")
-    if args.iters < 1:
-        ap.error("--iters must be at least 1")
     return args
 
 
@@ -198,9 +195,7 @@ def main() -> None:
                 f"{'' if r['loss_ok'] else '  (loss not finite, or not falling)'}"))
     add_ratios(results, dist.get_world_size())
     say("", table(results), *goals(results, dist.get_world_size()))
-    if dist.get_rank() == 0:
-        write_json(args.out, meta=meta, results=results)
-    dist.destroy_process_group()
+    finish(args.out, meta=meta, results=results)
 
 
 if __name__ == "__main__":

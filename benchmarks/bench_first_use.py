@@ -26,8 +26,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import shardadam
-from harness import add_run_args, say, start_gpt
-from models import FULL, add_size_args, autocast, build_model, fill_defaults, make_batch
+from harness import add_run_args, parse_gpt_args, say, start_gpt
+from models import FULL, SIZE_KEYS, add_size_args, autocast, build_model, make_batch
 from shardadam.distributed._first_use import FirstUseGuard
 from timing import timed_calls
 
@@ -108,8 +108,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10, help=f"timed iterations after {WARMUP} warm-up ones")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
     add_run_args(ap, lr=None, buckets="bucket size in MiB (default 100; --tiny 0.1)", out=None)
-    args = ap.parse_args()
-    fill_defaults(args, FULL, ("d_model", "layers", "heads", "vocab", "seq", "bucket_cap_mb"))
+    args = parse_gpt_args(ap, FULL, (*SIZE_KEYS, "bucket_cap_mb"))
     dev, cuda, _, _ = start_gpt(args)
     if dist.get_rank() == 0:
         costs = per_parameter_costs()

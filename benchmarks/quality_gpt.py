@@ -26,17 +26,14 @@ import torch
 import torch.distributed as dist
 
 import shardadam
-from harness import fmt, start_gpt
-from models import KINDS, add_size_args, build_model, fill_defaults, lm_loss
+from harness import fmt, parse_gpt_args, start_gpt
+from models import FULL, KINDS, SIZE_KEYS, add_size_args, build_model, lm_loss
 from quality_storage import kinds_arg, report, write_curves
 from train import corpus, learning_rate, mean_over_ranks, param_groups, rank_slice, sample_batch  # examples/
 
 # The kinds of quality_storage.py that DistributedFusedAdam takes as they are
 # (it keeps fp32 masters for bf16 parameters unless they round stochastically).
 DISTRIBUTED_KINDS = ("fp32", "FP8 states", "FP8 exp_avg", "8-bit blockwise states", "bf16 stochastic rounding")
-SIZES = dict(d_model=2048, layers=24, heads=16, vocab=50304, seq=1024)
-
-
 SMOOTH = 10  # steps per point of the plotted curves
 
 
@@ -95,8 +92,7 @@ def main() -> None:
     ap.add_argument("--kinds", default=",".join(DISTRIBUTED_KINDS),
                     help="comma-separated subset of: " + ", ".join(DISTRIBUTED_KINDS))
     ap.add_argument("--out", type=pathlib.Path, help="rank 0 writes <out>.csv, <out>.svg and <out>.json")
-    args = ap.parse_args()
-    fill_defaults(args, SIZES, keys=SIZES)
+    args = parse_gpt_args(ap, FULL, SIZE_KEYS)
     kinds = kinds_arg(ap, args.kinds, DISTRIBUTED_KINDS)
     if args.steps < 10:
         ap.error("--steps must be at least 10 (the final loss is the mean of the last tenth)")
