@@ -4,14 +4,9 @@
 Goal: every storage mode captures and replays, its losses within LOSS_TOLERANCE
 of its eager run's, with the iteration's host time gone. Judged by "vs DDP"
 (ms / DDP's eager ms), "host vs DDP" and, for a captured run, "vs eager" and
-its loss difference to the eager run.
-
-The GPT of models.py, bf16 autocast, a GradScaler and clipping;
-DistributedFusedAdam(capturable=True, both overlaps, contiguous_param_buffer)
-eager and captured (README, "CUDA graphs") in each storage configuration, and
-DDP + AdamW(fused=True) eager as the reference. Medians of back-to-back
-iterations (CUDA events) and of the host time for the call to return from an
-idle device, the maximum over ranks. A failed check exits 1 after the table.
+its loss difference to the eager run. The GPT of models.py, bf16 autocast, a
+GradScaler and clipping; medians of back-to-back iterations (CUDA events) and
+of the host time from an idle device, maximum over ranks. A failed check exits 1.
 
     torchrun --nproc_per_node 2 benchmarks/bench_capture.py --out results.json
     torchrun --nproc_per_node 2 benchmarks/bench_capture.py --tiny      # smoke run, CPU (gloo, eager only) or GPU

@@ -2,17 +2,13 @@
 """Checkpoint save and load of DistributedFusedAdam: time and peak host/device memory per rank.
 
 Goal: a large model's checkpoint saves and loads in seconds, bit for bit, with
-at most one bucket of extra device memory (the sharded format without gathering
-the state into host memory). Judged by each format's save and load seconds and
-GB/s, and their peak host and device memory (maximum over ranks).
-
-The GPT of models.py after one iteration, in three formats: portable
-(state_dict(gather_on_root=True), rank 0 writes it, every rank reads it),
-portable on every rank (the gather only), sharded (torch.distributed.checkpoint
-of sharded_state_dict()). Every phase runs between barriers; files are evicted
-from the page cache before each load (--warm-cache keeps them). Between save
-and load one more iteration changes the state; the load must restore it bit for
-bit. Rank 0 rewrites --out after every phase.
+at most one bucket of extra device memory. Judged by each format's save and
+load seconds and GB/s, and their peak host and device memory (maximum over
+ranks). Formats: portable (state_dict(gather_on_root=True), rank 0 writes, every
+rank reads), its gather on every rank, and sharded (torch.distributed.checkpoint
+of sharded_state_dict()). Phases run between barriers; files leave the page
+cache before each load (unless --warm-cache); one more iteration between save
+and load gives the load something to restore, bit for bit.
 
     torchrun --nproc_per_node 2 benchmarks/bench_checkpoint.py --out results.json --dir /tmp/ckpt
     torchrun --nproc_per_node 2 benchmarks/bench_checkpoint.py --tiny --dir /tmp/ckpt_tiny   # smoke run

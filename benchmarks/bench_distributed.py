@@ -4,14 +4,10 @@
 Goal (issue 4): an iteration faster than each of them, at most 0.9x DDP's time,
 exposed communication under 10%, optimizer memory 12/N bytes per parameter plus
 buffers. Judged by "vs DDP" (ms / ddp_fused's ms) and exposed comm = (ms -
-compute_only's fwd+bwd - its step / N for sharded steps) / ms.
+compute_only's fwd+bwd - its step / N for sharded steps) / ms. The GPT of
+models.py, rebuilt from the same seed for each implementation and for
+compute_only (one rank, no collective: the baseline of exposed comm).
 
-The GPT of models.py (default 1.4B parameters, bf16 autocast on the GPU),
-rebuilt from the same seed for each implementation (IMPLS: DDP, FSDP2, ZeRO-1,
-DistributedFusedAdam with both overlaps and its buffer and transport variants)
-and compute_only (one rank, no collective: the baseline of exposed comm).
-
-    torchrun --nproc_per_node 2 benchmarks/bench_distributed.py --out results.json
     torchrun --nproc_per_node 2 benchmarks/bench_distributed.py --impls ddp_fused,shardadam --batches 8
     torchrun --nproc_per_node 2 benchmarks/bench_distributed.py --tiny      # smoke run, CPU (gloo) or GPU
 """

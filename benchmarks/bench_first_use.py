@@ -4,13 +4,8 @@
 Goal: the guard that makes every read after step() wait for its all-gather
 costs nothing measurable where the forward hooks already wait. Judged by the
 forward's host ms with the guard over without it, and the guard's own costs
-per parameter (arm, disarm, an armed .grad read, a first use against the same
-op on a plain parameter; best of 30 rounds over 300 CPU parameters).
-
-Variants, one run: no_overlap; hooks_only (guard switched off here);
-hooks_and_guard (as shipped); guard_only (forward hooks removed here: every
-parameter waits through the guard). Medians of the host ms of step(),
-zero_grad() and the forward, from an idle device.
+per parameter (best of 30 rounds over 300 CPU parameters). Variants (VARIANTS):
+no overlap, hooks only, hooks and guard (as shipped), guard only.
 
     torchrun --nproc_per_node 2 benchmarks/bench_first_use.py               # GPT-1.4B, 2 GPUs
     python -m torch.distributed.run --nproc_per_node 1 benchmarks/bench_first_use.py --tiny   # CPU smoke

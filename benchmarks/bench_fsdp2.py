@@ -3,16 +3,10 @@
 
 Goal: FusedAdam's step at most 0.6x torch fused AdamW's on the same FSDP2
 shards, and a faster iteration. Judged by "step vs fused" and "iteration vs
-fused" (medians over interleaved rounds).
-
-The GPT of models.py sharded with fully_shard(reshard_after_forward=False) per
-block and at the root, MixedPrecisionPolicy(param_dtype=bf16,
-reduce_dtype=fp32) on the GPU, stepped by shardadam.FusedAdam,
-AdamW(fused=True) and AdamW(foreach=True). Each on a fresh model from the
-same seed, in --rounds interleaved rounds (A B C A B C). Per round: step: the
-optimizer step alone, synchronised before and after (median; step_host: when
-step() returned); iteration: forward, backward, step and zero_grad back to
-back, the wall-clock mean over the timed loop.
+fused" (medians over --rounds interleaved rounds). The GPT of models.py sharded
+per block and at the root (reshard_after_forward=False, bf16 parameters and
+fp32 reduction on the GPU), stepped by FusedAdam, AdamW(fused=True) and
+AdamW(foreach=True), each on a fresh model from the same seed.
 
     torchrun --nproc_per_node 2 benchmarks/bench_fsdp2.py --out benchmarks/results/bench_fsdp2_2xh200.json
     torchrun --nproc_per_node 2 benchmarks/bench_fsdp2.py --tiny --device cpu      # smoke run (gloo)

@@ -3,13 +3,8 @@
 
 Goal: DistributedFusedAdam trains a Hugging Face model as fast as DDP and FSDP2
 with torch's fused AdamW, to the same loss. Judged by tokens/s against DDP's,
-and the loss curves.
-
-A LlamaForCausalLM of about 1B parameters from its config, trained three ways
-from the same seed on the same batches of Python source bytes (bf16 autocast,
-clipping, AdamW lr 3e-4): DistributedFusedAdam (both overlaps, contiguous
-parameter buffer, store_params=False), DDP and FSDP2 with AdamW(fused=True).
-Rank 0 writes every step's loss to --out; svg.py draws the curves.
+and the loss curves (svg.py draws them). A 1B Llama from its config, trained
+from the same seed on the same batches of Python source bytes.
 
     torchrun --standalone --nproc_per_node 2 benchmarks/bench_hf_llama.py \\
         --out benchmarks/results/bench_hf_llama_2xh200.json

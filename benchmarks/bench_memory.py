@@ -4,12 +4,9 @@
 Goal: FusedAdam's steady and peak memory equal torch fused AdamW's at equal
 precision; each low-bit kind's peak is below torch's by its state saving;
 steady memory equals the accounting. Judged by steady / accounted (1.00) and
-steady and peak over torch's case of the same parameter dtype.
-
-Each case trains the same GPT for 3 iterations: memory_allocated() after each
-phase (forward, backward, step, zero_grad), max_memory_allocated() within it,
-beside the bytes of every distinct storage the model and optimizer hold.
-DistributedFusedAdam runs on a one-rank group. On the CPU: the accounting only.
+steady and peak over torch's case of the same parameter dtype. Each case trains
+the same GPT for 3 iterations (DistributedFusedAdam on a one-rank group); on
+the CPU: the accounting only.
 
     python benchmarks/bench_memory.py --out $OUT/bench_memory.json        # one GPU; d_model 2048, 24 layers
     python benchmarks/bench_memory.py --device cpu --tiny                  # the accounting alone, on the CPU

@@ -4,17 +4,9 @@
 Goal: each kind's step at 0.85 of a device copy's bandwidth on the bytes it
 moves, and FusedAdam's low-bit steps at least 3x (200 tensors) and 20x (20,000)
 faster than torchao's. Judged by "of copy" (and "of copy, moved" where a kind
-moves more than it must) and the ms per step against torchao's rows.
-
-Bytes a step must move per element (read and write the parameter and states,
-read the gradient): fp32 28; FP8 E4M3 states with a scale per tensor 16 (two
-passes moving 22 B); 8-bit blockwise states with an fp32 maximum per 256
-elements 16.06 (one pass); bf16 parameters that are their own master, fp32
-states, rounded to nearest or stochastically 22; torch fused on fp32 28 and on
-bf16 (bf16 states) 14; FusedAdam (the optimizer, its per-step checks
-included) with 8-bit and FP8 states; TE's and Megatron's mixed state dtypes
-with fp32 and bf16 parameters (_mixed_bytes); where torchao is installed its
-AdamW8bit and AdamWFp8 (one compiled kernel per parameter).
+moves more than it must) and the ms per step against torchao's rows. Bytes per
+element a step must move are KINDS' first field (fp32 28, FP8 16, 8-bit
+blockwise 16.06, bf16 22; mixed state dtypes: _mixed_bytes).
 
     python benchmarks/bench_storage_kinds.py --device cuda --out kinds.json
     python benchmarks/bench_storage_kinds.py --device cpu --numel 27 --tensors 1,200

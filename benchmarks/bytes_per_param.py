@@ -2,11 +2,9 @@
 
 Goal: each mode keeps what its layout promises, 12/N bytes per parameter for
 fp32 states and less for the low-bit ones (README, "Memory"). Judged by the
-bytes per parameter on one rank: the storages the optimizer owns between steps
-(sharded states, remainders, scales, block maxima, gradient and parameter
-shards), each once, over the model's parameter count; the contiguous buffers,
-which hold the model's own parameters and gradients, are reported apart. Exact
-counts, no timing: runs on the CPU with gloo.
+bytes per parameter on one rank of the storages the optimizer owns between
+steps, each once; the contiguous buffers, which hold the model's own parameters
+and gradients, apart. Exact counts: runs on the CPU with gloo.
 
     torchrun --nproc_per_node 2 benchmarks/bytes_per_param.py
 """

@@ -3,13 +3,8 @@
 
 Goal: each low-bit storage kind ends within 1% of fp32's final loss. Judged by
 "vs fp32": the final loss (mean of the last tenth of the steps) over fp32's.
-
-The GPT of models.py (default 1.4B parameters) learning Python source byte by
-byte, bf16 autocast, trained from the same seed on the same global batches
-with each kind in turn (fp32 states, FP8 states, FP8 exp_avg only, 8-bit
-blockwise states, bf16 parameters rounded stochastically without a master);
-the loss curves overlaid (CSV, SVG, JSON). Each rank trains on its slice of
-every global batch (--batch per rank); the loss shown is the global batch's.
+The GPT of models.py learning Python source byte by byte, from the same seed on
+the same global batches with each kind in turn; curves as CSV, SVG and JSON.
 
     torchrun --nproc_per_node 1 benchmarks/quality_gpt.py --steps 300 --out results/quality_gpt_h200
     torchrun --nproc_per_node 2 benchmarks/quality_gpt.py --tiny --steps 30     # smoke run, CPU (gloo) or GPU

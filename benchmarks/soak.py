@@ -3,14 +3,10 @@
 
 Goal: no leak. Judged per rank by the growth of host RSS (and GPU allocated and
 reserved memory) after a 10% warm-up, end to end and along a least-squares line,
-against its limit: the run exits 1 if any exceeds it.
-
-The optimizer runs as in training (small buckets, both overlaps,
-contiguous_param_buffer, a scheduler, clipping, a fresh batch every step, a
-state_dict() round trip every --checkpoint-every steps); every --sample-every
-steps each rank records RSS, malloc's bytes in use, tracked Python objects and
-GPU memory. CPU: gloo and a small MLP; CUDA: NCCL and a small GPT, the copy
-engines required with --copy-engines. svg.py draws the JSON.
+against its limit: the run exits 1 if any exceeds it. Training as in practice
+(small buckets, both overlaps, contiguous_param_buffer, a scheduler, clipping,
+fresh batches, a state_dict() round trip every --checkpoint-every steps); CPU:
+gloo and a small MLP, CUDA: NCCL and a small GPT. svg.py draws the JSON.
 
     torchrun --standalone --nproc_per_node 2 benchmarks/soak.py --steps 5000 --out benchmarks/results/soak_gloo.json
     NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc_per_node 2 benchmarks/soak.py --device cuda --copy-engines \\
