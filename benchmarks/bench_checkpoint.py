@@ -43,8 +43,6 @@ SHARDED_DIR = "bench_checkpoint_sharded"
 MIB = 2**20
 
 
-# ------------------------------------------------------------------ measurement
-
 class PeakRss:
     """The process's peak resident set while a phase runs, sampled by a thread
     (ru_maxrss only ever grows, so it cannot tell one phase's peak)."""
@@ -152,8 +150,6 @@ def filesystem(path: str) -> str:
     return kind
 
 
-# ------------------------------------------------------------------ training and the restore check
-
 def train_step(model, opt, inputs, targets, cuda: bool) -> None:
     with autocast(cuda):
         loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
@@ -211,8 +207,6 @@ class Trainee:
                                "prove nothing")
 
 
-# ------------------------------------------------------------------ the formats
-
 def write_on_root(obj, path: str) -> None:
     if dist.get_rank() == 0:
         shardadam.checkpoint.save(obj, path)
@@ -246,8 +240,6 @@ def round_trip(fmt_name: str, path: str, save, write, read, load, state_bytes=No
         shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
     phases.report("sums")
 
-
-# ------------------------------------------------------------------ report
 
 def increase(records: list[dict], key: str) -> float | None:
     """Peak above the first record's start, in MiB (None without a device)."""
@@ -292,8 +284,6 @@ def table(rows: list[dict]) -> str:
                       f"{r['peak_host_mib']:.1f}", fmt(r["peak_device_mib"], ".1f"), fmt(r["file_mib"], ".1f")]
                      for r in rows], "llrrrrr")
 
-
-# ------------------------------------------------------------------ main
 
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -38,8 +38,6 @@ WEIGHT_DECAY = 0.1
 WARMUP = 3
 
 
-# ------------------------------------------------------------------ implementations
-
 def fused(cuda: bool) -> dict:
     # torch's fused AdamW runs on CUDA; the CPU smoke run uses the default one.
     return dict(fused=True) if cuda else {}
@@ -92,8 +90,6 @@ BUILDERS = {BASELINE: build_compute_only, "ddp_fused": build_ddp_fused, "fsdp2":
             "shardadam_nccl": functools.partial(build_shardadam, grad_sync_copy_engine=False,
                                                 param_sync_copy_engine=False)}
 
-
-# ------------------------------------------------------------------ measurement
 
 def make_iteration(module, opt, inputs, targets, cuda: bool):
     """One training iteration, marked after backward and after the optimizer step."""

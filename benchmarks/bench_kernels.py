@@ -37,8 +37,6 @@ TORCH_FUSED, TORCH_FOREACH, SHARD, COPY = "torch fused", "torch foreach", "shard
 TORCH_FUSED_COPY = "torch fused + copy"  # the mixed precision case: fp32 step, then a copy to bf16
 
 
-# ---------------------------------------------------------------- data and steps
-
 def split(total: int, n: int) -> list[int]:
     """n tensor sizes adding up to total exactly."""
     return [total // n + (i < total % n) for i in range(n)]
@@ -115,8 +113,6 @@ def copy_gbs(dev: str, numel: int, reps: int, warmup: int) -> float:
     ms = statistics.median(time_steps(functools.partial(torch.empty_like(src).copy_, src), dev, reps, warmup))
     return 2 * numel * 4 / ms / 1e6
 
-
-# ---------------------------------------------------------------- cases
 
 def compare(case: str, dev: str, impls: dict, elems: int, cfg, copy: float, host: bool = False) -> dict:
     """Time each implementation (freeing its state after), with bandwidth and ratios."""
@@ -209,8 +205,6 @@ def run_interleaved(quick: bool, reps: int) -> str:
         del steps
     return md_table(["case", "shardadam ms", "torch fused ms", "speedup"], rows)
 
-
-# ---------------------------------------------------------------- report
 
 def markdown(cases: list[dict]) -> str:
     rows = [[c["case"], r["impl"], f"{r['ms']:.3f}", f"{r['host_ms']:.3f}" if "host_ms" in r else "",

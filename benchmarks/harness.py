@@ -25,8 +25,6 @@ from shardadam.distributed import BucketRows
 from timing import free, is_cuda, sync
 
 
-# ------------------------------------------------------------------ process groups
-
 def init_distributed(device: str | None = None) -> tuple[torch.device, bool]:
     """The process group of a torchrun process: NCCL with one GPU per process
     (cuda:LOCAL_RANK) when CUDA is available (or `device` says cuda), gloo on
@@ -123,8 +121,6 @@ def run_case(result: dict, fn, dev, n_params: int, keep_losses: bool = False) ->
     return result
 
 
-# ------------------------------------------------------------------ command line
-
 def choose(ap, value: str, known, option: str, sep: str = ",") -> list[str]:
     """The subset of `known` that `value` names, separated by `sep`; an unknown name stops the parser."""
     chosen = value.split(sep)
@@ -167,8 +163,6 @@ def start_gpt(args, device: str | None = None, note: str = "") -> tuple[torch.de
     say(describe(meta, args) + note)
     return dev, cuda, n_params, meta
 
-
-# ------------------------------------------------------------------ metadata and output
 
 def run_meta(dev=None, **extra) -> dict:
     """Where, when and how a benchmark ran, for its JSON."""
@@ -240,8 +234,6 @@ def results_table(results: list[dict], names: list[str], columns, align: str | N
     return md_table(names + [c[0] for c in columns], [[r[n] for n in names] + cells(r) for r in results], align)
 
 
-# ------------------------------------------------------------------ host memory
-
 PAGE = os.sysconf("SC_PAGE_SIZE")
 _LIBC = ctypes.CDLL(None)
 
@@ -282,8 +274,6 @@ def malloc_in_use() -> int | None:
     info = _MALLINFO2()
     return info.uordblks + info.hblkhd
 
-
-# ------------------------------------------------------------------ optimizer memory
 
 def held_tensors(opt) -> list[torch.Tensor]:
     """The tensors an optimizer keeps between steps: torch optimizers' `state`

@@ -122,8 +122,6 @@ class Axes:
         self.c.line(self.x(v), self.y0, self.x(v), self.y0 + self.h, stroke=color, **attrs)
 
 
-# ------------------------------------------------------------------ the benchmarks' charts
-
 MIB = 2**20
 
 
