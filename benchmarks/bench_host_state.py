@@ -182,9 +182,8 @@ def main() -> None:
         return run
 
     def make(kind: str, **extra):
-        if distributed:
-            return shardadam.DistributedFusedAdam(params, lr=1e-5, **KIND_OPTIONS[kind], **extra)
-        return shardadam.FusedAdam(params, lr=1e-5, **KIND_OPTIONS[kind], **extra)
+        optimizer = shardadam.DistributedFusedAdam if distributed else shardadam.FusedAdam
+        return optimizer(params, lr=1e-5, **KIND_OPTIONS[kind], **extra)
 
     ranks = dist.get_world_size() if distributed else 1
     result = dict(model=dict(d_model=args.d_model, layers=args.layers, params=numel, batch=args.batch,
