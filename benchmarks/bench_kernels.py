@@ -24,6 +24,7 @@ import functools
 import itertools
 import statistics
 import sys
+from types import SimpleNamespace
 
 import torch
 
@@ -35,6 +36,7 @@ from timing import clock_ms, free, interleaved, time_steps, time_wall_and_host
 LR, WD, BYTES_PER_ELEM = 1e-3, 1e-2, 28
 TORCH_FUSED, TORCH_FOREACH, SHARD, COPY = "torch fused", "torch foreach", "shardadam", "copy"
 TORCH_FUSED_COPY = "torch fused + copy"  # the mixed precision case: fp32 step, then a copy to bf16
+Cfg = SimpleNamespace  # a case's timing: reps and warmup
 
 
 def split(total: int, n: int) -> list[int]:
@@ -167,11 +169,6 @@ def case_many(dev, n_tensors, numel, cfg, copy):
              SHARD: lambda: shard_step(params, grads)}
     return compare(f"{dev} fp32, {n_tensors} x {numel} el", dev, impls, n_tensors * numel, cfg, copy,
                    host=dev == "cuda")
-
-
-class Cfg:
-    def __init__(self, reps, warmup):
-        self.reps, self.warmup = reps, warmup
 
 
 def run_cuda(quick: bool) -> list[dict]:
