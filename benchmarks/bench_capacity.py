@@ -3,16 +3,10 @@
 
 Goal: DistributedFusedAdam's low-bit kinds train larger models than DDP and
 FSDP2 with fp32 AdamW on the same GPUs. Judged by the largest depth (and
-parameters) that trains per candidate, against DDP's.
-
-The GPT of models.py at a fixed width (--d-model) grown in depth (--layers:
-the depths to try, ascending), batch --batch per rank, bf16 autocast, two
-iterations with finite losses. Candidates: "ddp", "fsdp2" (resharded after
-forward: ZeRO-3) and "shardadam:<kind>" (both contiguous buffers) for the
-kinds in KINDS. Each attempt is a fresh torchrun (an out-of-memory error leaves
-torch's caches and NCCL in no state to go on); per candidate the driver starts
-at --start layers, walks up while the model trains and down while it does not.
-Every attempt is one JSON line in --out, with GPU memory after each phase.
+parameters) that trains per candidate, against DDP's. The GPT of models.py at
+a fixed width grown in depth, two iterations with finite losses; each attempt a
+fresh torchrun (an out-of-memory error leaves torch and NCCL in no state to go
+on), walking up from --start while the model trains and down while it does not.
 
     python benchmarks/bench_capacity.py --nproc 2 --out results/capacity_2xh200.jsonl
     python benchmarks/bench_capacity.py --nproc 2 --tiny          # smoke run, CPU (gloo) or GPU

@@ -4,14 +4,9 @@
 Goal: every storage mode captures and replays, its losses within LOSS_TOLERANCE
 of its eager run's, with the iteration's host time gone. Judged by "vs DDP"
 (ms / DDP's eager ms), "host vs DDP" and, for a captured run, "vs eager" and
-its loss difference to the eager run.
-
-The GPT of models.py, bf16 autocast, a GradScaler and clipping;
-DistributedFusedAdam(capturable=True, both overlaps, contiguous_param_buffer)
-eager and captured (README, "CUDA graphs") in each storage configuration, and
-DDP + AdamW(fused=True) eager as the reference. Medians of back-to-back
-iterations (CUDA events) and of the host time for the call to return from an
-idle device, the maximum over ranks. A failed check exits 1 after the table.
+its loss difference to the eager run. The GPT of models.py, bf16 autocast, a
+GradScaler and clipping; medians of back-to-back iterations (CUDA events) and
+of the host time from an idle device, maximum over ranks. A failed check exits 1.
 
     torchrun --nproc_per_node 2 benchmarks/bench_capture.py --out results.json
     torchrun --nproc_per_node 2 benchmarks/bench_capture.py --tiny      # smoke run, CPU (gloo, eager only) or GPU
@@ -28,10 +23,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import shardadam
-from bench_distributed import WARMUP, WEIGHT_DECAY, build_ddp_fused
-from harness import add_run_args, choose, memory_figures, results_table, run_case, say, start_gpt, write_json
-from models import FULL, add_size_args, autocast, build_model, fill_defaults, make_batch
+from bench_distributed import WARMUP, build_ddp_fused, build_shardadam
+from harness import (add_run_args, choose, finish, memory_figures, parse_gpt_args, results_table, run_case, say,
+                     start_gpt)
+from models import FULL, add_size_args, autocast, build_model, make_batch
 from timing import capture_graph, timed_calls
 
 REFERENCE = "ddp_fused"
@@ -72,13 +67,9 @@ def build(config: str, args, dev: torch.device):
             torch.nn.utils.clip_grad_norm_(module.parameters(), MAX_NORM)
         return module, opt, scaler, clip
     dtype, options = STORAGE[config]
-    model.to(dtype)
-    opt = shardadam.DistributedFusedAdam(model.parameters(), lr=args.lr, weight_decay=WEIGHT_DECAY,
-                                         bucket_cap_mb=args.bucket_cap_mb, capturable=cuda,
-                                         overlap_grad_sync=True, overlap_param_sync=True,
-                                         contiguous_param_buffer=True, **options)
+    module, opt = build_shardadam(model.to(dtype), args, cuda, capturable=cuda, **options)
     # Applied inside step() to the unscaled norm; nothing is read back to the host.
-    return model, opt, scaler, partial(opt.clip_grad_norm, MAX_NORM)
+    return module, opt, scaler, partial(opt.clip_grad_norm, MAX_NORM)
 
 
 def static_batch(args, batch: int, dev: torch.device):
@@ -205,12 +196,8 @@ def parse_args():
     ap.add_argument("--modes", default=",".join(MODES),
                     help="comma-separated subset of " + ",".join(MODES) + f" ({REFERENCE} runs eager only)")
     add_run_args(ap)
-    args = ap.parse_args()
-    fill_defaults(args, dict(FULL, batches="4"))
-    args.batches = [int(b) for b in args.batches.split(",")]
+    args = parse_gpt_args(ap, dict(FULL, batches="4"))
     args.configs, args.modes = choose(ap, args.configs, CONFIGS, "--configs"), choose(ap, args.modes, MODES, "--modes")
-    if args.iters < 1:
-        ap.error("--iters must be at least 1")
     return args
 
 
@@ -235,10 +222,8 @@ def main() -> None:
     compared = sum(r.get("loss_matches_eager") is not None for r in results)
     say("", table(results), "\n".join(failed) or "every loss finite and falling" + (
         f"; {compared} captured runs within {LOSS_TOLERANCE} of their eager runs' losses" if compared else ""))
-    rank0 = dist.get_rank() == 0
-    if rank0:
-        write_json(args.out, meta=meta, results=results)
-    dist.destroy_process_group()
+    rank0 = dist.get_rank() == 0  # each rank judges its own losses: rank 0 speaks for the run
+    finish(args.out, meta=meta, results=results)
     if rank0 and failed:
         sys.exit(1)
 

@@ -2,17 +2,13 @@
 """Checkpoint save and load of DistributedFusedAdam: time and peak host/device memory per rank.
 
 Goal: a large model's checkpoint saves and loads in seconds, bit for bit, with
-at most one bucket of extra device memory (the sharded format without gathering
-the state into host memory). Judged by each format's save and load seconds and
-GB/s, and their peak host and device memory (maximum over ranks).
-
-The GPT of models.py after one iteration, in three formats: portable
-(state_dict(gather_on_root=True), rank 0 writes it, every rank reads it),
-portable on every rank (the gather only), sharded (torch.distributed.checkpoint
-of sharded_state_dict()). Every phase runs between barriers; files are evicted
-from the page cache before each load (--warm-cache keeps them). Between save
-and load one more iteration changes the state; the load must restore it bit for
-bit. Rank 0 rewrites --out after every phase.
+at most one bucket of extra device memory. Judged by each format's save and
+load seconds and GB/s, and their peak host and device memory (maximum over
+ranks). Formats: portable (state_dict(gather_on_root=True), rank 0 writes, every
+rank reads), its gather on every rank, and sharded (torch.distributed.checkpoint
+of sharded_state_dict()). Phases run between barriers; files leave the page
+cache before each load (unless --warm-cache); one more iteration between save
+and load gives the load something to restore, bit for bit.
 
     torchrun --nproc_per_node 2 benchmarks/bench_checkpoint.py --out results.json --dir /tmp/ckpt
     torchrun --nproc_per_node 2 benchmarks/bench_checkpoint.py --tiny --dir /tmp/ckpt_tiny   # smoke run
@@ -33,21 +29,19 @@ import torch.nn.functional as F
 
 import shardadam
 from bench_distributed import WEIGHT_DECAY
-from harness import (describe, fmt, gpt_meta, init_distributed, md_table, release_host_memory, rss_bytes,
-                     write_json)
-from models import FULL, add_size_args, autocast, build_model, fill_defaults, make_batch
+from harness import (add_run_args, choose, describe, fmt, gpt_meta, init_distributed, md_table, parse_gpt_args,
+                     release_host_memory, rss_bytes, say, write_json)
+from models import FULL, SIZE_KEYS, add_size_args, autocast, build_model, make_batch
 from shardadam.distributed.sharded_checkpoint import local_pieces
 from timing import sync
 
 LR = 1e-4
-MODEL_KEYS = ("d_model", "layers", "heads", "vocab", "seq", "bucket_cap_mb")
 STATE_BYTES_PER_PARAM = 12  # fp32 master, exp_avg, exp_avg_sq: what every format moves
 PORTABLE, EVERY_RANK, SHARDED = "portable", "portable, every rank", "sharded (DCP)"
 FORMATS = ("portable", "every-rank", "sharded")  # --formats names of the three
+SHARDED_DIR = "bench_checkpoint_sharded"
 MIB = 2**20
 
-
-# ------------------------------------------------------------------ measurement
 
 class PeakRss:
     """The process's peak resident set while a phase runs, sampled by a thread
@@ -78,10 +72,12 @@ class Phases:
     def __init__(self, out: str | None, meta: dict, cuda: bool):
         self.out, self.meta, self.cuda, self.t0, self.records = out, meta, cuda, time.perf_counter(), []
 
-    def run(self, fmt_name: str, name: str, part: str | None, fn):
+    def run(self, fmt_name: str, name: str, part: str | None, fn, nbytes=None):
         """fn() on every rank; returns fn's result and this rank's record of it
         (wall seconds, host and device memory at the start and at the peak).
-        `part` ("save" or "load") groups phases into the totals."""
+        `part` ("save" or "load") groups phases into the totals; nbytes (a
+        number, or a function of nothing called after the phase: a file's
+        size) are the bytes it moved, for GB/s."""
         release_host_memory()
         sync(self.cuda)
         dist.barrier()
@@ -96,31 +92,33 @@ class Phases:
         host_start, host_peak = host.stop()
         record = dict(format=fmt_name, phase=name, part=part, seconds=seconds, host_start=host_start,
                       host_peak=host_peak, device_start=device_start,
-                      device_peak=torch.cuda.max_memory_allocated() if self.cuda else None, bytes=None,
+                      device_peak=torch.cuda.max_memory_allocated() if self.cuda else None, bytes=nbytes,
                       file_bytes=None)
         self.records.append(record)
         dist.barrier()  # after the record: a rank's time is its own work, not its wait for the others
+        if callable(nbytes):  # every rank's files are written now
+            record["bytes"] = record["file_bytes"] = nbytes()
         self.report()
-        return result, record
+        return result
 
-    def report(self, sums: bool = False) -> None:
+    def report(self, show: str | None = "phase") -> list[dict] | None:
         """Every rank's records so far (one collective, outside the timed
-        phases); prints the last phase's row, or with sums its format's sums."""
+        phases); rank 0 prints the last phase's row (show="phase") or its
+        format's sums ("sums"), rewrites --out and returns the rows."""
         per_rank = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, self.records)
         if dist.get_rank() != 0:
-            return
+            return None
         rows, last = summarise(per_rank), self.records[-1]
         for r in rows:
-            if r["format"] == last["format"] and (" = " in r["phase"] if sums else r["phase"] == last["phase"]):
+            if show and r["format"] == last["format"] and (" = " in r["phase"] if show == "sums"
+                                                           else r["phase"] == last["phase"]):
                 print(f"  {r['format']:<22} {r['phase']:<45} {r['seconds']:8.3f} s   peak host "
                       f"{r['peak_host_mib']:9.1f} MiB   peak device {fmt(r['peak_device_mib'], '9.1f')} MiB",
                       flush=True)
-        self.write(per_rank, rows)
-
-    def write(self, per_rank: list, rows: list) -> None:
         write_json(self.out, meta=dict(self.meta, wall_seconds=time.perf_counter() - self.t0), rows=rows,
                    records=per_rank)
+        return rows
 
 
 def files(path: str) -> list[str]:
@@ -151,8 +149,6 @@ def filesystem(path: str) -> str:
                 best, kind = mount, fs_type
     return kind
 
-
-# ------------------------------------------------------------------ training and the restore check
 
 def train_step(model, opt, inputs, targets, cuda: bool) -> None:
     with autocast(cuda):
@@ -187,30 +183,29 @@ def same(a, b) -> bool:
     return a == b
 
 
-def state_is(model, opt, reference: dict, dev: torch.device) -> bool:
-    """Whether the state equals the reference snapshot on every rank."""
-    ok = torch.tensor([same(snapshot(model, opt, reference["portable"] is not None), reference)],
-                      dtype=torch.int32, device=dev)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    return bool(ok.item())
+class Trainee:
+    """The model and optimizer whose state the checkpoints save, and the
+    reference snapshot a load must restore."""
 
+    def __init__(self, model, opt, batch, dev: torch.device, cuda: bool, portable: bool):
+        self.model, self.opt, self.batch, self.dev, self.cuda = model, opt, batch, dev, cuda
+        self.reference = snapshot(model, opt, portable)
 
-def train_past(model, opt, batch, reference: dict, cuda: bool, dev: torch.device) -> None:
-    """One more iteration after the save, so that the load has something to
-    restore (loading over an unchanged state would prove nothing)."""
-    train_step(model, opt, *batch, cuda)
-    if state_is(model, opt, reference, dev):
-        raise RuntimeError("a training iteration left the optimizer state unchanged: the restore check would "
-                           "prove nothing")
+    def restored(self) -> bool:
+        """Whether the state equals the reference snapshot on every rank."""
+        now = snapshot(self.model, self.opt, self.reference["portable"] is not None)
+        ok = torch.tensor([same(now, self.reference)], dtype=torch.int32, device=self.dev)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        return bool(ok.item())
 
+    def train_past(self) -> None:
+        """One more iteration after the save, so that the load has something to
+        restore (loading over an unchanged state would prove nothing)."""
+        train_step(self.model, self.opt, *self.batch, self.cuda)
+        if self.restored():
+            raise RuntimeError("a training iteration left the optimizer state unchanged: the restore check would "
+                               "prove nothing")
 
-def check_restored(model, opt, reference: dict, fmt_name: str, dev: torch.device) -> None:
-    if not state_is(model, opt, reference, dev):
-        raise RuntimeError(f"{fmt_name}: the loaded optimizer state (or the model's parameters) differs from the "
-                           "saved one")
-
-
-# ------------------------------------------------------------------ the formats
 
 def write_on_root(obj, path: str) -> None:
     if dist.get_rank() == 0:
@@ -223,43 +218,28 @@ def dcp_read(opt, directory: str) -> dict:
     return state
 
 
-def bench_portable(model, opt, batch, reference, path, phases, state_bytes, dev, evict=True) -> None:
-    sd, record = phases.run(PORTABLE, "gather", "save", partial(opt.state_dict, gather_on_root=True))
-    record["bytes"] = state_bytes
-    _, record = phases.run(PORTABLE, "write", "save", partial(write_on_root, {"optimizer": sd}, path))
-    record["bytes"] = record["file_bytes"] = size_of(path)
-    del sd
-    train_past(model, opt, batch, reference, phases.cuda, dev)
+def round_trip(fmt_name: str, path: str, save, write, read, load, state_bytes=None, *, phases: Phases,
+               trainee: Trainee, evict: bool) -> None:
+    """A format's save phases (save: (name, fn) making the state, write: (name,
+    fn(state)) writing it to path), one more iteration, then its load phases
+    (read: (name, fn) reading path, load: (name, fn(read's result))); the
+    restore is checked and path removed (--dir needs room for one at a time)."""
+    state = phases.run(fmt_name, save[0], "save", save[1], state_bytes)
+    phases.run(fmt_name, write[0], "save", partial(write[1], state), partial(size_of, path))
+    del state
+    trainee.train_past()
     if dist.get_rank() == 0 and evict:
         evict_page_cache(path)
-    ckpt, record = phases.run(PORTABLE, "read", "load", partial(shardadam.checkpoint.load, path))
-    record["bytes"] = record["file_bytes"] = size_of(path)
-    phases.run(PORTABLE, "load_state_dict", "load", partial(opt.load_state_dict, ckpt["optimizer"]))
-    del ckpt
-    check_restored(model, opt, reference, PORTABLE, dev)
-    if dist.get_rank() == 0:  # --dir then needs room for one checkpoint at a time
-        os.remove(path)
-
-
-def bench_sharded(model, opt, batch, reference, directory, phases, dev, evict=True) -> None:
-    sharded, _ = phases.run(SHARDED, "sharded_state_dict", "save", opt.sharded_state_dict)
-    _, record = phases.run(SHARDED, "dcp.save", "save",
-                           partial(dcp.save, {"optimizer": sharded}, checkpoint_id=directory))
-    record["bytes"] = record["file_bytes"] = size_of(directory)
-    del sharded
-    train_past(model, opt, batch, reference, phases.cuda, dev)
-    if dist.get_rank() == 0 and evict:
-        evict_page_cache(directory)
-    state, record = phases.run(SHARDED, "dcp.load", "load", partial(dcp_read, opt, directory))
-    record["bytes"] = record["file_bytes"] = size_of(directory)
-    phases.run(SHARDED, "load_sharded_state_dict", "load", partial(opt.load_sharded_state_dict, state["optimizer"]))
+    state = phases.run(fmt_name, read[0], "load", read[1], partial(size_of, path))
+    phases.run(fmt_name, load[0], "load", partial(load[1], state))
     del state
-    check_restored(model, opt, reference, SHARDED, dev)
+    if not trainee.restored():
+        raise RuntimeError(f"{fmt_name}: the loaded optimizer state (or the model's parameters) differs from the "
+                           "saved one")
     if dist.get_rank() == 0:
-        shutil.rmtree(directory)
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    phases.report("sums")
 
-
-# ------------------------------------------------------------------ report
 
 def increase(records: list[dict], key: str) -> float | None:
     """Peak above the first record's start, in MiB (None without a device)."""
@@ -305,24 +285,17 @@ def table(rows: list[dict]) -> str:
                      for r in rows], "llrrrrr")
 
 
-# ------------------------------------------------------------------ main
-
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", required=True, help="where the checkpoints are written (and removed once measured)")
     add_size_args(ap)
-    ap.add_argument("--bucket-cap-mb", type=float, help="DistributedFusedAdam's bucket size in MiB (default 100)")
     ap.add_argument("--formats", default=",".join(FORMATS),
                     help=f"comma-separated subset of {','.join(FORMATS)} (default: all, in this order)")
     ap.add_argument("--warm-cache", action="store_true",
                     help="leave the written files in the page cache: loads then time the software path, not the disk")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", help="write the results here as JSON (rewritten after every phase)")
-    args = ap.parse_args()
-    args.formats = args.formats.split(",")
-    if set(args.formats) - set(FORMATS):
-        ap.error(f"unknown --formats {sorted(set(args.formats) - set(FORMATS))}; choose from {','.join(FORMATS)}")
-    fill_defaults(args, FULL, MODEL_KEYS)
+    add_run_args(ap, lr=None, out="write the results here as JSON (rewritten after every phase)")
+    args = parse_gpt_args(ap, FULL, (*SIZE_KEYS, "bucket_cap_mb"))
+    args.formats = choose(ap, args.formats, FORMATS, "--formats")
     return args
 
 
@@ -330,12 +303,9 @@ def main() -> None:
     start = time.perf_counter()
     args = parse_args()
     dev, cuda = init_distributed()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    portable_path = os.path.join(args.dir, "bench_checkpoint_portable.pt")
-    sharded_dir = os.path.join(args.dir, "bench_checkpoint_sharded")
-    if rank == 0:  # a previous run's directory may hold more ranks' files
+    if dist.get_rank() == 0:  # a previous run's directory may hold more ranks' files
         os.makedirs(args.dir, exist_ok=True)
-        shutil.rmtree(sharded_dir, ignore_errors=True)
+        shutil.rmtree(os.path.join(args.dir, SHARDED_DIR), ignore_errors=True)
 
     model = build_model(args, dev)
     n_params = sum(p.numel() for p in model.parameters())
@@ -346,37 +316,35 @@ def main() -> None:
     train_step(model, opt, *batch, cuda)
     meta = gpt_meta(args, dev, n_params, dir=os.path.abspath(args.dir), filesystem=filesystem(args.dir),
                     page_cache="kept (--warm-cache)" if args.warm_cache else "evicted before each load")
-    if rank == 0:
-        print(f"{describe(meta, args)}; checkpoints in {meta['dir']} ({meta['filesystem']})", flush=True)
-
-    reference = snapshot(model, opt, portable=args.tiny)
-    if rank == 0:
-        print(f"set up in {time.perf_counter() - start:.1f} s (process group, model, optimizer, first iteration, "
-              f"reference copy of the state)", flush=True)
+    say(f"{describe(meta, args)}; checkpoints in {meta['dir']} ({meta['filesystem']})")
+    trainee = Trainee(model, opt, batch, dev, cuda, portable=args.tiny)
+    say(f"set up in {time.perf_counter() - start:.1f} s (process group, model, optimizer, first iteration, "
+        f"reference copy of the state)")
     phases = Phases(args.out, meta, cuda)
     state_bytes = STATE_BYTES_PER_PARAM * n_params
-    evict = not args.warm_cache
+    portable, sharded = (os.path.join(args.dir, name) for name in ("bench_checkpoint_portable.pt", SHARDED_DIR))
+    trip = partial(round_trip, phases=phases, trainee=trainee, evict=not args.warm_cache)
     if "portable" in args.formats:
-        bench_portable(model, opt, batch, reference, portable_path, phases, state_bytes, dev, evict)
-        phases.report(sums=True)
+        trip(PORTABLE, portable, ("gather", partial(opt.state_dict, gather_on_root=True)),
+             ("write", lambda sd: write_on_root({"optimizer": sd}, portable)),
+             ("read", partial(shardadam.checkpoint.load, portable)),
+             ("load_state_dict", lambda ckpt: opt.load_state_dict(ckpt["optimizer"])), state_bytes)
     if "every-rank" in args.formats:
-        _, record = phases.run(EVERY_RANK, "gather", None, opt.state_dict)
-        record["bytes"] = state_bytes
+        phases.run(EVERY_RANK, "gather", None, opt.state_dict, state_bytes)
     if "sharded" in args.formats:
-        bench_sharded(model, opt, batch, reference, sharded_dir, phases, dev, evict)
-        phases.report(sums=True)
-    per_rank = [None] * world
-    dist.all_gather_object(per_rank, phases.records)
-    if rank == 0:
-        rows = summarise(per_rank)
+        trip(SHARDED, sharded, ("sharded_state_dict", opt.sharded_state_dict),
+             ("dcp.save", lambda state: dcp.save({"optimizer": state}, checkpoint_id=sharded)),
+             ("dcp.load", partial(dcp_read, opt, sharded)),
+             ("load_sharded_state_dict", lambda state: opt.load_sharded_state_dict(state["optimizer"])))
+    rows = phases.report(None)
+    if rows is not None:
         print()
         print(table(rows))
         restored = [name for name, key in ((PORTABLE, "portable"), (SHARDED, "sharded")) if key in args.formats]
         if restored:
             print(f"restored bit for bit after a further training iteration: {', '.join(restored)}")
-        phases.write(per_rank, rows)
         print(f"whole run {time.perf_counter() - start:.1f} s (from main(): imports excluded)", flush=True)
-    del opt  # before the process group goes (gloo can abort at exit otherwise: README)
+    del opt, trainee  # before the process group goes (gloo can abort at exit otherwise: README)
     dist.destroy_process_group()
 
 

@@ -4,14 +4,10 @@
 Goal (issue 4): an iteration faster than each of them, at most 0.9x DDP's time,
 exposed communication under 10%, optimizer memory 12/N bytes per parameter plus
 buffers. Judged by "vs DDP" (ms / ddp_fused's ms) and exposed comm = (ms -
-compute_only's fwd+bwd - its step / N for sharded steps) / ms.
+compute_only's fwd+bwd - its step / N for sharded steps) / ms. The GPT of
+models.py, rebuilt from the same seed for each implementation and for
+compute_only (one rank, no collective: the baseline of exposed comm).
 
-The GPT of models.py (default 1.4B parameters, bf16 autocast on the GPU),
-rebuilt from the same seed for each implementation (IMPLS: DDP, FSDP2, ZeRO-1,
-DistributedFusedAdam with both overlaps and its buffer and transport variants)
-and compute_only (one rank, no collective: the baseline of exposed comm).
-
-    torchrun --nproc_per_node 2 benchmarks/bench_distributed.py --out results.json
     torchrun --nproc_per_node 2 benchmarks/bench_distributed.py --impls ddp_fused,shardadam --batches 8
     torchrun --nproc_per_node 2 benchmarks/bench_distributed.py --tiny      # smoke run, CPU (gloo) or GPU
 """
@@ -29,8 +25,9 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 import shardadam
-from harness import add_run_args, choose, fmt, memory_figures, pct, results_table, run_case, say, start_gpt, write_json
-from models import FULL, add_size_args, autocast, build_model, fill_defaults, make_batch
+from harness import (add_run_args, choose, finish, fmt, memory_figures, parse_gpt_args, pct, results_table, run_case,
+                     say, start_gpt)
+from models import add_size_args, autocast, build_model, make_batch
 from timing import timed_calls
 
 IMPLS = ("ddp_fused", "fsdp2", "zero1", "shardadam", "shardadam_contiguous_grads", "shardadam_contiguous_masters",
@@ -40,8 +37,6 @@ SHARDED_STEP = {"fsdp2", "zero1", *(i for i in IMPLS if i.startswith("shardadam"
 WEIGHT_DECAY = 0.1
 WARMUP = 3
 
-
-# ------------------------------------------------------------------ implementations
 
 def fused(cuda: bool) -> dict:
     # torch's fused AdamW runs on CUDA; the CPU smoke run uses the default one.
@@ -95,8 +90,6 @@ BUILDERS = {BASELINE: build_compute_only, "ddp_fused": build_ddp_fused, "fsdp2":
             "shardadam_nccl": functools.partial(build_shardadam, grad_sync_copy_engine=False,
                                                 param_sync_copy_engine=False)}
 
-
-# ------------------------------------------------------------------ measurement
 
 def make_iteration(module, opt, inputs, targets, cuda: bool):
     """One training iteration, marked after backward and after the optimizer step."""
@@ -176,12 +169,8 @@ def parse_args():
     ap.add_argument("--iters", type=int, help=f"timed iterations after {WARMUP} warm-up ones (default 10)")
     ap.add_argument("--impls", default=",".join(IMPLS), help="comma-separated subset of " + ",".join(IMPLS))
     add_run_args(ap)
-    args = ap.parse_args()
-    fill_defaults(args, FULL)
-    args.batches = [int(b) for b in args.batches.split(",")]
+    args = parse_gpt_args(ap)
     args.impls = choose(ap, args.impls, IMPLS, "--impls")
-    if args.iters < 1:
-        ap.error("--iters must be at least 1")
     return args
 
 
@@ -198,9 +187,7 @@ def main() -> None:
                 f"{'' if r['loss_ok'] else '  (loss not finite, or not falling)'}"))
     add_ratios(results, dist.get_world_size())
     say("", table(results), *goals(results, dist.get_world_size()))
-    if dist.get_rank() == 0:
-        write_json(args.out, meta=meta, results=results)
-    dist.destroy_process_group()
+    finish(args.out, meta=meta, results=results)
 
 
 if __name__ == "__main__":

@@ -4,13 +4,8 @@
 Goal: the guard that makes every read after step() wait for its all-gather
 costs nothing measurable where the forward hooks already wait. Judged by the
 forward's host ms with the guard over without it, and the guard's own costs
-per parameter (arm, disarm, an armed .grad read, a first use against the same
-op on a plain parameter; best of 30 rounds over 300 CPU parameters).
-
-Variants, one run: no_overlap; hooks_only (guard switched off here);
-hooks_and_guard (as shipped); guard_only (forward hooks removed here: every
-parameter waits through the guard). Medians of the host ms of step(),
-zero_grad() and the forward, from an idle device.
+per parameter (best of 30 rounds over 300 CPU parameters). Variants (VARIANTS):
+no overlap, hooks only, hooks and guard (as shipped), guard only.
 
     torchrun --nproc_per_node 2 benchmarks/bench_first_use.py               # GPT-1.4B, 2 GPUs
     python -m torch.distributed.run --nproc_per_node 1 benchmarks/bench_first_use.py --tiny   # CPU smoke
@@ -26,8 +21,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import shardadam
-from harness import add_run_args, say, start_gpt
-from models import FULL, add_size_args, autocast, build_model, fill_defaults, make_batch
+from harness import add_run_args, parse_gpt_args, say, start_gpt
+from models import FULL, SIZE_KEYS, add_size_args, autocast, build_model, make_batch
 from shardadam.distributed._first_use import FirstUseGuard
 from timing import timed_calls
 
@@ -108,8 +103,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10, help=f"timed iterations after {WARMUP} warm-up ones")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
     add_run_args(ap, lr=None, buckets="bucket size in MiB (default 100; --tiny 0.1)", out=None)
-    args = ap.parse_args()
-    fill_defaults(args, FULL, ("d_model", "layers", "heads", "vocab", "seq", "bucket_cap_mb"))
+    args = parse_gpt_args(ap, FULL, (*SIZE_KEYS, "bucket_cap_mb"))
     dev, cuda, _, _ = start_gpt(args)
     if dist.get_rank() == 0:
         costs = per_parameter_costs()

@@ -3,16 +3,10 @@
 
 Goal: FusedAdam's step at most 0.6x torch fused AdamW's on the same FSDP2
 shards, and a faster iteration. Judged by "step vs fused" and "iteration vs
-fused" (medians over interleaved rounds).
-
-The GPT of models.py sharded with fully_shard(reshard_after_forward=False) per
-block and at the root, MixedPrecisionPolicy(param_dtype=bf16,
-reduce_dtype=fp32) on the GPU, stepped by shardadam.FusedAdam,
-AdamW(fused=True) and AdamW(foreach=True). Each on a fresh model from the
-same seed, in --rounds interleaved rounds (A B C A B C). Per round: step: the
-optimizer step alone, synchronised before and after (median; step_host: when
-step() returned); iteration: forward, backward, step and zero_grad back to
-back, the wall-clock mean over the timed loop.
+fused" (medians over --rounds interleaved rounds). The GPT of models.py sharded
+per block and at the root (reshard_after_forward=False, bf16 parameters and
+fp32 reduction on the GPU), stepped by FusedAdam, AdamW(fused=True) and
+AdamW(foreach=True), each on a fresh model from the same seed.
 
     torchrun --nproc_per_node 2 benchmarks/bench_fsdp2.py --out benchmarks/results/bench_fsdp2_2xh200.json
     torchrun --nproc_per_node 2 benchmarks/bench_fsdp2.py --tiny --device cpu      # smoke run (gloo)
@@ -23,13 +17,12 @@ import argparse
 import statistics
 
 import torch
-import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import shardadam
 from bench_distributed import WARMUP, WEIGHT_DECAY
-from harness import add_run_args, optimizer_bytes, results_table, run_case, say, start_gpt, write_json
-from models import FULL, add_size_args, build_model, fill_defaults, lm_loss, make_batch
+from harness import add_run_args, finish, optimizer_bytes, parse_gpt_args, results_table, run_case, say, start_gpt
+from models import FULL, SIZE_KEYS, TINY, add_size_args, build_model, lm_loss, make_batch
 from timing import interleaved, sync, timed_calls
 
 REFERENCE = "torch_fused"
@@ -136,12 +129,8 @@ def parse_args():
     ap.add_argument("--rounds", type=int, help="interleaved rounds of every implementation (default 2; --tiny 1)")
     add_run_args(ap, buckets=None,
                  out="write the results here as JSON (e.g. benchmarks/results/bench_fsdp2_2xh200.json)")
-    args = ap.parse_args()
-    fill_defaults(args, dict(FULL, batch=4, iters=10, rounds=2), ["d_model", "layers", "heads", "vocab", "seq",
-                                                                    "batch", "iters", "rounds"],
-                  tiny=dict(FULL, d_model=64, layers=2, heads=4, vocab=256, seq=32, batch=2, iters=3, rounds=1))
-    if args.iters < 1 or args.rounds < 1:
-        ap.error("--iters and --rounds must be at least 1")
+    args = parse_gpt_args(ap, dict(FULL, batch=4, iters=10, rounds=2), [*SIZE_KEYS, "batch", "iters", "rounds"],
+                          dict(TINY, batch=2, iters=3, rounds=1))
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     return args
 
@@ -159,10 +148,7 @@ def main() -> None:
     rounds = interleaved({name: (lambda name=name: one(name)) for name in OPTIMIZERS}, args.rounds)
     summary = summarize(rounds)
     say("", table(summary), goals(summary))
-    if dist.get_rank() == 0:
-        write_json(args.out, meta=meta, summary=summary, rounds=[[rounds[n][k] for n in rounds]
-                                                                 for k in range(args.rounds)])
-    dist.destroy_process_group()
+    finish(args.out, meta=meta, summary=summary, rounds=[[rounds[n][k] for n in rounds] for k in range(args.rounds)])
 
 
 if __name__ == "__main__":

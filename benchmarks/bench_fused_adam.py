@@ -3,15 +3,10 @@
 
 Goal (issue 3): host time at 20,000 parameters >= 30x below torch fused's
 (under 100 us with flat_grads), and GPU time within 1.15x of the bandwidth
-floor. Judged by "torch fused wall / this" and "torch fused host / this".
-
-Two parameter sets: 20,000 parameters of 12,800 elements, and GPT-2 medium's
-shapes (355M elements). Wall: steps back to back, synchronised around them;
-host: median time for step() to return from an idle device. Implementations:
-torch fused AdamW; FusedAdam with gradients kept, with new gradient tensors
-every step (what zero_grad(set_to_none=True) gives), with flat_grads=True;
-master weights, TE style: torch fused on fp32 masters then a copy into the
-bf16 parameters, against FusedAdam(master_weights=True).
+floor. Judged by "torch fused wall / this" and "torch fused host / this". Wall:
+steps back to back, synchronised around them; host: median time for step() to
+return from an idle device. Parameter sets: 20,000 of 12,800 elements, and
+GPT-2 medium's shapes.
 
     python benchmarks/bench_fused_adam.py --device cuda --out fused.json
     python benchmarks/bench_fused_adam.py --device cpu --quick

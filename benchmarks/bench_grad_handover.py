@@ -1,15 +1,10 @@
 #!/usr/bin/env python
 """Host time of DistributedFusedAdam's gradient hand-over, per parameter and per bucket.
 
-Goal: the hand-over adds little host time to backward, which bounds the GPT
-iteration. Judged by the host us per parameter and per extra bucket.
-
-For every parameter, in backward order, what the post-accumulate-grad hook runs
-(GradSync.pack: copy into the bucket, start the complete buckets'
-reduce-scatters), then GradSync.finish, in a world of 1 (gloo on the CPU, NCCL
-on a GPU: real calls with nothing to wait for) and without autograd. One bucket
-holding every parameter against the given number of buckets: the difference
-over the extra buckets is the cost per bucket.
+Goal: the hand-over adds little host time to backward. Judged by the host us
+per parameter and per extra bucket: what the post-accumulate-grad hook runs for
+every parameter (GradSync.pack), then GradSync.finish, in a world of 1, with
+one bucket against the given number.
 
     python benchmarks/bench_grad_handover.py                       # CPU: 290 parameters, 57 buckets
     python benchmarks/bench_grad_handover.py --device cuda         # the same on a GPU (host time only)

@@ -3,13 +3,8 @@
 
 Goal: DistributedFusedAdam trains a Hugging Face model as fast as DDP and FSDP2
 with torch's fused AdamW, to the same loss. Judged by tokens/s against DDP's,
-and the loss curves.
-
-A LlamaForCausalLM of about 1B parameters from its config, trained three ways
-from the same seed on the same batches of Python source bytes (bf16 autocast,
-clipping, AdamW lr 3e-4): DistributedFusedAdam (both overlaps, contiguous
-parameter buffer, store_params=False), DDP and FSDP2 with AdamW(fused=True).
-Rank 0 writes every step's loss to --out; svg.py draws the curves.
+and the loss curves (svg.py draws them). A 1B Llama from its config, trained
+from the same seed on the same batches of Python source bytes.
 
     torchrun --standalone --nproc_per_node 2 benchmarks/bench_hf_llama.py \\
         --out benchmarks/results/bench_hf_llama_2xh200.json
@@ -23,7 +18,6 @@ import contextlib
 import gc
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -34,7 +28,7 @@ from train import corpus  # noqa: E402
 
 import shardadam  # noqa: E402
 from harness import choose, init_distributed, say, write_json  # noqa: E402
-from timing import sync  # noqa: E402
+from timing import timed_calls  # noqa: E402
 
 RUNS = ("shardadam", "ddp", "fsdp2")
 OPTIM = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -59,7 +53,7 @@ def build_model(config, device: torch.device):
     return model.train()
 
 
-def setup(run: str, model, rank: int, device: torch.device, bucket_cap_mb: float):
+def setup(run: str, model, device: torch.device, bucket_cap_mb: float):
     """(the module to call, the optimizer, clip(max_norm) -> norm) for one run."""
     if run == "shardadam":
         opt = shardadam.DistributedFusedAdam(model.parameters(), **OPTIM, bucket_cap_mb=bucket_cap_mb,
@@ -97,29 +91,25 @@ def train(run: str, args, config, tokens, rank: int, world: int, device: torch.d
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     model = build_model(config, device)
-    module, opt, clip = setup(run, model, rank, device, args.bucket_cap_mb)
+    module, opt, clip = setup(run, model, device, args.bucket_cap_mb)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.bf16 else contextlib.nullcontext()
-    losses = torch.zeros(args.steps, device=device)
-    start = None
-    for step, ids in enumerate(batches(tokens, args.steps, args.global_batch, args.seq, rank, world)):
-        if step == args.warmup:
-            sync(device)
-            start = time.perf_counter()
-        ids = ids.to(device, non_blocking=True)
+    data = batches(tokens, args.steps, args.global_batch, args.seq, rank, world)
+
+    def step(_) -> torch.Tensor:
+        ids = next(data).to(device, non_blocking=True)
         with autocast:
             loss = module(input_ids=ids, labels=ids).loss
         loss.backward()
         clip(1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses[step] = loss.detach().float()
-    sync(device)
-    seconds = time.perf_counter() - start
+        return loss.detach().float()
+    _, step_ms, losses = timed_calls(step, device, args.steps - args.warmup, args.warmup)
     if run == "shardadam":
         opt.param_sync()
+    losses = torch.stack(losses)
     dist.all_reduce(losses)
-    timed_tokens = (args.steps - args.warmup) * args.global_batch * args.seq
-    result = dict(tokens_per_s=timed_tokens / seconds, step_ms=1e3 * seconds / (args.steps - args.warmup),
+    result = dict(tokens_per_s=args.global_batch * args.seq / step_ms * 1e3, step_ms=step_ms,
                   peak_memory_gib=(torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda"
                                    else None),
                   losses=(losses / world).tolist())

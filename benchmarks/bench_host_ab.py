@@ -1,16 +1,10 @@
 """Host cost of a step, for two versions of the Python package side by side.
 
-Goal: the trust checks (README "Guarantees": addresses compared every step,
-hyperparameters validated, version counters bumped) cost real models nothing
+Goal: the trust checks (README "Guarantees") cost real models nothing
 measurable. Judged by "this / against": each case's median host time per call
-(from an idle device, no sync) for this package over the other's, measured in
-alternating child processes (A B A B ...: drift on a shared machine hits both
-alike); without --against, this package's figures alone.
-
-Cases: FusedAdam.step over 20,000 parameters of 4 elements (gradients kept,
-replaced every step, flat_grads) and over GPT-2 medium's shapes; kernels.adam
-on a plan of 20,000 tensors; DistributedFusedAdam.step on one rank over 290
-parameters (the 1.4B GPT's count).
+(from an idle device) for this package over the other's, measured in
+alternating child processes (A B A B ...); without --against, this package's
+figures alone.
 
     python benchmarks/bench_host_ab.py --device cuda                      # this package
     python benchmarks/bench_host_ab.py --device cuda --against old/python  # both, side by side

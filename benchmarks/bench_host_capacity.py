@@ -3,13 +3,8 @@
 
 Goal: with state on the host a GPU trains a model several times the size that
 fits with fp32 AdamW on the GPU. Judged by whether the model trains, its
-parameter count, and the GPU's peak and host's resident memory.
-
-The GPT of models.py built on the GPU in the parameter dtype, batch --batch x
---seq tokens, bf16 autocast, --iters iterations of FusedAdam(state_device=
-"cpu") (--optimizer torchao: torchao's CPUOffloadOptimizer with fused CPU
-AdamW). One process per attempt (an out-of-memory error leaves torch's caches
-in an unknown state); prints one JSON line, with "error" when it does not fit.
+parameter count, and the GPU's peak and host's resident memory. One process
+per attempt; prints one JSON line, with "error" when it does not fit.
 
     python benchmarks/bench_host_capacity.py --d-model 6144 --layers 56 --param-dtype bf16 --states 8-bit
 """

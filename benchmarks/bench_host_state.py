@@ -3,18 +3,12 @@
 
 Goal (issue): an iteration with state on the host within 1.2x of its largest
 floor. Judged by the iteration over the largest floor (forward and backward;
-the PCIe copies of the gradients down and the parameters up, both at once; the
-CPU step alone) taken within each of --rounds interleaved rounds, as the host's
-speed drifts between minutes, and over the CPU step while both copies run.
-
-The GPT of models.py on one GPU, per storage kind (fp32 or 8-bit blockwise
-states): the iteration with state on the GPU, with state_device="cpu", and
-(--optimizer distributed: DistributedFusedAdam on one rank per GPU under
-torchrun, else a one-rank NCCL group) stepped during backward
-(host_step_in_backward=True). --torchao also times torchao's
-CPUOffloadOptimizer for fp32. --timeline records one host-state iteration
-(forward and backward, each copy and CPU step, ms from its start) for
-svg.py. GPU only.
+the PCIe copies of gradients down and parameters up, both at once; the CPU step
+alone), taken within each of --rounds interleaved rounds as the host's speed
+drifts, and over the CPU step while both copies run. Per storage kind: state on
+the GPU, state_device="cpu" and, with --optimizer distributed, stepped during
+backward; --torchao adds torchao's CPUOffloadOptimizer, --timeline records one
+host-state iteration for svg.py. GPU only.
 
     python benchmarks/bench_host_state.py --d-model 2048 --layers 24 --out host.json --timeline tl.json
     python benchmarks/bench_host_state.py --optimizer distributed --kinds fp32 --out host_dist.json
@@ -188,9 +182,8 @@ def main() -> None:
         return run
 
     def make(kind: str, **extra):
-        if distributed:
-            return shardadam.DistributedFusedAdam(params, lr=1e-5, **KIND_OPTIONS[kind], **extra)
-        return shardadam.FusedAdam(params, lr=1e-5, **KIND_OPTIONS[kind], **extra)
+        optimizer = shardadam.DistributedFusedAdam if distributed else shardadam.FusedAdam
+        return optimizer(params, lr=1e-5, **KIND_OPTIONS[kind], **extra)
 
     ranks = dist.get_world_size() if distributed else 1
     result = dict(model=dict(d_model=args.d_model, layers=args.layers, params=numel, batch=args.batch,

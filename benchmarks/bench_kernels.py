@@ -4,28 +4,18 @@
 Goal (issue 2): on the GPU at least 90% of a device copy's bandwidth (fp32 and
 mixed precision) and within 1.3x of the bandwidth floor at 20,000 tensors; on
 the CPU at least as fast as torch fused. Judged by "% of copy" and "speedup vs
-torch" (torch fused's time over this one's).
+torch" (torch fused's time over this one's). Bandwidth counts 28 B per element
+for every implementation (fp32 p, g, m, v in and p, m, v out; mixed precision:
+a bf16 grad in and bf16 params_out out instead), so its ratios are time ratios.
 
-Effective bandwidth = bytes the update must move / time: 28 B per element both
-for fp32 AdamW (reads p, g, m, v, writes p, m, v) and for the mixed-precision
-update (fp32 p, m, v, bf16 grad in; fp32 p, m, v, bf16 params_out out). torch's
-foreach and mixed-precision paths move more; the same count is used for them,
-so bandwidth ratios equal time ratios. "Copy" is a large device-to-device
-copy_ (bytes read + written).
-
---interleaved: CPU steps taken in turn with torch's, what a training loop
-sees. Goal (issue 2, CPU): shardadam's step at least as fast as torch fused
-AdamW's when each step starts right after torch's own CPU ops, whose OpenMP
-workers keep spinning for a while after each parallel region (libgomp's
-default wait policy) on the same cores. Judged by the speedup: torch fused's
-median ms over shardadam's (kernels.adam on a plan), the two stepping in
-turn, each on its own tensors (the CPU cases' sizes).
+--interleaved: the CPU steps taken in turn with torch fused's, as in a training
+loop, where torch's OpenMP workers keep spinning for a while after each of its
+ops (libgomp's wait policy) on the same cores. Judged by the speedup: torch
+fused's median ms over shardadam's.
 
     python benchmarks/bench_kernels.py --device cuda --out bench.json --plot bench.png
-    python benchmarks/bench_kernels.py --device cpu
     python benchmarks/bench_kernels.py --device all --quick      # smoke run
     python benchmarks/bench_kernels.py --interleaved --reps 30
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_kernels.py --interleaved   # torch's workers sleep at once
 """
 from __future__ import annotations
 
@@ -34,6 +24,7 @@ import functools
 import itertools
 import statistics
 import sys
+from types import SimpleNamespace
 
 import torch
 
@@ -45,9 +36,8 @@ from timing import clock_ms, free, interleaved, time_steps, time_wall_and_host
 LR, WD, BYTES_PER_ELEM = 1e-3, 1e-2, 28
 TORCH_FUSED, TORCH_FOREACH, SHARD, COPY = "torch fused", "torch foreach", "shardadam", "copy"
 TORCH_FUSED_COPY = "torch fused + copy"  # the mixed precision case: fp32 step, then a copy to bf16
+Cfg = SimpleNamespace  # a case's timing: reps and warmup
 
-
-# ---------------------------------------------------------------- data and steps
 
 def split(total: int, n: int) -> list[int]:
     """n tensor sizes adding up to total exactly."""
@@ -126,8 +116,6 @@ def copy_gbs(dev: str, numel: int, reps: int, warmup: int) -> float:
     return 2 * numel * 4 / ms / 1e6
 
 
-# ---------------------------------------------------------------- cases
-
 def compare(case: str, dev: str, impls: dict, elems: int, cfg, copy: float, host: bool = False) -> dict:
     """Time each implementation (freeing its state after), with bandwidth and ratios."""
     rows = []
@@ -183,11 +171,6 @@ def case_many(dev, n_tensors, numel, cfg, copy):
                    host=dev == "cuda")
 
 
-class Cfg:
-    def __init__(self, reps, warmup):
-        self.reps, self.warmup = reps, warmup
-
-
 def run_cuda(quick: bool) -> list[dict]:
     big, many = (1 << 22, 2000) if quick else (1 << 30, 20000)
     cfg = Cfg(reps=10 if quick else 20, warmup=3)
@@ -219,8 +202,6 @@ def run_interleaved(quick: bool, reps: int) -> str:
         del steps
     return md_table(["case", "shardadam ms", "torch fused ms", "speedup"], rows)
 
-
-# ---------------------------------------------------------------- report
 
 def markdown(cases: list[dict]) -> str:
     rows = [[c["case"], r["impl"], f"{r['ms']:.3f}", f"{r['host_ms']:.3f}" if "host_ms" in r else "",

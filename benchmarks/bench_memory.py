@@ -4,12 +4,9 @@
 Goal: FusedAdam's steady and peak memory equal torch fused AdamW's at equal
 precision; each low-bit kind's peak is below torch's by its state saving;
 steady memory equals the accounting. Judged by steady / accounted (1.00) and
-steady and peak over torch's case of the same parameter dtype.
-
-Each case trains the same GPT for 3 iterations: memory_allocated() after each
-phase (forward, backward, step, zero_grad), max_memory_allocated() within it,
-beside the bytes of every distinct storage the model and optimizer hold.
-DistributedFusedAdam runs on a one-rank group. On the CPU: the accounting only.
+steady and peak over torch's case of the same parameter dtype. Each case trains
+the same GPT for 3 iterations (DistributedFusedAdam on a one-rank group); on
+the CPU: the accounting only.
 
     python benchmarks/bench_memory.py --out $OUT/bench_memory.json        # one GPU; d_model 2048, 24 layers
     python benchmarks/bench_memory.py --device cpu --tiny                  # the accounting alone, on the CPU
@@ -23,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 import shardadam
-from harness import held_tensors, init_one_rank, md_table, run_meta, write_json
-from models import TINY, build_model, lm_loss
+from harness import choose, held_tensors, init_one_rank, md_table, run_meta, write_json
+from models import FULL, SIZE_KEYS, add_size_args, build_model, fill_defaults, lm_loss
 
 GIB = 2 ** 30
 B8 = shardadam.BLOCKWISE8
@@ -147,26 +144,16 @@ def table(records: list[dict], cuda: bool) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--tiny", action="store_true", help="a 2-layer model of d_model 64 (a smoke run)")
-    ap.add_argument("--d-model", type=int, default=2048)
-    ap.add_argument("--layers", type=int, default=24)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--vocab", type=int, default=50304)
-    ap.add_argument("--seq", type=int, default=1024)
+    add_size_args(ap)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--cases", default=";".join(CASES), help="case names separated by semicolons")
     ap.add_argument("--out", default=None, help="write every record as JSON here")
     args = ap.parse_args()
-    if args.tiny:
-        args.d_model, args.layers, args.heads, args.vocab, args.seq = (TINY[k] for k in
-                                                                       ("d_model", "layers", "heads", "vocab", "seq"))
+    fill_defaults(args, FULL, SIZE_KEYS)
+    names = choose(ap, args.cases, CASES, "--cases", ";")
     device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     cuda = device.type == "cuda"
-    names = [c.strip() for c in args.cases.split(";") if c.strip()]
-    for name in names:
-        if name not in CASES:
-            raise SystemExit(f"unknown case {name!r}; known: {list(CASES)}")
     init_one_rank(device, bind_device=True)
     records = []
     for name in names:

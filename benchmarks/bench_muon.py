@@ -4,15 +4,8 @@ torch.optim.Muon + torch.optim.AdamW(fused=True), and its Newton-Schulz at
 least half the GPU's bf16 matmul rate (judged: the step-time ratio, and the
 Newton-Schulz TFLOP/s over the measured bf16 matmul TFLOP/s).
 
-The matrices (per layer: QKV 3d x d, out d x d, FFN up 4d x d and down d x 4d)
-go to Muon, the embedding, head, biases and norms to AdamW (use_muon=False
-groups in FusedMuon). Gradients are random and fixed; each optimizer's step
-is timed by CUDA events (median after warm-up), optionally replayed from a
-CUDA graph. Newton-Schulz alone is timed on the same stacked shapes (one
-batched chain per shape, as FusedMuon runs it), and a large bf16 matmul gives
-the GPU's rate in the same run. FLOPs per iteration of an m x n matrix
-(m <= n): 4 m^2 n + 2 m^3 (X X^T, A A, B X); the symmetric Gram products are
-counted whole.
+Matrices go to Muon, embeddings, head, biases and norms to AdamW. FLOPs per
+Newton-Schulz iteration of an m x n matrix (m <= n): 4 m^2 n + 2 m^3.
 
     python benchmarks/bench_muon.py --out results/bench_muon_h200.json
     python benchmarks/bench_muon.py --layers 2 --steps 3      # smoke run (CUDA)

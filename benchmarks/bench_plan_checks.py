@@ -3,17 +3,9 @@
 
 Goal: the address check and version bumps of a kernels.adam launch cost little
 per tensor (the 20,000 x 12,800 plan within 1.5x of its GPU floor). Judged by
-the checked launch's wall time per call (launches back to back) over the
-baseline's, which runs at the GPU floor; also the host time of one call and
-the ns per tensor of each part.
-
-Two AdamPlans over the same tensors: baseline (check_addresses=False and no
-version bump: the bump is switched off by emptying the plan's private list of
-version roots) and checked (the default). Host time of kernels.adam(plan, ...):
-on CUDA for the call to return from an idle GPU; on the CPU the call runs the
-update too, so tensors are kept tiny there and the parts are also timed alone
-(plan._check_launch, plan._bump_versions). With --views the states are views
-of flat buffers (as in the optimizers): one base per list is bumped.
+the checked launch's wall time per call over the baseline's (no address check,
+no version bump), the host time of one call and the ns per tensor of each part.
+On the CPU the call runs the update too: tensors are tiny there.
 
     python benchmarks/bench_plan_checks.py --device cpu
     python benchmarks/bench_plan_checks.py --device cuda [--tensors 20000 --numel 12800] [--views]

@@ -4,17 +4,9 @@
 Goal: each kind's step at 0.85 of a device copy's bandwidth on the bytes it
 moves, and FusedAdam's low-bit steps at least 3x (200 tensors) and 20x (20,000)
 faster than torchao's. Judged by "of copy" (and "of copy, moved" where a kind
-moves more than it must) and the ms per step against torchao's rows.
-
-Bytes a step must move per element (read and write the parameter and states,
-read the gradient): fp32 28; FP8 E4M3 states with a scale per tensor 16 (two
-passes moving 22 B); 8-bit blockwise states with an fp32 maximum per 256
-elements 16.06 (one pass); bf16 parameters that are their own master, fp32
-states, rounded to nearest or stochastically 22; torch fused on fp32 28 and on
-bf16 (bf16 states) 14; FusedAdam (the optimizer, its per-step checks
-included) with 8-bit and FP8 states; TE's and Megatron's mixed state dtypes
-with fp32 and bf16 parameters (_mixed_bytes); where torchao is installed its
-AdamW8bit and AdamWFp8 (one compiled kernel per parameter).
+moves more than it must) and the ms per step against torchao's rows. Bytes per
+element a step must move are KINDS' first field (fp32 28, FP8 16, 8-bit
+blockwise 16.06, bf16 22; mixed state dtypes: _mixed_bytes).
 
     python benchmarks/bench_storage_kinds.py --device cuda --out kinds.json
     python benchmarks/bench_storage_kinds.py --device cpu --numel 27 --tensors 1,200
@@ -27,15 +19,12 @@ import statistics
 import torch
 
 import shardadam
+from bench_kernels import copy_gbs as copy_gbs_of, rand, split, torch_step
 from harness import run_meta, write_json
 from shardadam import kernels
 from timing import time_steps
 
 F8 = torch.float8_e4m3fn
-
-
-def _split(numel: int, n: int) -> list[int]:
-    return [numel // n + (i < numel % n) for i in range(n)]
 
 
 def _shardadam(sizes, dev, param_dtype, state_dtype, seed=None, exp_avg_sq_dtype=None):
@@ -53,33 +42,30 @@ def _shardadam(sizes, dev, param_dtype, state_dtype, seed=None, exp_avg_sq_dtype
 
 
 def _torch_fused(sizes, dev, dtype):
-    params = [torch.nn.Parameter(torch.randn(n, device=dev).to(dtype)) for n in sizes]
+    return torch_step(rand(sizes, dev, dtype), rand(sizes, dev, dtype), fused=True)
+
+
+def _stepped(optimizer, sizes, dev, first_steps: int, **options):
+    """optimizer.step on fp32 parameters with gradients, after its first steps
+    (torchao's compile). The optimizer as a whole, its per-step checks of
+    parameters and gradients included, as torchao's optimizers are timed."""
+    params = [torch.nn.Parameter(torch.randn(n, device=dev)) for n in sizes]
     for p in params:
         p.grad = torch.randn_like(p)
-    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, fused=True).step
+    opt = optimizer(params, lr=1e-3, weight_decay=0.01, **options)
+    for _ in range(first_steps):
+        opt.step()
+    return opt.step
 
 
 def _fused_adam(sizes, dev, **states):
-    """The optimizer (its per-step checks of parameters and gradients included),
-    as torchao's optimizers are timed."""
-    params = [torch.nn.Parameter(torch.randn(n, device=dev)) for n in sizes]
-    for p in params:
-        p.grad = torch.randn_like(p)
-    opt = shardadam.FusedAdam(params, lr=1e-3, weight_decay=0.01, **states)
-    opt.step()
-    return opt.step
+    return _stepped(shardadam.FusedAdam, sizes, dev, 1, **states)
 
 
 def _torchao(sizes, dev, optimizer):
-    """torchao's low-bit AdamW (compiled per parameter); its first steps compile."""
+    """torchao's low-bit AdamW (compiled per parameter)."""
     import torchao.optim
-    params = [torch.nn.Parameter(torch.randn(n, device=dev)) for n in sizes]
-    for p in params:
-        p.grad = torch.randn_like(p)
-    opt = getattr(torchao.optim, optimizer)(params, lr=1e-3, weight_decay=0.01)
-    for _ in range(3):
-        opt.step()
-    return opt.step
+    return _stepped(getattr(torchao.optim, optimizer), sizes, dev, 3)
 
 
 def _has_torchao() -> bool:
@@ -88,14 +74,6 @@ def _has_torchao() -> bool:
     except Exception:  # absent, or built for another torch
         return False
     return True
-
-
-def _copy_gbs(numel: int, dev: str, reps: int) -> float:
-    """A device-to-device copy of numel fp32 elements: bytes read + written per second."""
-    src = torch.randn(numel, device=dev)
-    dst = torch.empty_like(src)
-    ms = statistics.median(time_steps(lambda: dst.copy_(src), dev, reps, 3))
-    return 2 * numel * 4 / ms / 1e6
 
 
 SCALED = (F8, torch.float16)  # states kept with per-tensor scales: two passes
@@ -166,12 +144,12 @@ def main() -> None:
     args = ap.parse_args()
     dev, numel = args.device, 1 << args.numel
     torch.manual_seed(0)
-    copy_gbs = _copy_gbs(numel // 2, dev, args.reps)
+    copy_gbs = copy_gbs_of(dev, numel // 2, args.reps, warmup=3)
     rows = []
     print("| tensors | step | B/elem | ms | GB/s | of copy | B/elem moved | of copy, moved |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for n_tensors in map(int, args.tensors.split(",")):
-        sizes = _split(numel, n_tensors)
+        sizes = split(numel, n_tensors)
         for name, (bytes_per_elem, build) in KINDS.items():
             if args.kinds and not any(k in name for k in args.kinds.split(",")):
                 continue

@@ -2,11 +2,9 @@
 
 Goal: each mode keeps what its layout promises, 12/N bytes per parameter for
 fp32 states and less for the low-bit ones (README, "Memory"). Judged by the
-bytes per parameter on one rank: the storages the optimizer owns between steps
-(sharded states, remainders, scales, block maxima, gradient and parameter
-shards), each once, over the model's parameter count; the contiguous buffers,
-which hold the model's own parameters and gradients, are reported apart. Exact
-counts, no timing: runs on the CPU with gloo.
+bytes per parameter on one rank of the storages the optimizer owns between
+steps, each once; the contiguous buffers, which hold the model's own parameters
+and gradients, apart. Exact counts: runs on the CPU with gloo.
 
     torchrun --nproc_per_node 2 benchmarks/bytes_per_param.py
 """
@@ -17,7 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import shardadam
-from harness import held_tensors, md_table, model_buffer_storages
+from harness import md_table, model_buffer_storages, optimizer_bytes
 from models import BLOCKWISE8, FP8
 
 BUFFERS = dict(contiguous_param_buffer=True, contiguous_grad_buffer=True)
@@ -41,17 +39,6 @@ CONFIGS = {
 }
 
 
-def owned_bytes(opt) -> tuple[int, int]:
-    """(optimizer-only bytes, bytes of the buffers holding the model's params and
-    grads), each storage counted once: shards that are views of the master or of
-    a contiguous buffer add nothing."""
-    model = model_buffer_storages(opt)
-    blocks = [t for views in getattr(opt, "state_blocks", {}).values() for t in views]
-    own = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held_tensors(opt) + blocks
-           if t.numel() and t.untyped_storage().data_ptr() not in model}
-    return sum(own.values()), sum(model.values())
-
-
 def main() -> None:
     dist.init_process_group("gloo")
     rows = []
@@ -61,9 +48,9 @@ def main() -> None:
         torch.manual_seed(0)
         model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)]).to(dtype)
         n = sum(p.numel() for p in model.parameters())
-        own, buffers = owned_bytes(shardadam.DistributedFusedAdam(model.parameters(), lr=1e-3, bucket_cap_mb=1,
-                                                                  **cfg))
-        rows.append([name, f"{own / n:.2f}", f"{buffers / n:.2f}"])
+        opt = shardadam.DistributedFusedAdam(model.parameters(), lr=1e-3, bucket_cap_mb=1, **cfg)
+        # shards that are views of the master or of a contiguous buffer add nothing: each storage counts once
+        rows.append([name, f"{optimizer_bytes(opt) / n:.2f}", f"{sum(model_buffer_storages(opt).values()) / n:.2f}"])
     if dist.get_rank() == 0:
         print(f"{dist.get_world_size()} ranks, {n:,} parameters, bucket_cap_mb=1; bytes per parameter on one rank")
         print(md_table(["storage", "optimizer", "buffers holding the model's params/grads"], rows))

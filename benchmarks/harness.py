@@ -20,12 +20,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import shardadam
-from models import count_params
+from models import FULL, TINY, count_params, fill_defaults
 from shardadam.distributed import BucketRows
 from timing import free, is_cuda, sync
 
-
-# ------------------------------------------------------------------ process groups
 
 def init_distributed(device: str | None = None) -> tuple[torch.device, bool]:
     """The process group of a torchrun process: NCCL with one GPU per process
@@ -123,11 +121,9 @@ def run_case(result: dict, fn, dev, n_params: int, keep_losses: bool = False) ->
     return result
 
 
-# ------------------------------------------------------------------ command line
-
-def choose(ap, value: str, known, option: str) -> list[str]:
-    """The comma-separated subset of `known` that `value` names; an unknown name stops the parser."""
-    chosen = value.split(",")
+def choose(ap, value: str, known, option: str, sep: str = ",") -> list[str]:
+    """The subset of `known` that `value` names, separated by `sep`; an unknown name stops the parser."""
+    chosen = value.split(sep)
     if set(chosen) - set(known):
         ap.error(f"unknown {option} {sorted(set(chosen) - set(known))}; choose from {','.join(known)}")
     return chosen
@@ -145,6 +141,19 @@ def add_run_args(ap, lr: float | None = 1e-4, buckets: str | None = "Distributed
         ap.add_argument("--out", help=out)
 
 
+def parse_gpt_args(ap, full: dict = FULL, keys=None, tiny: dict = TINY):
+    """ap's arguments with the GPT's sizes filled in (fill_defaults), --batches
+    as a list of ints and --iters / --rounds checked, where ap has them."""
+    args = ap.parse_args()
+    fill_defaults(args, full, keys, tiny)
+    if isinstance(getattr(args, "batches", None), str):
+        args.batches = [int(b) for b in args.batches.split(",")]
+    for name in ("iters", "rounds"):
+        if getattr(args, name, 1) < 1:
+            ap.error(f"--{name} must be at least 1")
+    return args
+
+
 def start_gpt(args, device: str | None = None, note: str = "") -> tuple[torch.device, bool, int, dict]:
     """init_distributed, the GPT's parameter count and gpt_meta; rank 0 prints
     the machine and the model (describe), then `note`."""
@@ -154,8 +163,6 @@ def start_gpt(args, device: str | None = None, note: str = "") -> tuple[torch.de
     say(describe(meta, args) + note)
     return dev, cuda, n_params, meta
 
-
-# ------------------------------------------------------------------ metadata and output
 
 def run_meta(dev=None, **extra) -> dict:
     """Where, when and how a benchmark ran, for its JSON."""
@@ -193,6 +200,13 @@ def write_json(path, indent: int = 1, **data) -> None:
         pathlib.Path(path).write_text(json.dumps(data, indent=indent))
 
 
+def finish(out, **data) -> None:
+    """Rank 0 writes `data` to `out` as JSON; then the process group goes."""
+    if dist.get_rank() == 0:
+        write_json(out, **data)
+    dist.destroy_process_group()
+
+
 def fmt(x, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
@@ -219,8 +233,6 @@ def results_table(results: list[dict], names: list[str], columns, align: str | N
         return [key(r) if callable(key) else fmt(r.get(key), spec) for _, key, spec in columns]
     return md_table(names + [c[0] for c in columns], [[r[n] for n in names] + cells(r) for r in results], align)
 
-
-# ------------------------------------------------------------------ host memory
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 _LIBC = ctypes.CDLL(None)
@@ -263,17 +275,13 @@ def malloc_in_use() -> int | None:
     return info.uordblks + info.hblkhd
 
 
-# ------------------------------------------------------------------ optimizer memory
-
 def held_tensors(opt) -> list[torch.Tensor]:
     """The tensors an optimizer keeps between steps: torch optimizers' `state`
-    (ZeroRedundancyOptimizer keeps this rank's partition in its inner
-    optimizer, `opt.optim`; FSDP2's states are DTensors), FusedAdam's and
-    FusedLion's flat buckets (with state on the host, their segments'
-    buckets), and DistributedFusedAdam's attributes: sharded states (by name
-    in `states`, fp16 scales in `state_scales`), masters, shards and buffers
-    (BucketRows). Its `state` is empty and its state_dict() gathers the full
-    states on every rank, so there is no public per-rank view to read."""
+    (ZeroRedundancyOptimizer's partition is in `opt.optim`; FSDP2's states are
+    DTensors), FusedAdam's and FusedLion's flat buckets (with state on the
+    host, their segments' buckets), and DistributedFusedAdam's attributes:
+    its `state` is empty and its state_dict() gathers the full states on every
+    rank, so there is no public per-rank view to read."""
     inner = getattr(opt, "optim", opt)
     tensors = [v for s in inner.state.values() for v in s.values() if torch.is_tensor(v)]
     for b in getattr(opt, "_buckets", None) or []:
@@ -282,10 +290,11 @@ def held_tensors(opt) -> list[torch.Tensor]:
             for held in ("states", "scales", "blocks"):
                 for v in getattr(bucket, held, {}).values():
                     tensors += v if isinstance(v, list) else [v]
-    tensors += [v for v in vars(opt).values() if torch.is_tensor(v)]
-    tensors += [t for v in vars(opt).values() if isinstance(v, BucketRows) for t in v.tensors]
-    for held in (getattr(opt, "states", None), getattr(opt, "state_scales", None)):
-        tensors += list((held or {}).values()) if isinstance(held, dict) else []
+    for v in vars(opt).values():  # masters, shards, BucketRows, states / state_scales / state_blocks by name
+        tensors += [v] if torch.is_tensor(v) else v.tensors if isinstance(v, BucketRows) else []
+    for held in ("states", "state_scales", "state_blocks"):
+        for v in (getattr(opt, held, None) or {}).values():
+            tensors += v if isinstance(v, list) else [v]
     return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
 
 

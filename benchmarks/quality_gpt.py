@@ -3,13 +3,8 @@
 
 Goal: each low-bit storage kind ends within 1% of fp32's final loss. Judged by
 "vs fp32": the final loss (mean of the last tenth of the steps) over fp32's.
-
-The GPT of models.py (default 1.4B parameters) learning Python source byte by
-byte, bf16 autocast, trained from the same seed on the same global batches
-with each kind in turn (fp32 states, FP8 states, FP8 exp_avg only, 8-bit
-blockwise states, bf16 parameters rounded stochastically without a master);
-the loss curves overlaid (CSV, SVG, JSON). Each rank trains on its slice of
-every global batch (--batch per rank); the loss shown is the global batch's.
+The GPT of models.py learning Python source byte by byte, from the same seed on
+the same global batches with each kind in turn; curves as CSV, SVG and JSON.
 
     torchrun --nproc_per_node 1 benchmarks/quality_gpt.py --steps 300 --out results/quality_gpt_h200
     torchrun --nproc_per_node 2 benchmarks/quality_gpt.py --tiny --steps 30     # smoke run, CPU (gloo) or GPU
@@ -26,17 +21,14 @@ import torch
 import torch.distributed as dist
 
 import shardadam
-from harness import fmt, start_gpt
-from models import KINDS, add_size_args, build_model, fill_defaults, lm_loss
+from harness import fmt, parse_gpt_args, start_gpt
+from models import FULL, KINDS, SIZE_KEYS, add_size_args, build_model, lm_loss
 from quality_storage import kinds_arg, report, write_curves
 from train import corpus, learning_rate, mean_over_ranks, param_groups, rank_slice, sample_batch  # examples/
 
 # The kinds of quality_storage.py that DistributedFusedAdam takes as they are
 # (it keeps fp32 masters for bf16 parameters unless they round stochastically).
 DISTRIBUTED_KINDS = ("fp32", "FP8 states", "FP8 exp_avg", "8-bit blockwise states", "bf16 stochastic rounding")
-SIZES = dict(d_model=2048, layers=24, heads=16, vocab=50304, seq=1024)
-
-
 SMOOTH = 10  # steps per point of the plotted curves
 
 
@@ -95,8 +87,7 @@ def main() -> None:
     ap.add_argument("--kinds", default=",".join(DISTRIBUTED_KINDS),
                     help="comma-separated subset of: " + ", ".join(DISTRIBUTED_KINDS))
     ap.add_argument("--out", type=pathlib.Path, help="rank 0 writes <out>.csv, <out>.svg and <out>.json")
-    args = ap.parse_args()
-    fill_defaults(args, SIZES, keys=SIZES)
+    args = parse_gpt_args(ap, FULL, SIZE_KEYS)
     kinds = kinds_arg(ap, args.kinds, DISTRIBUTED_KINDS)
     if args.steps < 10:
         ap.error("--steps must be at least 10 (the final loss is the mean of the last tenth)")

@@ -2,14 +2,9 @@
 """Training quality of FusedAdam's storage kinds, side by side in one run.
 
 Goal: each low-bit kind ends within 1% of fp32's final loss. Judged by "vs
-fp32": the final loss (mean of the last tenth of the steps) over fp32's.
-
-The example GPT (examples/train.py: a small GPT learning Python source,
-character by character) trained from the same seed on the same batches with
-fp32 parameters (the reference), FP8 E4M3 exp_avg and exp_avg_sq, FP8 exp_avg
-only, 8-bit blockwise states, bf16 parameters with fp32 masters, and bf16
-parameters without a master rounded stochastically or to nearest; the loss
-curves overlaid (CSV and SVG).
+fp32": the final loss (mean of the last tenth of the steps) over fp32's. The
+example GPT (examples/train.py) from the same seed on the same batches in each
+kind of models.KINDS; curves as CSV and SVG.
 
     python benchmarks/quality_storage.py --kinds "fp32,FP8 states,FP8 exp_avg" --out results/quality_storage_cpu
     python benchmarks/quality_storage.py --device cuda --steps 2000 --out results/quality_storage_h200

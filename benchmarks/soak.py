@@ -3,14 +3,10 @@
 
 Goal: no leak. Judged per rank by the growth of host RSS (and GPU allocated and
 reserved memory) after a 10% warm-up, end to end and along a least-squares line,
-against its limit: the run exits 1 if any exceeds it.
-
-The optimizer runs as in training (small buckets, both overlaps,
-contiguous_param_buffer, a scheduler, clipping, a fresh batch every step, a
-state_dict() round trip every --checkpoint-every steps); every --sample-every
-steps each rank records RSS, malloc's bytes in use, tracked Python objects and
-GPU memory. CPU: gloo and a small MLP; CUDA: NCCL and a small GPT, the copy
-engines required with --copy-engines. svg.py draws the JSON.
+against its limit: the run exits 1 if any exceeds it. Training as in practice
+(small buckets, both overlaps, contiguous_param_buffer, a scheduler, clipping,
+fresh batches, a state_dict() round trip every --checkpoint-every steps); CPU:
+gloo and a small MLP, CUDA: NCCL and a small GPT. svg.py draws the JSON.
 
     torchrun --standalone --nproc_per_node 2 benchmarks/soak.py --steps 5000 --out benchmarks/results/soak_gloo.json
     NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc_per_node 2 benchmarks/soak.py --device cuda --copy-engines \\
@@ -47,17 +43,11 @@ MLP = dict(d_in=16, width=64, d_out=4, batch=32, bucket_cap_mb=0.01)
 SMALL_GPT = dict(d_model=512, layers=4, heads=8, vocab=8192, seq=256, batch=8, bucket_cap_mb=8)
 
 
-# ------------------------------------------------------------------ model and data
-
 def build_mlp() -> nn.Module:
     torch.manual_seed(0)
     m = MLP
     return nn.Sequential(nn.Linear(m["d_in"], m["width"]), nn.Tanh(), nn.Linear(m["width"], m["width"]), nn.Tanh(),
                          nn.Linear(m["width"], m["width"]), nn.Tanh(), nn.Linear(m["width"], m["d_out"]))
-
-
-def build_gpt(dev: torch.device) -> nn.Module:
-    return build_model(SimpleNamespace(**SMALL_GPT), dev)
 
 
 def mlp_batches(dev: torch.device):
@@ -79,12 +69,6 @@ def gpt_batches(dev: torch.device):
         yield tokens[:, :-1], tokens[:, 1:]
 
 
-def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cuda: bool) -> torch.Tensor:
-    return lm_loss(model, x, y, cuda) if cuda else F.mse_loss(model(x), y)
-
-
-# ------------------------------------------------------------------ sampling
-
 def sample(step: int, t0: float, loss: float | None, cuda: bool) -> dict:
     """One rank's memory at the end of an iteration (after zero_grad)."""
     if cuda:
@@ -95,43 +79,32 @@ def sample(step: int, t0: float, loss: float | None, cuda: bool) -> dict:
                 gpu_reserved=torch.cuda.memory_reserved() if cuda else None, loss=loss)
 
 
-# ------------------------------------------------------------------ the soak
-
-def build_optimizer(model: nn.Module, args) -> shardadam.DistributedFusedAdam:
-    copy_engines = True if args.copy_engines else None  # None: wherever every rank can
-    return shardadam.DistributedFusedAdam(
-        model.parameters(), lr=args.lr, weight_decay=0.1, bucket_cap_mb=args.bucket_cap_mb,
-        overlap_grad_sync=True, overlap_param_sync=True, contiguous_param_buffer=True,
-        grad_sync_copy_engine=copy_engines, param_sync_copy_engine=copy_engines)
-
-
-def checkpoint_round_trip(opt) -> None:
-    """The portable path (every rank gathers the whole state, then takes its
-    own pieces back): everything it allocates must be released again."""
-    state = opt.state_dict()
-    opt.load_state_dict(state)
-
-
 def soak(args, dev: torch.device) -> tuple[list[dict], dict]:
     """Train for args.steps steps; this rank's samples and what ran. The model
     and optimizer are local, so they are gone (hooks removed) on return."""
     cuda = dev.type == "cuda"
-    model = build_gpt(dev) if cuda else build_mlp()
-    opt = build_optimizer(model, args)
+    model = build_model(SimpleNamespace(**SMALL_GPT), dev) if cuda else build_mlp()
+    copy_engines = True if args.copy_engines else None  # None: wherever every rank can
+    opt = shardadam.DistributedFusedAdam(
+        model.parameters(), lr=args.lr, weight_decay=0.1, bucket_cap_mb=args.bucket_cap_mb,
+        overlap_grad_sync=True, overlap_param_sync=True, contiguous_param_buffer=True,
+        grad_sync_copy_engine=copy_engines, param_sync_copy_engine=copy_engines)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps, eta_min=args.lr / 10)
     data = gpt_batches(dev) if cuda else mlp_batches(dev)
     t0 = time.perf_counter()
     samples = [sample(0, t0, None, cuda)]
     for step in range(1, args.steps + 1):
         x, y = next(data)
-        loss = loss_of(model, x, y, cuda)
+        loss = lm_loss(model, x, y, cuda) if cuda else F.mse_loss(model(x), y)
         loss.backward()  # buckets reduce-scattered during backward
         opt.clip_grad_norm(1.0)
         opt.step()  # all-gathers left running into the next forward
         sched.step()
         opt.zero_grad(set_to_none=True)
         if step % args.checkpoint_every == 0:
-            checkpoint_round_trip(opt)
+            # the portable path (every rank gathers the whole state, then takes its own pieces back):
+            # everything it allocates must be released again
+            opt.load_state_dict(opt.state_dict())
         if step % args.sample_every == 0 or step == args.steps:
             samples.append(sample(step, t0, loss.item(), cuda))
         del x, y, loss  # nothing of this iteration lives on into the next sample
@@ -140,8 +113,6 @@ def soak(args, dev: torch.device) -> tuple[list[dict], dict]:
                 **opt.transports)
     return samples, info
 
-
-# ------------------------------------------------------------------ flatness
 
 def fit_slope(steps: list[int], values: list[int]) -> float:
     """Least-squares slope of values against steps (bytes per step)."""
@@ -180,8 +151,6 @@ def judge(samples: list[dict], args) -> dict:
     return result
 
 
-# ------------------------------------------------------------------ report
-
 def table(verdicts: list[dict], key: str, title: str) -> str:
     return f"{title}:\n" + md_table(
         ["rank", "base step", "base MiB", "last MiB", "min..max MiB", "growth MiB", "slope B/step", "fitted growth MiB",
@@ -207,8 +176,6 @@ def report(verdicts: list[dict], everyone: list[list[dict]]) -> str:
                      f"{last['loss']:.4f}")
     return "\n\n".join(tables + ["\n".join(lines)])
 
-
-# ------------------------------------------------------------------ main
 
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -247,12 +214,6 @@ def parse_args():
     return args
 
 
-def soak_meta(args, dev: torch.device, info: dict) -> dict:
-    cuda = dev.type == "cuda"
-    return run_meta(dev, model="small GPT " + json.dumps(SMALL_GPT) if cuda else "MLP " + json.dumps(MLP), **info,
-                    warmup_fraction=WARMUP_FRACTION, config={k: v for k, v in vars(args).items() if k != "out"})
-
-
 def main() -> None:
     args = parse_args()
     if args.device == "cpu":
@@ -266,7 +227,9 @@ def main() -> None:
     verdicts = [judge(s, args) for s in everyone]  # the same on every rank: all exit alike
     ok = all(v["ok"] for v in verdicts)
     if rank == 0:
-        meta = soak_meta(args, dev, info)
+        meta = run_meta(dev, model="small GPT " + json.dumps(SMALL_GPT) if args.device == "cuda" else "MLP "
+                        + json.dumps(MLP), **info, warmup_fraction=WARMUP_FRACTION,
+                        config={k: v for k, v in vars(args).items() if k != "out"})
         print(f"{meta['device']} x {meta['world_size']} ({meta['backend']}), torch {meta['torch']}: {meta['model']}, "
               f"{info['params']:,} parameters, {info['buckets']} buckets, grad_sync on {info['grad_sync']}, "
               f"param_sync on {info['param_sync']}; {args.steps} steps, a sample every {args.sample_every}, "

@@ -1,21 +1,10 @@
 #!/usr/bin/env python
-"""Plots for the benchmarks as self-contained SVG files (standard library
-only: the benchmark machines need no plotting package): the drawing
-primitives, and a chart per result the benchmarks write, picked by what the
-JSON holds:
-
-- bench_distributed.py --out (one file or several, earliest first: a pair of
-  implementation and batch takes its figures from the last file that has it,
-  and the caption names its file): ms per iteration, labelled with the ratio to
-  DDP + fused AdamW, the ratio the benchmark is judged by, and peak GPU
-  memory, one bar per implementation grouped by batch size per GPU;
-- soak.py --out: memory against step, one line per rank and a panel per
-  metric, the warm-up shaded, checkpoint round trips dotted, each rank's limit
-  dashed in its colour;
-- bench_host_state.py --timeline: one host-state iteration, a lane each for the
-  GPU's forward and backward, the gradient copies down, the CPU steps and the
-  parameter copies up;
-- bench_hf_llama.py --out: the loss curves, with tokens/s and peak memory.
+"""Plots for the benchmarks as self-contained SVG files (standard library only:
+the benchmark machines need no plotting package), a chart per result picked by
+what the JSON holds: bench_distributed.py's ms per iteration (labelled with the
+ratio to DDP + fused AdamW) and peak memory, from one file or several (a bar
+from the last file that has it, its file named); soak.py's memory against step
+per rank; bench_host_state.py --timeline's lanes; bench_hf_llama.py's losses.
 
     python benchmarks/svg.py results/run3.json results/run4.json --out plot.svg
     python benchmarks/svg.py benchmarks/results/bench_hf_llama_2xh200.json   # writes the .svg beside it
@@ -121,8 +110,6 @@ class Axes:
     def vline(self, v: float, color: str, **attrs) -> None:
         self.c.line(self.x(v), self.y0, self.x(v), self.y0 + self.h, stroke=color, **attrs)
 
-
-# ------------------------------------------------------------------ the benchmarks' charts
 
 MIB = 2**20
 

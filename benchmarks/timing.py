@@ -91,14 +91,17 @@ def clock_ms(fn) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def median_ms(fn, dev, reps: int, warmup: int = 0, sync_after: bool = True) -> float:
+def median_ms(fn, dev, reps: int, warmup: int = 0, sync_after: bool = True, setup=None) -> float:
     """Median milliseconds of one call from an idle device: synchronised
     before each call and, with sync_after, inside the clock after it (host plus
-    device time); without, the time for the call to return (its host cost)."""
+    device time); without, the time for the call to return (its host cost).
+    `setup`, if given, runs untimed before every timed call."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(reps):
+        if setup is not None:
+            setup()
         sync(dev)
         t0 = time.perf_counter()
         fn()
@@ -114,32 +117,20 @@ def time_wall_and_host(fn, dev, reps: int, warmup: int, setup=None) -> tuple[flo
     median ms for the call to return from an idle device). `setup`, if given,
     runs before every call untimed: its own back-to-back time is subtracted
     from the wall figure."""
-    def run(n, with_fn=True):
-        for _ in range(n):
-            if setup is not None:
-                setup()
-            if with_fn:
-                fn()
+    call = fn if setup is None else lambda: (setup(), fn())
 
-    def wall_ms(with_fn=True) -> float:
+    def wall_ms(call) -> float:
         sync(dev)
         t0 = time.perf_counter()
-        run(reps, with_fn)
+        for _ in range(reps):
+            call()
         sync(dev)
         return (time.perf_counter() - t0) * 1e3 / reps
 
-    run(warmup)
-    wall = wall_ms() - (wall_ms(with_fn=False) if setup is not None else 0.0)
-    host = []
-    for _ in range(reps):
-        if setup is not None:
-            setup()
-        sync(dev)
-        t0 = time.perf_counter()
-        fn()
-        host.append((time.perf_counter() - t0) * 1e3)
-    sync(dev)
-    return wall, statistics.median(host)
+    for _ in range(warmup):
+        call()
+    wall = wall_ms(call) - (wall_ms(setup) if setup is not None else 0.0)
+    return wall, median_ms(fn, dev, reps, sync_after=False, setup=setup)
 
 
 def capture_graph(fn, warmup: int):
