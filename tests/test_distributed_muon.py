@@ -91,6 +91,28 @@ def _worker(rank, world, port, cfg, out) -> None:
     _exit()
 
 
+def _scaler_worker(rank, world, port, out) -> None:
+    with _rank_group(rank, world, port, out):
+        model = _Net()
+        opt = shardadam.DistributedFusedMuon(_groups(model))
+        scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+        xs, ys = _data()
+        scaler.scale(nn.functional.mse_loss(model(xs[0]), ys[0])).backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        try:
+            scaler.step(opt)
+            refused = ""
+        except RuntimeError as e:
+            refused = str(e)
+        out.put((rank, (refused, all(torch.equal(a, b) for a, b in zip(before, model.parameters())))))
+    _exit()
+
+
+def test_grad_scaler_is_refused_before_anything_is_written():
+    for refused, unchanged in _spawn_all(_scaler_worker, 2):
+        assert "GradScaler" in refused and unchanged
+
+
 def _config(ns_dtype=torch.float32, overlap=True, cap=100.0, micro=1, device="cpu"):
     return dict(ns_dtype=ns_dtype, overlap=overlap, cap=cap, micro=micro, device=device)
 

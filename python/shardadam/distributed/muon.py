@@ -49,8 +49,8 @@ class DistributedFusedMuon(torch.optim.Optimizer):
     Checkpoints: state_dict() gives FusedMuon's dict (torch's keys: Muon's
     ``momentum_buffer``, the AdamW groups' ``exp_avg``, ``exp_avg_sq`` and
     steps, plus their fp32 ``param`` masters) with whole tensors on every
-    rank, so it loads at any world size. Not offered yet: GradScaler (use
-    bf16 autocast), capturable steps and CUDA-graph capture, gradient
+    rank, so it loads at any world size. Not offered yet: GradScaler (refused at
+    the step; use bf16 autocast), capturable steps and CUDA-graph capture, gradient
     clipping across both parts, DCP's sharded state dict (save state_dict()
     instead), and the options named in ``_REFUSED_OPTIONS``.
     """
@@ -141,10 +141,20 @@ class DistributedFusedMuon(torch.optim.Optimizer):
 
     # ------------------------------------------------------------ iteration
 
+    # GradScaler then hands its scale to step() instead of unscaling the
+    # gradients it cannot reach (they live in the buckets), so step() can
+    # refuse it rather than train on scaled AdamW gradients.
+    _step_supports_amp_scaling = True
+
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, **kwargs):
         """Reduce the Muon gradients to their owners, step the owned matrices
         and all-gather them; then the AdamW groups' ZeRO step."""
+        if kwargs.get("grad_scaler") is not None or getattr(self, "grad_scale", None) is not None:
+            raise RuntimeError(f"{type(self).__name__} does not take a GradScaler yet: train with bf16 autocast "
+                               "(no loss scaling), or use FusedMuon")
+        if kwargs:
+            raise TypeError(f"step() got unexpected keyword arguments {sorted(kwargs)}")
         loss = run_closure(closure)
         for i, group in enumerate(self.param_groups):
             if uses_muon(group):
