@@ -183,7 +183,7 @@ class FusedMuon(torch.optim.Optimizer):
         for gi, p, g in stepping:
             state = self.state[p]
             if uses_muon(self.param_groups[gi]):
-                muon[p.device].append(MuonEntry(gi, p, g, state["momentum_buffer"]))
+                muon[p.device].append(MuonEntry(gi, p, g, state["momentum_buffer"], tuple(p.shape)))
             else:
                 adamw[p.device].append(AdamWEntry(gi, p, g, state))
         return muon, adamw
