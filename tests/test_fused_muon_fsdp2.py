@@ -12,17 +12,17 @@ unsharded, in one process, on the global batch.
 
 With ns_dtype=float32 the two runs differ only by fp32 rounding: FSDP2's
 averaged gradients sum in another order than the global batch's backward
-(relative differences ~1e-7), which the momentum pass, Newton-Schulz (five
-quintic iterations, each amplifying relative input differences by a small
-factor) and the update carry into the parameters. The parameters move by
-about lr = 0.02 per step per element, and agree to atol 1e-5 after 6 steps:
-a hundred times the expected drift, far below a misplaced update (a row of
-another matrix, another shard's rows, a wrong lr ratio: differences of the
-size of the step). With the default bf16 ns_dtype, the same fp32-level input
-differences flip bf16 roundings inside Newton-Schulz, so the runs differ by
-bf16 noise: the sharded run must stay as close to the plain bf16 run as
-twice the bf16 run's own distance from the fp32 one (measured, not assumed),
-in the low-bit tests' movement measure.
+(relative differences ~1e-7), which the momentum pass, Newton-Schulz and the
+update carry into the parameters. The parameters move by up to 0.06 in 6
+steps; the runs agree to 4e-7 (measured, 2 and 3 ranks), checked at atol
+1e-5: room for another BLAS's summation order, and far below a misplaced
+update (another matrix's or another shard's rows, an lr ratio from the local
+shape: differences of the size of a step, ~1e-2). With the default bf16
+ns_dtype the same fp32-level input differences flip bf16 roundings inside
+Newton-Schulz, so the runs differ by bf16 noise: the sharded run must stay
+as close to the plain bf16 run as twice the bf16 run's own distance from the
+fp32 one (5% of the parameters' movement, measured each time, not assumed),
+in the low-bit tests' movement measure (measured: 1e-7 at 2 ranks, 3.5% at 3).
 """
 from __future__ import annotations
 
@@ -49,6 +49,7 @@ from test_fsdp2_low_bit import _movement_error
 STEPS, SAVED_AT, GLOBAL_BATCH, MUON_LR, ADAMW_LR = 6, 3, 12, 0.02, 1e-2
 NS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MATRICES = {(24, 16): 2, (24, 12): 5, (7, 12): 1, (2, 7): 1}  # the Muon matrices: shape -> count
+NEWTON_SCHULZ = _muon_layout.newton_schulz_
 
 
 class Experts(nn.Module):
@@ -121,11 +122,9 @@ def _load(model, opt, path: str) -> None:
 
 def _counting_newton_schulz(calls: list):
     """newton_schulz_, recording the shape of each batch it orthogonalizes."""
-    original = _muon_layout.newton_schulz_
-
     def counting(x, *args):
         calls.append(tuple(x.shape))
-        original(x, *args)
+        NEWTON_SCHULZ(x, *args)
     return counting
 
 
@@ -236,6 +235,7 @@ def test_momentum_is_saved_sharded_like_its_parameter(runs):
     assert all(result["momentum saved as Shard(0) DTensors"] for result in runs[2])
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # the plain model loads in one process
 def test_dcp_checkpoint_of_2_ranks_resumes_on_3_and_on_the_plain_model(runs):
     uninterrupted = [torch.from_numpy(t) for t in runs[2][0]["fp32"]]
     on_one = _resumed(runs["path"], 0, 1)  # plain FusedMuon on the unsharded model: the global batch
