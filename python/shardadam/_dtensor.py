@@ -46,6 +46,11 @@ def is_dtensor(t) -> bool:
     return DTensor is not None and isinstance(t, DTensor)
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """What the kernels step for t: a DTensor's local tensor, a plain tensor itself."""
+    return LOCAL(t) if is_dtensor(t) else t
+
+
 def _layout_of(t) -> str:
     return f"{tuple(t.placements)} over {t.device_mesh}"
 
@@ -61,6 +66,16 @@ def check_param(where: str, p: torch.Tensor) -> None:
                          "pending a reduction, not the parameter's; redistribute it to Shard or Replicate")
     local = LOCAL(p)
     check_tensor(f"{where} (its local tensor)", local, local.device, FLOATS)
+
+
+def check_grad(where: str, p, g) -> None:
+    """A DTensor parameter's gradient: a DTensor of its mesh and placements."""
+    if not is_dtensor(g):
+        raise ValueError(f"{where} is a plain {type(g).__name__}, the parameter a DTensor ({_layout_of(p)}): "
+                         "give a DTensor parameter a DTensor gradient of its placements")
+    if g.device_mesh != p.device_mesh or tuple(g.placements) != tuple(p.placements):
+        raise ValueError(f"{where} is laid out as {_layout_of(g)}, the parameter as {_layout_of(p)}: the local "
+                         "pieces would not match; redistribute the gradient to the parameter's placements")
 
 
 def refuse_sharded_params(owner: str, param_groups: list[dict]) -> None:
@@ -156,13 +171,7 @@ class LocalShards:
         return _with_records(self.grads(params, grad_of))
 
     def _local_grad(self, i: int, p, g) -> torch.Tensor:
-        where = f"the gradient of {self.names[i]}"
-        if not is_dtensor(g):
-            raise ValueError(f"{where} is a plain {type(g).__name__}, the parameter a DTensor ({_layout_of(p)}): "
-                             "give a DTensor parameter a DTensor gradient of its placements")
-        if g.device_mesh != p.device_mesh or tuple(g.placements) != tuple(p.placements):
-            raise ValueError(f"{where} is laid out as {_layout_of(g)}, the parameter as {_layout_of(p)}: the local "
-                             "pieces would not match; redistribute the gradient to the parameter's placements")
+        check_grad(f"the gradient of {self.names[i]}", p, g)
         return LOCAL(g)
 
     @staticmethod

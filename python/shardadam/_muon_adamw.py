@@ -22,13 +22,15 @@ from dataclasses import dataclass
 import torch
 
 from . import kernels
+from ._dtensor import local
 
 GRADS = 1  # the gradient list's index in an update plan
 
 
 @dataclass
 class Entry:
-    """One stepping AdamW parameter."""
+    """One stepping AdamW parameter: the tensors the kernels step (a DTensor
+    parameter's local pieces; its states, DTensors, are read through local())."""
     group: int
     param: torch.Tensor
     grad: torch.Tensor
@@ -70,7 +72,7 @@ def merge_equal_counters(group_states: list[dict], device: torch.device | None) 
 
 def layout_key(entries: list[Entry]) -> tuple:
     return tuple((e.group, id(e.param), e.param.data_ptr(), e.grad.dtype, id(e.state["step"]),
-                  e.state["exp_avg"].data_ptr(), e.state["exp_avg_sq"].data_ptr()) for e in entries)
+                  local(e.state["exp_avg"]).data_ptr(), local(e.state["exp_avg_sq"]).data_ptr()) for e in entries)
 
 
 class AdamWLayout:
@@ -92,7 +94,8 @@ class AdamWLayout:
                 sizes.append(0)
             sizes[-1] += 1
         self.plan = kernels.AdamPlan([e.param for e in entries], [e.grad for e in entries],
-                                     [e.state["exp_avg"] for e in entries], [e.state["exp_avg_sq"] for e in entries],
+                                     [local(e.state["exp_avg"]) for e in entries],
+                                     [local(e.state["exp_avg_sq"]) for e in entries],
                                      group_sizes=sizes)
         self.plan.release_read_list(GRADS)
 

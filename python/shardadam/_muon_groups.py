@@ -16,6 +16,8 @@ import numbers
 
 import torch
 
+from . import _muon_dtensor
+from ._dtensor import is_dtensor, local
 from ._newton_schulz import ADJUST_LR_FNS
 
 MUON_KEYS = ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps", "adjust_lr_fn")
@@ -107,7 +109,8 @@ def fill_adamw_group(where: str, group: dict) -> None:
 
 def check_params(where: str, group: dict) -> None:
     """Muon groups take matrices (2-D) and batches of matrices (3-D: each
-    matrix orthogonalized on its own); both kinds take floating tensors."""
+    matrix orthogonalized on its own); both kinds take floating tensors, plain
+    or DTensors ([Note: Muon on sharded matrices] in _muon_dtensor.py)."""
     muon = uses_muon(group)
     for i, p in enumerate(group["params"]):
         at = f"{where}['params'][{i}]"
@@ -121,6 +124,8 @@ def check_params(where: str, group: dict) -> None:
         if muon and p.numel() == 0:
             raise ValueError(f"{at} has shape {tuple(p.shape)}: an empty matrix has nothing to orthogonalize; "
                              "leave it out or give it to a group with use_muon=False")
-        if p.is_sparse or p.layout != torch.strided or not p.is_contiguous():
+        if is_dtensor(p):
+            _muon_dtensor.check_param(at, p, muon)
+        if p.is_sparse or p.layout != torch.strided or not local(p).is_contiguous():
             raise ValueError(f"{at} is not a dense contiguous tensor; the fused kernels need one "
                              "(pass p.contiguous() as the parameter)")

@@ -6,7 +6,10 @@ A layout is built for one set of stepping parameters (those with a gradient)
 and reused while that set, their addresses, the gradients' dtypes, the
 momentum buffers and the groups' Newton-Schulz settings stay the same
 (``key``); the plans then only re-point their gradient list each step
-([Note: borrowed read lists] in _plan.py).
+([Note: borrowed read lists] in _plan.py). Where the matrices are
+orthogonalized is the layout's ``matrices``: here on this device
+(LocalMatrices), or on an owner rank for DTensor shards ([Note: Muon on
+sharded matrices] in _muon_dtensor.py).
 """
 from __future__ import annotations
 
@@ -21,9 +24,9 @@ from ._newton_schulz import lr_ratio, newton_schulz_
 GRADS = 1  # the gradient list's index in an update plan (UpdateList in cpp/update_rule.h)
 
 
-def matrix_shape(p: torch.Tensor) -> tuple[int, int]:
-    """The matrices a Muon parameter holds: itself (2-D), or each p[i] (3-D)."""
-    return (p.size(-2), p.size(-1))
+def matrix_shape(shape) -> tuple[int, int]:
+    """The matrices a Muon parameter of this shape holds: itself (2-D), or each p[i] (3-D)."""
+    return (shape[-2], shape[-1])
 
 
 def ns_settings(group: dict) -> tuple:
@@ -32,11 +35,17 @@ def ns_settings(group: dict) -> tuple:
 
 @dataclass
 class Entry:
-    """One stepping Muon parameter."""
+    """One stepping Muon parameter: the tensors the kernels step (a DTensor
+    parameter's local pieces) and the parameter's (global) shape."""
     group: int
     param: torch.Tensor
     grad: torch.Tensor
     momentum_buffer: torch.Tensor
+    shape: tuple
+
+    def batch_key(self, param_groups: list[dict]) -> tuple:
+        """The Newton-Schulz batch its matrices join: (matrix shape, settings)."""
+        return (matrix_shape(self.shape), ns_settings(param_groups[self.group]))
 
 
 def layout_key(entries: list[Entry], param_groups: list[dict], ns_dtype: torch.dtype) -> tuple:
@@ -47,35 +56,62 @@ def layout_key(entries: list[Entry], param_groups: list[dict], ns_dtype: torch.d
             tuple(ns_settings(g) for g in param_groups if g.get("use_muon", True)))
 
 
+class Batches:
+    """The Newton-Schulz batches of one device: a [n, rows, cols] buffer in
+    ns_dtype per (matrix shape, settings), handed out in slices."""
+
+    def __init__(self, counts: dict[tuple, int], ns_dtype: torch.dtype, device: torch.device):
+        self.buffers = {k: torch.empty((n,) + k[0], dtype=ns_dtype, device=device) for k, n in counts.items() if n}
+        self._empty = torch.empty(0, dtype=ns_dtype, device=device)
+        self._used: dict[tuple, int] = defaultdict(int)
+
+    def take(self, key: tuple, n: int) -> torch.Tensor:
+        """The next n matrices of the key's buffer."""
+        start = self._used[key]
+        self._used[key] += n
+        return self.buffers[key][start:start + n] if n else self._empty.view((0,) + key[0])
+
+    def orthogonalize(self) -> None:
+        for (_, settings), x in self.buffers.items():
+            newton_schulz_(x, *settings)
+
+
+class LocalMatrices:
+    """Every matrix orthogonalized on this device: each entry's Newton-Schulz
+    input and output are its slice of a batch, in plan order."""
+
+    def __init__(self, entries: list[Entry], param_groups: list[dict], ns_dtype: torch.dtype):
+        counts: dict[tuple, int] = defaultdict(int)
+        for e in entries:
+            counts[e.batch_key(param_groups)] += matrix_count(e.param)
+        self.batches = Batches(counts, ns_dtype, entries[0].param.device)
+        self.views = [self.batches.take(e.batch_key(param_groups), matrix_count(e.param)).view(e.param.shape)
+                      for e in entries]
+
+    def orthogonalize(self) -> None:
+        self.batches.orthogonalize()
+
+
 class MuonLayout:
     """Kernel groups are (param group, matrix shape) segments, in that order:
     the momentum pass reads each group's momentum and nesterov, the update
-    pass its lr and weight decay with the shape's lr ratio. Newton-Schulz
-    batches are (matrix shape, settings): one stacked buffer each, into which
-    the momentum pass writes and from which the update pass reads."""
+    pass its lr and weight decay with the shape's lr ratio. Each entry's
+    Newton-Schulz input and output is its view in ``matrices``: the momentum
+    pass writes it, ``matrices.orthogonalize()`` orthogonalizes it in place
+    and the update pass reads it."""
 
-    def __init__(self, entries: list[Entry], param_groups: list[dict], ns_dtype: torch.dtype, key: tuple):
+    def __init__(self, entries: list[Entry], param_groups: list[dict], ns_dtype: torch.dtype, key: tuple,
+                 matrices=LocalMatrices):
         self.key = key
-        entries = sorted(entries, key=lambda e: (e.group, matrix_shape(e.param)))  # stable: group order kept
+        entries = sorted(entries, key=lambda e: (e.group, matrix_shape(e.shape)))  # stable: group order kept
         self.entries = entries
-        device = entries[0].param.device
-        # Newton-Schulz batches: their matrices, in plan order.
-        counts: dict[tuple, int] = defaultdict(int)
-        for e in entries:
-            counts[(matrix_shape(e.param), ns_settings(param_groups[e.group]))] += _matrices(e.param)
-        self.batches = {k: torch.empty((n,) + k[0], dtype=ns_dtype, device=device) for k, n in counts.items()}
-        used: dict[tuple, int] = defaultdict(int)
-        views = []
-        for e in entries:
-            k = (matrix_shape(e.param), ns_settings(param_groups[e.group]))
-            n = _matrices(e.param)
-            views.append(self.batches[k][used[k]:used[k] + n].view(e.param.shape))
-            used[k] += n
+        self.matrices = matrices(entries, param_groups, ns_dtype)
+        views = self.matrices.views
         # Kernel groups: runs of one (param group, shape).
         self.segments: list[tuple[int, tuple[int, int]]] = []
         sizes: list[int] = []
         for e in entries:
-            seg = (e.group, matrix_shape(e.param))
+            seg = (e.group, matrix_shape(e.shape))
             if not self.segments or self.segments[-1] != seg:
                 self.segments.append(seg)
                 sizes.append(0)
@@ -100,8 +136,7 @@ class MuonLayout:
                                   found_inf=found_inf, unscale_grads=unscale_grads)
         finally:
             plan.release_read_list(GRADS)  # [Note: borrowed read lists] in _plan.py
-        for (_, settings), x in self.batches.items():
-            newton_schulz_(x, *settings)
+        self.matrices.orthogonalize()
         kernels.muon_update(self.update_plan, lr=[g["lr"] for g in groups],
                             weight_decay=[g["weight_decay"] for g in groups],
                             lr_ratio=[lr_ratio(param_groups[gi]["adjust_lr_fn"], *shape)
@@ -109,5 +144,6 @@ class MuonLayout:
                             found_inf=found_inf)
 
 
-def _matrices(p: torch.Tensor) -> int:
-    return p.size(0) if p.ndim == 3 else 1
+def matrix_count(t: torch.Tensor) -> int:
+    """How many matrices a (local) Muon tensor holds."""
+    return t.size(0) if t.ndim == 3 else 1

@@ -2,16 +2,19 @@
 Newton-Schulz, plus AdamW groups on the fused Adam kernel."""
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 
 import torch
 
 from . import kernels
+from ._dtensor import check_grad, is_dtensor, local
 from ._groups import run_closure
 from ._muon_adamw import (AdamWLayout, Entry as AdamWEntry, layout_key as adamw_key, merge_equal_counters,
                           new_step_counter, split_shared_counters)
 from ._muon_groups import check_group, check_muon_hyper, check_params, fill_adamw_group, uses_muon
-from ._muon_layout import Entry as MuonEntry, MuonLayout, layout_key as muon_key
+from ._muon_dtensor import ShardedMatrices
+from ._muon_layout import Entry as MuonEntry, LocalMatrices, MuonLayout, layout_key as muon_key
 
 __all__ = ["FusedMuon"]
 
@@ -51,13 +54,19 @@ class FusedMuon(torch.optim.Optimizer):
       captured in a CUDA graph; GradScaler then hands the step its scale and
       found-inf flag, and the kernels write the gradients back unscaled
       (as FusedAdam). Without capturable, GradScaler unscales the gradients
-      itself.
+      itself;
+    - DTensor parameters (FSDP2's fully_shard): Muon-group matrices sharded
+      by rows (Shard(0) on a 1-D mesh) are each orthogonalized whole on one
+      owner rank, the ranks sharing the work, and everything element-wise
+      runs on the local shards; the states are DTensors of the parameters'
+      placements, so DCP reshards them ([Note: Muon on sharded matrices] in
+      _muon_dtensor.py). AdamW groups take DTensors as FusedAdam does.
 
     Bad input raises ValueError naming the argument, before anything is
     written: a Muon-group parameter that is not 2-D or 3-D, or not a float
-    tensor; ns_steps outside [0, 100); ns_coefficients that are not three
-    finite numbers; momentum outside [0, 1); a gradient that does not match
-    its parameter.
+    tensor, or a DTensor not sharded as Shard(0) on a 1-D mesh; ns_steps
+    outside [0, 100); ns_coefficients that are not three finite numbers;
+    momentum outside [0, 1); a gradient that does not match its parameter.
     """
 
     def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
@@ -117,19 +126,20 @@ class FusedMuon(torch.optim.Optimizer):
             return loss  # host step counters: a skipped step must not advance them
         self._init_state(stepping)
         muon, adamw = self._entries(stepping)
-        muon_layouts = {dev: self._layout(("muon", dev), muon_key(es, self.param_groups, self.ns_dtype),
-                                          lambda key, es=es: MuonLayout(es, self.param_groups, self.ns_dtype, key))
-                        for dev, es in muon.items()}
+        muon_layouts = {place: self._layout(("muon",) + place, muon_key(es, self.param_groups, self.ns_dtype),
+                                            functools.partial(self._muon_layout, es, place))
+                        for place, es in muon.items()}
         adamw_layouts = {dev: self._layout(("adamw", dev), adamw_key(es), lambda key, es=es: AdamWLayout(es, key))
                          for dev, es in adamw.items()}
-        grads = {id(p): g for _, p, g in stepping}
+        grads = {id(local(p)): local(g) for _, p, g in stepping}
         for layout in adamw_layouts.values():
             for counter in layout.counters():
                 if found_inf is not None:  # capturable: a skipped step leaves the counters
                     counter += 1 - found_inf.to(counter.device, torch.float32).reshape(())
                 else:
                     counter += 1
-        for dev, layout in list(muon_layouts.items()) + list(adamw_layouts.items()):
+        layouts = [(place[0], layout) for place, layout in muon_layouts.items()] + list(adamw_layouts.items())
+        for dev, layout in layouts:
             inv_scale = 1.0 if scale is None else torch.reciprocal(scale.to(dev, torch.float32))
             flag = None if found_inf is None else found_inf.to(dev, torch.float32)
             layout.step(grads, self.param_groups, grad_scale=inv_scale, found_inf=flag,
@@ -146,13 +156,16 @@ class FusedMuon(torch.optim.Optimizer):
                 if g is None:
                     continue
                 where = f"the gradient of param_groups[{gi}]['params'][{pi}]"
+                if is_dtensor(p):
+                    check_grad(where, p, g)
                 if g.is_sparse or g.layout != torch.strided:
                     raise ValueError(f"{where} is sparse; FusedMuon takes dense gradients")
                 if g.shape != p.shape or g.device != p.device:
                     raise ValueError(f"{where} has shape {tuple(g.shape)} on {g.device}, the parameter "
                                      f"{tuple(p.shape)} on {p.device}")
-                if g.dtype not in kernels.FLOATS or not g.is_contiguous():
-                    raise ValueError(f"{where} is a {'' if g.is_contiguous() else 'non-contiguous '}{g.dtype} "
+                contiguous = local(g).is_contiguous()
+                if g.dtype not in kernels.FLOATS or not contiguous:
+                    raise ValueError(f"{where} is a {'' if contiguous else 'non-contiguous '}{g.dtype} "
                                      "tensor; the fused kernels take contiguous float32, bfloat16 or float16 ones")
                 out.append((gi, p, g))
         return out
@@ -179,14 +192,22 @@ class FusedMuon(torch.optim.Optimizer):
                                       ids)
 
     def _entries(self, stepping) -> tuple[dict, dict]:
+        """The stepping parameters' local tensors: Muon's per (device,) or
+        (device, mesh) of DTensors, AdamW's (element-wise) per device."""
         muon, adamw = defaultdict(list), defaultdict(list)
         for gi, p, g in stepping:
             state = self.state[p]
             if uses_muon(self.param_groups[gi]):
-                muon[p.device].append(MuonEntry(gi, p, g, state["momentum_buffer"]))
+                place = (p.device, p.device_mesh) if is_dtensor(p) else (p.device,)
+                muon[place].append(MuonEntry(gi, local(p), local(g), local(state["momentum_buffer"]), tuple(p.shape)))
             else:
-                adamw[p.device].append(AdamWEntry(gi, p, g, state))
+                adamw[p.device].append(AdamWEntry(gi, local(p), local(g), state))
         return muon, adamw
+
+    def _muon_layout(self, entries: list, place: tuple, key: tuple) -> MuonLayout:
+        """Plain matrices are orthogonalized here, a mesh's shards on their owners."""
+        matrices = functools.partial(ShardedMatrices, mesh=place[1]) if len(place) > 1 else LocalMatrices
+        return MuonLayout(entries, self.param_groups, self.ns_dtype, key, matrices)
 
     def _layout(self, slot: tuple, key: tuple, build):
         """The cached layout of a slot, rebuilt when its key changed."""

@@ -127,7 +127,7 @@ class OwnedMuon:
         for b, bucket in enumerate(self.buckets):
             for m in bucket.owned_by(self.rank):
                 entries.append(Entry(self.group_of[m.param], _of_param(self.params[m.param], m),
-                                     _matrix(self.shard[b], m), _matrix(self.momentum[b], m)))
+                                     _matrix(self.shard[b], m), _matrix(self.momentum[b], m), (m.rows, m.cols)))
         return entries
 
     def _current_layout(self, param_groups: list[dict]) -> MuonLayout | None:

@@ -1,0 +1,285 @@
+"""FusedMuon on FSDP2 (fully_shard) parameters, on gloo ranks on the CPU
+([Note: Muon on sharded matrices] in python/shardadam/_muon_dtensor.py).
+
+The model's Muon matrices come in several shapes: two 24 x 16 (tall, one
+batch), a 7 x 12 (wide; 4 + 3 rows at 2 ranks, 3 + 3 + 1 at 3) and a 2 x 7
+(1 + 1 + 0 rows at 3 ranks: a rank with none), plus a 3-D parameter of 5
+experts' 24 x 12 matrices (3 + 2, 2 + 2 + 1 experts: whole matrices on each
+rank); biases and the norm are an AdamW group. Each layer is fully_shard-ed,
+each rank trains on its part of the global batch (FSDP2 averages the
+gradients), and the result is compared with FusedMuon on the same model
+unsharded, in one process, on the global batch.
+
+With ns_dtype=float32 the two runs differ only by fp32 rounding: FSDP2's
+averaged gradients sum in another order than the global batch's backward
+(relative differences ~1e-7), which the momentum pass, Newton-Schulz and the
+update carry into the parameters. The parameters move by up to 0.06 in 6
+steps; the runs agree to 4e-7 (measured, 2 and 3 ranks), checked at atol
+1e-5: room for another BLAS's summation order, and far below a misplaced
+update (another matrix's or another shard's rows, an lr ratio from the local
+shape: differences of the size of a step, ~1e-2). With the default bf16
+ns_dtype the same fp32-level input differences flip bf16 roundings inside
+Newton-Schulz, so the runs differ by bf16 noise: the sharded run must stay
+as close to the plain bf16 run as twice the bf16 run's own distance from the
+fp32 one (5% of the parameters' movement, measured each time, not assumed),
+in the low-bit tests' movement measure (measured: 1e-7 at 2 ranks, 3.5% at 3).
+"""
+from __future__ import annotations
+
+import functools
+from collections import Counter
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+import shardadam
+from shardadam import _muon_dtensor, _muon_layout
+from test_distributed import _exit, _rank_group, _spawn_all
+from test_fsdp2_low_bit import _movement_error
+
+STEPS, SAVED_AT, GLOBAL_BATCH, MUON_LR, ADAMW_LR = 6, 3, 12, 0.02, 1e-2
+NS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+MATRICES = {(24, 16): 2, (24, 12): 5, (7, 12): 1, (2, 7): 1}  # the Muon matrices: shape -> count
+NEWTON_SCHULZ = _muon_layout.newton_schulz_
+
+
+class Experts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(5, 24, 12) / 24 ** 0.5)
+
+    def forward(self, x):
+        return torch.einsum("bi,eio->bo", x, self.weight) / self.weight.size(0)
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.gate = nn.Linear(16, 24), nn.Linear(16, 24)
+        self.experts = Experts()
+        self.norm = nn.LayerNorm(12)
+        self.down, self.head = nn.Linear(12, 7), nn.Linear(7, 2)
+
+    def forward(self, x):
+        h = self.experts(torch.tanh(self.up(x)) * torch.sigmoid(self.gate(x)))
+        return self.head(torch.tanh(self.down(self.norm(h))))
+
+
+def _model(mesh=None) -> Model:
+    torch.manual_seed(0)
+    model = Model()
+    if mesh is not None:
+        for layer in model.children():
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    return model
+
+
+def _optimizer(model, ns_dtype) -> shardadam.FusedMuon:
+    params = list(model.parameters())
+    return shardadam.FusedMuon([dict(params=[p for p in params if p.ndim >= 2]),
+                                dict(params=[p for p in params if p.ndim < 2], use_muon=False, lr=ADAMW_LR)],
+                               lr=MUON_LR, ns_dtype=ns_dtype)
+
+
+def _data():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(STEPS, GLOBAL_BATCH, 16, generator=g), torch.randn(STEPS, GLOBAL_BATCH, 2, generator=g)
+
+
+def _train(model, opt, steps, rank: int = 0, world: int = 1) -> None:
+    x, y = _data()
+    part = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
+    for s in steps:
+        opt.zero_grad()
+        F.mse_loss(model(x[s, part]), y[s, part]).backward()
+        opt.step()
+
+
+def _full(model) -> list[torch.Tensor]:
+    return [(p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for p in model.parameters()]
+
+
+def _state(model, opt) -> dict:
+    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+
+
+def _load(model, opt, path: str) -> None:
+    state = _state(model, opt)
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+
+
+def _counting_newton_schulz(calls: list):
+    """newton_schulz_, recording the shape of each batch it orthogonalizes."""
+    def counting(x, *args):
+        calls.append(tuple(x.shape))
+        NEWTON_SCHULZ(x, *args)
+    return counting
+
+
+def _sharded_runs(rank: int, world: int, path: str) -> dict:
+    """Each ns_dtype trained STEPS steps on `world` ranks, with the matrices
+    each rank orthogonalized in all (per shape); the fp32 run saved at SAVED_AT."""
+    mesh = init_device_mesh("cpu", (world,))
+    result = {}
+    for name, ns_dtype in NS_DTYPES.items():
+        calls = []
+        _muon_layout.newton_schulz_ = _counting_newton_schulz(calls)
+        model = _model(mesh)
+        opt = _optimizer(model, ns_dtype)
+        _train(model, opt, range(SAVED_AT), rank, world)
+        if name == "fp32":
+            state = _state(model, opt)
+            buffers = [s["momentum_buffer"] for s in state["optim"]["state"].values() if "momentum_buffer" in s]
+            result["momentum saved as Shard(0) DTensors"] = len(buffers) == 5 and all(
+                isinstance(b, DTensor) and tuple(b.placements) == (Shard(0),) for b in buffers)
+            dcp.save(state, checkpoint_id=path)
+        _train(model, opt, range(SAVED_AT, STEPS), rank, world)
+        result[name] = [t.numpy() for t in _full(model)]
+        result[name + " orthogonalized"] = Counter()
+        for shape in calls:
+            result[name + " orthogonalized"][shape[1:]] += shape[0]
+    return result
+
+
+def _save_worker(rank: int, world: int, port: int, path: str, out) -> None:
+    with _rank_group(rank, world, port, out):
+        out.put((rank, _sharded_runs(rank, world, path)))
+    _exit()
+
+
+def _resumed(path: str, rank: int, world: int, mesh=None) -> list[torch.Tensor]:
+    """The 2-rank fp32 checkpoint loaded (FSDP2 on `mesh`, or the plain model), trained on to STEPS."""
+    model = _model(mesh)
+    opt = _optimizer(model, torch.float32)
+    _load(model, opt, path)
+    _train(model, opt, range(SAVED_AT, STEPS), rank, world)
+    return _full(model)
+
+
+def _three_worker(rank: int, world: int, port: int, path: str, out) -> None:
+    """At 3 ranks: the runs of every ns_dtype, and the 2-rank checkpoint resumed."""
+    with _rank_group(rank, world, port, out):
+        result = _sharded_runs(rank, world, f"{path}/three")
+        result["resumed"] = [t.numpy() for t in _resumed(f"{path}/two", rank, world, init_device_mesh("cpu", (3,)))]
+        out.put((rank, result))
+    _exit()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """world -> each rank's results; the 2-rank checkpoint's folder under "path"."""
+    path = str(tmp_path_factory.mktemp("dcp-muon"))
+    two = _spawn_all(_save_worker, 2, f"{path}/two")
+    return {2: two, 3: _spawn_all(_three_worker, 3, path), "path": f"{path}/two"}
+
+
+@functools.lru_cache(maxsize=None)
+def _plain(name: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(initial, final) parameters of FusedMuon on the unsharded model, the global batch."""
+    model = _model()
+    start = _full(model)
+    _train(model, _optimizer(model, NS_DTYPES[name]), range(STEPS))
+    return start, _full(model)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sharded_fp32_training_equals_the_unsharded_model(runs, world):
+    for rank, result in enumerate(runs[world]):
+        for i, (got, want) in enumerate(zip(result["fp32"], _plain("fp32")[1])):
+            torch.testing.assert_close(torch.from_numpy(got), want, rtol=0, atol=1e-5,
+                                       msg=lambda m: f"rank {rank}, parameter {i}: {m}")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sharded_bf16_training_is_within_bf16_noise_of_the_unsharded_model(runs, world):
+    start, fp32 = _plain("fp32")
+    bf16 = _plain("bf16")[1]
+    noise = _movement_error(bf16, fp32, start)
+    assert noise > 1e-4, "bf16 Newton-Schulz must move the run measurably (else the bound says nothing)"
+    error = _movement_error(runs[world][0]["bf16"], bf16, start)
+    assert error <= 2 * noise, f"the sharded bf16 run is {error:.2%} away from the plain one (bf16 noise {noise:.2%})"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_each_matrix_is_orthogonalized_once_and_the_ranks_share_the_work(runs, world):
+    for name in NS_DTYPES:
+        done = [Counter({shape: n // STEPS for shape, n in result[name + " orthogonalized"].items()})
+                for result in runs[world]]
+        total = sum(done, Counter())
+        assert total == MATRICES and sum(sum(d.values()) for d in done) * STEPS == sum(
+            sum(result[name + " orthogonalized"].values()) for result in runs[world]), (
+            f"{name}: the ranks orthogonalized {dict(total)} per step, not {MATRICES}")
+        experts = [_muon_dtensor.row_ranges(5, world)[r] for r in range(world)]
+        assert [d[(24, 12)] for d in done] == [end - start for start, end in experts], (
+            "each rank orthogonalizes its own experts' matrices, and only those")
+        cost = [sum(n * _muon_dtensor.ns_cost(shape) for shape, n in d.items()) for d in done]
+        largest = max(_muon_dtensor.ns_cost(shape) for shape in MATRICES)
+        assert max(cost) - min(cost) <= largest, f"{name}: Newton-Schulz work per rank {cost} is not balanced"
+        assert all(sum(d[shape] for shape in d if shape != (24, 12)) for d in done), (
+            f"{name}: every rank owns some of the sharded matrices: {done}")
+
+
+def test_momentum_is_saved_sharded_like_its_parameter(runs):
+    assert all(result["momentum saved as Shard(0) DTensors"] for result in runs[2])
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # the plain model loads in one process
+def test_dcp_checkpoint_of_2_ranks_resumes_on_3_and_on_the_plain_model(runs):
+    uninterrupted = [torch.from_numpy(t) for t in runs[2][0]["fp32"]]
+    on_one = _resumed(runs["path"], 0, 1)  # plain FusedMuon on the unsharded model: the global batch
+    for where, got in (("3 ranks", runs[3][0]["resumed"]), ("the plain model", on_one)):
+        for i, (g, want) in enumerate(zip(got, uninterrupted)):
+            torch.testing.assert_close(torch.as_tensor(g), want, rtol=0, atol=1e-5,
+                                       msg=lambda m: f"resumed on {where}, parameter {i}: {m}")
+
+
+def test_assignment_balances_largest_first_and_is_deterministic():
+    costs = [5, 9, 2, 9, 4]
+    # 9 -> 0, 9 -> 1 (ties: the lower rank, then the earlier matrix), 5 -> 0, 4 -> 1, 2 -> 1: loads 14, 15.
+    assert _muon_dtensor.assign(costs, [0, 0]) == [0, 0, 1, 1, 1]
+    assert _muon_dtensor.assign(costs, [20, 0, 0]) == [1, 1, 2, 2, 2]  # rank 0 already holds 20
+    assert _muon_dtensor.row_ranges(7, 3) == [(0, 3), (3, 6), (6, 7)]
+    assert _muon_dtensor.row_ranges(2, 3) == [(0, 1), (1, 2), (2, 2)]
+
+
+@pytest.fixture
+def one_rank():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_other_placements_are_refused_before_anything_is_written(one_rank):
+    row_sharded = distribute_tensor(torch.randn(6, 4), one_rank, [Shard(0)])
+    for bad in (distribute_tensor(torch.randn(6, 4), one_rank, [Shard(1)]),
+                distribute_tensor(torch.randn(6, 4), one_rank, [Replicate()])):
+        with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\] is a DTensor .*Shard\(0\) on a 1-D"):
+            shardadam.FusedMuon([row_sharded, nn.Parameter(bad)])
+    model = nn.Linear(4, 6)
+    fully_shard(model, mesh=one_rank, shard_placement_fn=lambda p: Shard(p.ndim - 1))
+    with pytest.raises(ValueError, match=r"\[Shard\(0\)\]"):
+        shardadam.FusedMuon([model.weight])
+    p = nn.Parameter(row_sharded)
+    opt = shardadam.FusedMuon([p])
+    before = p.to_local().clone()
+    with pytest.raises(ValueError, match=r"param_groups\[1\]\['params'\]\[0\] is a DTensor"):
+        opt.add_param_group(dict(params=[model.weight]))
+    assert len(opt.param_groups) == 1
+    p.grad = distribute_tensor(torch.randn(6, 4), one_rank, [Replicate()])
+    with pytest.raises(ValueError, match="laid out as"):
+        opt.step()
+    assert torch.equal(p.to_local(), before) and not opt.state, "a refused step wrote something"
