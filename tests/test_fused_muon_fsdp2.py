@@ -35,8 +35,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -44,7 +42,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 import shardadam
 from shardadam import _muon_dtensor, _muon_layout
 from test_distributed import _exit, _rank_group, _spawn_all
-from test_fsdp2_low_bit import _movement_error
+from test_fsdp2_low_bit import _full, _load, _movement_error, _state
 
 STEPS, SAVED_AT, GLOBAL_BATCH, MUON_LR, ADAMW_LR = 6, 3, 12, 0.02, 1e-2
 NS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -103,21 +101,6 @@ def _train(model, opt, steps, rank: int = 0, world: int = 1) -> None:
         opt.zero_grad()
         F.mse_loss(model(x[s, part]), y[s, part]).backward()
         opt.step()
-
-
-def _full(model) -> list[torch.Tensor]:
-    return [(p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for p in model.parameters()]
-
-
-def _state(model, opt) -> dict:
-    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
-
-
-def _load(model, opt, path: str) -> None:
-    state = _state(model, opt)
-    dcp.load(state, checkpoint_id=path)
-    set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, opt, state["optim"])
 
 
 def _counting_newton_schulz(calls: list):

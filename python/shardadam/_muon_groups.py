@@ -129,3 +129,29 @@ def check_params(where: str, group: dict) -> None:
         if p.is_sparse or p.layout != torch.strided or not local(p).is_contiguous():
             raise ValueError(f"{at} is not a dense contiguous tensor; the fused kernels need one "
                              "(pass p.contiguous() as the parameter)")
+
+
+def add_group(optimizer, param_group: dict, check=None) -> dict:
+    """torch.optim's add_param_group for a Muon optimizer's group: a
+    use_muon=False group gets AdamW's defaults, not Muon's ([Note: Muon and
+    AdamW groups]); then the group's checks and `check(where, group)`. A
+    refused group leaves the optimizer as it was. Returns the added group."""
+    where = f"param_groups[{len(optimizer.param_groups)}]"
+    group = dict(param_group)
+    if not uses_muon(group):
+        fill_adamw_group(where, group)
+    given = set(group)
+    torch.optim.Optimizer.add_param_group(optimizer, group)
+    group = optimizer.param_groups[-1]
+    try:
+        if not uses_muon(group):
+            for key in set(optimizer.defaults) - given:  # torch.optim filled Muon's defaults in: not AdamW's
+                del group[key]
+        check_group(where, group)
+        check_params(where, group)
+        if check is not None:
+            check(where, group)
+    except ValueError:
+        optimizer.param_groups.pop()
+        raise
+    return group

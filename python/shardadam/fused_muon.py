@@ -12,7 +12,7 @@ from ._dtensor import check_grad, is_dtensor, local
 from ._groups import run_closure
 from ._muon_adamw import (AdamWLayout, Entry as AdamWEntry, layout_key as adamw_key, merge_equal_counters,
                           new_step_counter, split_shared_counters)
-from ._muon_groups import check_group, check_muon_hyper, check_params, fill_adamw_group, uses_muon
+from ._muon_groups import add_group, check_group, check_muon_hyper, uses_muon
 from ._muon_dtensor import ShardedMatrices
 from ._muon_layout import Entry as MuonEntry, LocalMatrices, MuonLayout, layout_key as muon_key
 
@@ -88,27 +88,14 @@ class FusedMuon(torch.optim.Optimizer):
     # ------------------------------------------------------------ groups
 
     def add_param_group(self, param_group: dict) -> None:
-        where = f"param_groups[{len(self.param_groups)}]"
-        group = dict(param_group)
-        if not uses_muon(group):
-            fill_adamw_group(where, group)
-        given = set(group)
-        super().add_param_group(group)
-        group = self.param_groups[-1]
-        try:
-            if not uses_muon(group):
-                for key in set(self.defaults) - given:  # torch.optim filled Muon's defaults in: not AdamW's
-                    del group[key]
-            check_group(where, group)
-            check_params(where, group)
+        def on_capturable_devices(where: str, group: dict) -> None:
             devices = {p.device for p in group["params"]}
             if self.capturable and any(d.type != "cuda" for d in devices):
                 raise ValueError(f"{where}: capturable=True needs CUDA parameters (a CPU step cannot be captured)")
             if self.capturable and devices:
                 group["lr"] = _device_scalar(group["lr"], next(iter(devices)))
-        except ValueError:
-            self.param_groups.pop()  # a rejected group leaves the optimizer as it was
-            raise
+
+        add_group(self, param_group, on_capturable_devices)
         self._layouts.clear()
 
     # ------------------------------------------------------------ step

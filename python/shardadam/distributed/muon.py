@@ -8,8 +8,7 @@ import torch
 import torch.distributed as dist
 
 from .._groups import run_closure
-from .._muon_groups import (MUON_KEYS, check_group, check_muon_hyper, check_params, fill_adamw_group,
-                            uses_muon)
+from .._muon_groups import MUON_KEYS, add_group, check_group, check_muon_hyper, uses_muon
 from ._agreement import check_same
 from ._muon_owned import OwnedMuon
 from .adam import DistributedFusedAdam
@@ -110,22 +109,7 @@ class DistributedFusedMuon(torch.optim.Optimizer):
         if getattr(self, "_built", False):
             raise RuntimeError(f"{type(self).__name__}: parameter groups are fixed at construction (the matrices' "
                                "owners and the buckets are laid out for them); build a new optimizer")
-        where = f"param_groups[{len(self.param_groups)}]"
-        group = dict(param_group)
-        if not uses_muon(group):
-            fill_adamw_group(where, group)
-        given = set(group)
-        super().add_param_group(group)
-        group = self.param_groups[-1]
-        try:
-            if not uses_muon(group):
-                for key in set(self.defaults) - given:  # torch.optim filled Muon's defaults in: not AdamW's
-                    del group[key]
-            check_group(where, group)
-            check_params(where, group)
-        except ValueError:
-            self.param_groups.pop()
-            raise
+        group = add_group(self, param_group)
         if not uses_muon(group):
             self._adamw_given.append(group)
 
