@@ -46,10 +46,11 @@ def _data():
     return torch.randn(STEPS, GLOBAL_BATCH, 16, generator=g), torch.randn(STEPS, GLOBAL_BATCH, 1, generator=g)
 
 
-def _train(model, opt, steps, rank=0, world=1, micro=1) -> None:
+def _train(model, opt, steps, rank=0, world=1, micro=1, clip=None) -> list[float]:
     device = next(model.parameters()).device
     xs, ys = (t.to(device) for t in _data())
     per = GLOBAL_BATCH // world
+    norms = []
     for s in steps:
         x, y = xs[s, rank * per:(rank + 1) * per], ys[s, rank * per:(rank + 1) * per]
         for m, (xm, ym) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
@@ -59,16 +60,23 @@ def _train(model, opt, steps, rank=0, world=1, micro=1) -> None:
                     loss.backward()
             else:
                 loss.backward()
+        if clip is not None:
+            norm = opt.clip_grad_norm(clip) if hasattr(opt, "clip_grad_norm") else \
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            norms.append(float(norm))
         opt.step()
         opt.zero_grad()
+    return norms
 
 
 OPTIONS = dict(lr=0.05, weight_decay=0.1)
 
 
-def _reference(ns_dtype, steps=STEPS, device="cpu") -> list[torch.Tensor]:
+def _reference(ns_dtype, steps=STEPS, device="cpu", clip=None, norms=None) -> list[torch.Tensor]:
     model = _Net().to(device)
-    _train(model, shardadam.FusedMuon(_groups(model), ns_dtype=ns_dtype, **OPTIONS), range(steps))
+    got = _train(model, shardadam.FusedMuon(_groups(model), ns_dtype=ns_dtype, **OPTIONS), range(steps), clip=clip)
+    if norms is not None:
+        norms.extend(got)
     return [p.detach().cpu().clone() for p in model.parameters()]
 
 
@@ -84,8 +92,8 @@ def _worker(rank, world, port, cfg, out) -> None:
                     p.add_(1.0)
         opt = shardadam.DistributedFusedMuon(_groups(model), ns_dtype=cfg["ns_dtype"],
                                              overlap_grad_sync=cfg["overlap"], bucket_cap_mb=cfg["cap"], **OPTIONS)
-        _train(model, opt, range(STEPS), rank, world, cfg["micro"])
-        out.put((rank, dict(params=[p.detach().cpu().numpy().copy() for p in model.parameters()],
+        norms = _train(model, opt, range(STEPS), rank, world, cfg["micro"], cfg["clip"])
+        out.put((rank, dict(norms=norms, params=[p.detach().cpu().numpy().copy() for p in model.parameters()],
                             owned=opt.orthogonalized_matrices(),
                             buckets=len(opt._muon.buckets))))
     _exit()
@@ -113,8 +121,8 @@ def test_grad_scaler_is_refused_before_anything_is_written():
         assert "GradScaler" in refused and unchanged
 
 
-def _config(ns_dtype=torch.float32, overlap=True, cap=100.0, micro=1, device="cpu"):
-    return dict(ns_dtype=ns_dtype, overlap=overlap, cap=cap, micro=micro, device=device)
+def _config(ns_dtype=torch.float32, overlap=True, cap=100.0, micro=1, device="cpu", clip=None):
+    return dict(ns_dtype=ns_dtype, overlap=overlap, cap=cap, micro=micro, device=device, clip=clip)
 
 
 @pytest.mark.parametrize("world,cfg", [
@@ -123,12 +131,18 @@ def _config(ns_dtype=torch.float32, overlap=True, cap=100.0, micro=1, device="cp
     (4, _config()),                             # more ranks than matrices of some shapes
     (2, _config(overlap=False)),
     (3, _config(micro=2)),                      # no_sync accumulation
+    (2, _config(clip=0.05)),                    # clip_grad_norm over both parts, as torch's over the model
     pytest.param(1, _config(device="cuda"), marks=pytest.mark.cuda),
     pytest.param(2, _config(device="cuda", cap=1e-3, micro=2), marks=pytest.mark.multigpu),
-], ids=["world-2", "world-3-small-buckets", "world-4", "no-overlap", "no_sync-3", "nccl-1", "nccl-2-small-buckets"])
+], ids=["world-2", "world-3-small-buckets", "world-4", "no-overlap", "no_sync-3", "clip", "nccl-1", "nccl-2-small-buckets"])
 def test_matches_fused_muon_on_the_global_batch(world, cfg):
     results = _spawn_all(_worker, world, cfg)
-    want = _reference(cfg["ns_dtype"], device=cfg["device"])
+    want_norms = []
+    want = _reference(cfg["ns_dtype"], device=cfg["device"], clip=cfg["clip"], norms=want_norms)
+    if cfg["clip"] is not None:
+        assert min(want_norms) > cfg["clip"], "the test must clip at every step"
+        for result in results:
+            torch.testing.assert_close(torch.tensor(result["norms"]), torch.tensor(want_norms), rtol=1e-5, atol=0)
     for r, result in enumerate(results):
         for i, (got, w) in enumerate(zip(result["params"], want)):
             torch.testing.assert_close(torch.from_numpy(got), w, rtol=1e-5, atol=2e-6,

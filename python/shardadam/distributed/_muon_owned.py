@@ -58,6 +58,7 @@ class OwnedMuon:
         self.shard = [torch.empty(b.slot_size, dtype=b.dtype, device=device) for b in self.buckets]
         self.momentum = [torch.zeros(b.slot_size, dtype=b.dtype, device=device) for b in self.buckets]
         self.stepped = False  # torch's state has no momentum_buffer before the first step
+        self.clip = None      # clip_grad_norm()'s factor (a 0-d tensor) for the next step
         self.no_sync = False
         self._pending = [set(b.params) for b in self.buckets]
         self._works: list = [None] * len(self.buckets)
@@ -120,6 +121,15 @@ class OwnedMuon:
         for work in self._works:
             work.wait()
 
+    def grad_sq_norm(self) -> torch.Tensor:
+        """The squared L2 norm of the synchronised (averaged, if
+        average_grad_sync) Muon gradients, on every rank: each owner's sum
+        over its slots (the padding holds zeros), all-reduced."""
+        self.finish_grad_sync()
+        sq = sum((s.float().square().sum() for s in self.shard), torch.zeros((), device=self.shard[0].device))
+        dist.all_reduce(sq, group=self.group)
+        return sq / self.world ** 2 if self.average else sq
+
     # ------------------------------------------------------------ step
 
     def _entries(self) -> list[Entry]:
@@ -153,9 +163,11 @@ class OwnedMuon:
         layout = self._current_layout(param_groups)
         if layout is not None:
             grads = {id(e.param): e.grad for e in layout.entries}
-            layout.step(grads, param_groups, grad_scale=1.0 / self.world if self.average else 1.0,
+            scale = 1.0 / self.world if self.average else 1.0
+            layout.step(grads, param_groups, grad_scale=scale if self.clip is None else self.clip * scale,
                         found_inf=None, unscale_grads=False)
         self.stepped = True
+        self.clip = None
         self._gather_params()
         for full in self.full:
             full.zero_()

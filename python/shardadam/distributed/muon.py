@@ -48,10 +48,11 @@ class DistributedFusedMuon(torch.optim.Optimizer):
     Checkpoints: state_dict() gives FusedMuon's dict (torch's keys: Muon's
     ``momentum_buffer``, the AdamW groups' ``exp_avg``, ``exp_avg_sq`` and
     steps, plus their fp32 ``param`` masters) with whole tensors on every
-    rank, so it loads at any world size. Not offered yet: GradScaler (refused at
-    the step; use bf16 autocast), capturable steps and CUDA-graph capture, gradient
-    clipping across both parts, DCP's sharded state dict (save state_dict()
-    instead), and the options named in ``_REFUSED_OPTIONS``.
+    rank, so it loads at any world size. grad_norm() and clip_grad_norm()
+    span both parts. Not offered yet: GradScaler (refused at the step; use
+    bf16 autocast), capturable steps and CUDA-graph capture, DCP's sharded
+    state dict (save state_dict() instead), and the options named in
+    ``_REFUSED_OPTIONS``.
     """
 
     def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
@@ -181,6 +182,35 @@ class DistributedFusedMuon(torch.optim.Optimizer):
         with overlap_param_sync; the Muon matrices are current after step())."""
         if self._adamw is not None:
             self._adamw.param_sync()
+
+    @torch.no_grad()
+    def grad_norm(self) -> torch.Tensor:
+        """The L2 norm of the synchronised (averaged, if average_grad_sync)
+        gradients of every parameter, Muon and AdamW groups together, as a
+        0-d tensor on every rank; synchronises the gradients now. Read
+        gradients this way: with overlap_grad_sync, ``.grad`` is None after
+        backward."""
+        sq = None
+        if self._muon is not None:
+            sq = self._muon.grad_sq_norm()
+        if self._adamw is not None:
+            adamw = self._adamw.grad_norm().square()
+            sq = adamw if sq is None else sq + adamw.to(sq.device)
+        return sq.sqrt()
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Scale every gradient so their global L2 norm (grad_norm()) is at
+        most max_norm, as torch.nn.utils.clip_grad_norm_ does over all the
+        parameters, inside the next step (gradients are not rewritten).
+        Returns the norm before clipping."""
+        if not max_norm > 0:
+            raise ValueError(f"max_norm must be > 0, got {max_norm}")
+        norm = self.grad_norm()
+        if self._muon is not None:
+            self._muon.clip = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        if self._adamw is not None:  # the engine's clip, given the whole model's norm (_grad_scaling.py)
+            self._adamw.iteration.clip = (float(max_norm), norm.to(self._adamw.device))
+        return norm
 
     def orthogonalized_matrices(self) -> list[tuple[int, int | None]]:
         """(Muon parameter index, matrix index or None) of each matrix this
