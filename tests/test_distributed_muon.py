@@ -90,7 +90,7 @@ def _worker(rank, world, port, cfg, out) -> None:
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(1.0)
-        opt = shardadam.DistributedFusedMuon(_groups(model), ns_dtype=cfg["ns_dtype"],
+        opt = shardadam.DistributedFusedMuon(_groups(model), ns_dtype=cfg["ns_dtype"], momentum_dtype=cfg["momentum"],
                                              overlap_grad_sync=cfg["overlap"], bucket_cap_mb=cfg["cap"], **OPTIONS)
         norms = _train(model, opt, range(STEPS), rank, world, cfg["micro"], cfg["clip"])
         out.put((rank, dict(norms=norms, params=[p.detach().cpu().numpy().copy() for p in model.parameters()],
@@ -121,8 +121,9 @@ def test_grad_scaler_is_refused_before_anything_is_written():
         assert "GradScaler" in refused and unchanged
 
 
-def _config(ns_dtype=torch.float32, overlap=True, cap=100.0, micro=1, device="cpu", clip=None):
-    return dict(ns_dtype=ns_dtype, overlap=overlap, cap=cap, micro=micro, device=device, clip=clip)
+def _config(ns_dtype=torch.float32, overlap=True, cap=100.0, micro=1, device="cpu", clip=None, momentum=None):
+    return dict(ns_dtype=ns_dtype, overlap=overlap, cap=cap, micro=micro, device=device, clip=clip,
+                momentum=momentum)
 
 
 @pytest.mark.parametrize("world,cfg", [
@@ -154,14 +155,28 @@ def test_matches_fused_muon_on_the_global_batch(world, cfg):
     assert sorted(owned, key=repr) == sorted([(0, None), (1, None), (2, 0), (2, 1), (2, 2)], key=repr)
 
 
+def _movement_errors(got: list, want: list) -> list[float]:
+    start = [p.detach() for p in _Net().parameters()]
+    return [float(((g - p0) - (w - p0)).norm() / (w - p0).norm()) for g, w, p0 in zip(got, want, start)]
+
+
 def test_bf16_newton_schulz_moves_the_parameters_as_fused_muon():
     results = _spawn_all(_worker, 2, _config(ns_dtype=torch.bfloat16))
-    start = [p.detach() for p in _Net().parameters()]
-    want = _reference(torch.bfloat16)
-    for i, (got, w, p0) in enumerate(zip(results[0]["params"], want, start)):
-        moved, want_moved = torch.from_numpy(got) - p0, w - p0
-        error = (moved - want_moved).norm() / want_moved.norm()
-        assert error < 1e-2, f"param {i}: movement differs by {error:.2e} of its size"
+    errors = _movement_errors([torch.from_numpy(p) for p in results[0]["params"]], _reference(torch.bfloat16))
+    assert max(errors) < 1e-2, f"movement differs by {errors} of its size"
+
+
+def test_bf16_momentum_differs_from_fp32_by_bf16_rounding_only():
+    """Momentum stored in bf16 (fp32 Newton-Schulz) moves the parameters away
+    from FusedMuon's fp32 run by at most twice what bf16 Newton-Schulz alone
+    does (torch's own bf16 rounding, measured here: about 5% of the movement
+    on these small matrices, whose small singular directions the iteration
+    amplifies), and visibly (the option is not ignored)."""
+    results = _spawn_all(_worker, 2, _config(momentum=torch.bfloat16))
+    fp32 = _reference(torch.float32)
+    errors = _movement_errors([torch.from_numpy(p) for p in results[0]["params"]], fp32)
+    noise = max(_movement_errors(_reference(torch.bfloat16), fp32))
+    assert 1e-4 < max(errors) < 2 * noise, f"movement differs by {errors}; bf16 Newton-Schulz alone {noise:.2e}"
 
 
 def _checkpoint_worker(rank, world, port, path, phase, out) -> None:

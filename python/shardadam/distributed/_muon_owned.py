@@ -42,7 +42,8 @@ class OwnedMuon:
     on one rank of ``group``."""
 
     def __init__(self, params: list[torch.Tensor], group_of: list[int], group, *, cap: int,
-                 overlap_grad_sync: bool, average_grad_sync: bool, ns_dtype: torch.dtype):
+                 overlap_grad_sync: bool, average_grad_sync: bool, ns_dtype: torch.dtype,
+                 momentum_dtype: torch.dtype | None = None):
         self.params = params
         self.group_of = group_of
         self.group = group
@@ -56,7 +57,8 @@ class OwnedMuon:
         device = params[0].device
         self.full = [torch.zeros(self.world * b.slot_size, dtype=b.dtype, device=device) for b in self.buckets]
         self.shard = [torch.empty(b.slot_size, dtype=b.dtype, device=device) for b in self.buckets]
-        self.momentum = [torch.zeros(b.slot_size, dtype=b.dtype, device=device) for b in self.buckets]
+        self.momentum = [torch.zeros(b.slot_size, dtype=momentum_dtype or b.dtype, device=device)
+                         for b in self.buckets]
         self.stepped = False  # torch's state has no momentum_buffer before the first step
         self.clip = None      # clip_grad_norm()'s factor (a 0-d tensor) for the next step
         self.no_sync = False
@@ -192,13 +194,13 @@ class OwnedMuon:
     @torch.no_grad()
     def momentum_buffers(self) -> dict[int, torch.Tensor]:
         """Every Muon parameter's whole momentum (its owners' pieces
-        all-gathered), by parameter index, on every rank; {} before the
-        first step. Every rank must call it."""
+        all-gathered), by parameter index, in the parameter's dtype (torch's),
+        on every rank; {} before the first step. Every rank must call it."""
         if not self.stepped:
             return {}
         out = {k: torch.empty_like(p) for k, p in enumerate(self.params)}
         for b, bucket in enumerate(self.buckets):
-            gathered = torch.empty_like(self.full[b])
+            gathered = self.full[b].new_empty(self.full[b].shape, dtype=self.momentum[b].dtype)
             _all_gather(gathered, self.momentum[b], group=self.group)
             for m in bucket.matrices:
                 _of_param(out[m.param], m).copy_(_matrix(gathered, m, m.owner * bucket.slot_size))

@@ -33,7 +33,9 @@ class DistributedFusedMuon(torch.optim.Optimizer):
     groups are stepped by an inner DistributedFusedAdam (AdamW sharded
     element-wise), which takes the keyword options in ``adamw_options``
     (dtype, grad_sync_dtype, param_sync_dtype, storage kinds, bucket and
-    overlap options, ...).
+    overlap options, ...). ``momentum_dtype`` stores the Muon momentum in
+    another dtype than the parameter's (None: torch's choice); bf16 halves
+    it for fp32 parameters, and checkpoints hold it in the parameter's dtype.
 
     Every rank builds the same model and passes the same parameters; they are
     broadcast from rank 0 of ``process_group``. With average_grad_sync=True
@@ -58,7 +60,7 @@ class DistributedFusedMuon(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
                  ns_coefficients=(3.4445, -4.775, 2.0315), eps=1e-7, ns_steps=5, adjust_lr_fn=None, *,
                  process_group=None, overlap_grad_sync=True, average_grad_sync=True, bucket_cap_mb=100,
-                 ns_dtype=torch.bfloat16, **adamw_options):
+                 ns_dtype=torch.bfloat16, momentum_dtype=None, **adamw_options):
         name = type(self).__name__
         refused = [k for k in _REFUSED_OPTIONS if adamw_options.get(k)]
         if refused:
@@ -66,6 +68,9 @@ class DistributedFusedMuon(torch.optim.Optimizer):
                              "DistributedFusedAdam takes its other options)")
         if ns_dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"ns_dtype must be torch.bfloat16 or torch.float32, got {ns_dtype}")
+        if momentum_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"momentum_dtype must be None (the parameter's dtype, as torch), torch.float32, "
+                             f"torch.bfloat16 or torch.float16, got {momentum_dtype}")
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
@@ -101,7 +106,7 @@ class DistributedFusedMuon(torch.optim.Optimizer):
             self._muon = OwnedMuon(muon_params, group_of, process_group,
                                    cap=max(1, int(bucket_cap_mb * (1 << 20)) // elem),
                                    overlap_grad_sync=overlap_grad_sync, average_grad_sync=average_grad_sync,
-                                   ns_dtype=ns_dtype)
+                                   ns_dtype=ns_dtype, momentum_dtype=momentum_dtype)
         self._built = True
 
     # ------------------------------------------------------------ groups
