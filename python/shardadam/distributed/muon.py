@@ -83,6 +83,9 @@ class DistributedFusedMuon(torch.optim.Optimizer):
         muon_params = [p for g in self.param_groups if uses_muon(g) for p in g["params"]]
         group_of = [gi for gi, g in enumerate(self.param_groups) if uses_muon(g) for _ in g["params"]]
         device = muon_params[0].device if muon_params else torch.device("cpu")
+        if any(p.device != device for p in muon_params):
+            raise ValueError(f"{name}: the Muon parameters lie on {sorted({str(p.device) for p in muon_params})}; "
+                             "each rank's must share one device (the rank's GPU, or the CPU with gloo)")
         check_same(f"{name}: the {{ranks}} ranks of process_group were not given the same Muon parameters and "
                    "hyperparameters: {difference}. Every rank must build the same model and optimizer",
                    self._muon_setup(), process_group, device)
