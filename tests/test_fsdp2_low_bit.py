@@ -55,9 +55,9 @@ def _data():
     return torch.randn(STEPS, GLOBAL_BATCH, 64, generator=g), torch.randn(STEPS, GLOBAL_BATCH, 1, generator=g)
 
 
-def _model(dtype, mesh=None) -> nn.Module:
+def _model(dtype, mesh=None, device="cpu") -> nn.Module:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 300), nn.Tanh(), nn.Linear(300, 1)).to(dtype)
+    model = nn.Sequential(nn.Linear(64, 300), nn.Tanh(), nn.Linear(300, 1)).to(device, dtype)
     if mesh is not None:
         for layer in model[::2]:
             fully_shard(layer, mesh=mesh)
@@ -67,8 +67,8 @@ def _model(dtype, mesh=None) -> nn.Module:
 
 def _train(model, opt, steps, rank: int = 0, world: int = 1) -> None:
     """This rank's part of each global batch (FSDP2 averages the gradients)."""
-    x, y = _data()
-    dtype = next(model.parameters()).dtype
+    device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+    x, y = (t.to(device) for t in _data())
     local = GLOBAL_BATCH // world
     for s in steps:
         opt.zero_grad()
@@ -193,3 +193,29 @@ def test_dcp_checkpoint_of_2_ranks_resumes_on_1_and_3(saved, resumed_on_three, k
     for world, got in ((1, on_one), (3, on_three)):
         error = _movement_error(got, [torch.as_tensor(t) for t in result[kind]], start)
         assert error <= _noise(kind), f"{kind} resumed on {world} ranks: {error:.2%} away from the 2-rank run"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["host state", "host state 8-bit"])
+def test_host_state_of_cuda_shards_equals_the_same_kind_on_the_gpu(kind):
+    """state_device="cpu" on fully_shard CUDA parameters (one NCCL rank): the
+    page-locked shadows of the local shards and the copies on their own
+    streams train as the kind with its state on the GPU (fp32: to fp32
+    rounding; 8-bit: within its own rounding noise)."""
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda:0"))
+    try:
+        mesh = init_device_mesh("cuda", (1,))
+        dtype, kw = KINDS[kind]
+        on_gpu = {k: v for k, v in kw.items() if k != "state_device"}
+        runs = []
+        for options in (on_gpu, kw):
+            model = _model(dtype, mesh, "cuda")
+            start = [t.cpu() for t in _full(model)]
+            opt = shardadam.FusedAdam(model.parameters(), lr=LR, **options)
+            _train(model, opt, range(STEPS))
+            runs.append([t.cpu() for t in _full(model)])
+        assert all(isinstance(b, HostStateBucket) for b in opt._buckets), "host state did not run"
+    finally:
+        dist.destroy_process_group()
+    error = _movement_error(runs[1], runs[0], start)
+    assert error <= (1e-6 if kind in FP32_STORAGE else _noise(kind)), f"{kind}: {error:.2e} from the GPU state"
