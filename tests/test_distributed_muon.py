@@ -15,7 +15,8 @@ import torch
 import torch.nn as nn
 
 import shardadam
-from shardadam.distributed._muon_owners import SLOT_ALIGN, ns_cost, plan_owner_buckets
+from shardadam._newton_schulz import ns_cost
+from shardadam.distributed._muon_owners import SLOT_ALIGN, plan_owner_buckets
 from test_distributed import _exit, _rank_group, _spawn_all
 
 STEPS, GLOBAL_BATCH = 4, 12
@@ -241,7 +242,7 @@ def test_owners_balance_newton_schulz_cost_and_slots_do_not_overlap():
                 assert all(s % SLOT_ALIGN == 0 for s, _ in spans)
                 assert all(e1 <= s2 for (_, e1), (s2, _) in zip(spans, spans[1:]))
                 assert all(e <= b.slot_size for _, e in spans)
-    assert ns_cost(512, 128) == 512 * 128 * 128
+    assert ns_cost((512, 128)) == ns_cost((4, 128, 512)) == 512 * 128 * 128
 
 
 @pytest.mark.parametrize("bad,match", [

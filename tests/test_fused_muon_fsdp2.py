@@ -40,7 +40,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import shardadam
-from shardadam import _muon_dtensor, _muon_layout
+from shardadam import _muon_dtensor, _muon_layout, _newton_schulz
 from test_distributed import _exit, _rank_group, _spawn_all
 from test_fsdp2_low_bit import _full, _load, _movement_error, _state
 
@@ -207,8 +207,8 @@ def test_each_matrix_is_orthogonalized_once_and_the_ranks_share_the_work(runs, w
         experts = [_muon_dtensor.row_ranges(5, world)[r] for r in range(world)]
         assert [d[(24, 12)] for d in done] == [end - start for start, end in experts], (
             "each rank orthogonalizes its own experts' matrices, and only those")
-        cost = [sum(n * _muon_dtensor.ns_cost(shape) for shape, n in d.items()) for d in done]
-        largest = max(_muon_dtensor.ns_cost(shape) for shape in MATRICES)
+        cost = [sum(n * _newton_schulz.ns_cost(shape) for shape, n in d.items()) for d in done]
+        largest = max(_newton_schulz.ns_cost(shape) for shape in MATRICES)
         assert max(cost) - min(cost) <= largest, f"{name}: Newton-Schulz work per rank {cost} is not balanced"
         assert all(sum(d[shape] for shape in d if shape != (24, 12)) for d in done), (
             f"{name}: every rank owns some of the sharded matrices: {done}")
@@ -231,8 +231,8 @@ def test_dcp_checkpoint_of_2_ranks_resumes_on_3_and_on_the_plain_model(runs):
 def test_assignment_balances_largest_first_and_is_deterministic():
     costs = [5, 9, 2, 9, 4]
     # 9 -> 0, 9 -> 1 (ties: the lower rank, then the earlier matrix), 5 -> 0, 4 -> 1, 2 -> 1: loads 14, 15.
-    assert _muon_dtensor.assign(costs, [0, 0]) == [0, 0, 1, 1, 1]
-    assert _muon_dtensor.assign(costs, [20, 0, 0]) == [1, 1, 2, 2, 2]  # rank 0 already holds 20
+    assert _newton_schulz.assign_owners(costs, [0, 0]) == [0, 0, 1, 1, 1]
+    assert _newton_schulz.assign_owners(costs, [20, 0, 0]) == [1, 1, 2, 2, 2]  # rank 0 already holds 20
     assert _muon_dtensor.row_ranges(7, 3) == [(0, 3), (3, 6), (6, 7)]
     assert _muon_dtensor.row_ranges(2, 3) == [(0, 1), (1, 2), (2, 2)]
 

@@ -39,7 +39,8 @@ from collections import defaultdict
 import torch
 
 from . import _dtensor
-from ._muon_layout import Batches, Entry, matrix_shape
+from ._muon_layout import Batches, Entry
+from ._newton_schulz import assign_owners, ns_cost
 
 try:
     import torch.distributed as dist
@@ -69,24 +70,6 @@ def row_ranges(n: int, world: int) -> list[tuple[int, int]]:
     return [(min(r * piece, n), min((r + 1) * piece, n)) for r in range(world)]
 
 
-def ns_cost(shape) -> int:
-    """Newton-Schulz's cost of one matrix of this shape (its matmuls' work)."""
-    rows, cols = matrix_shape(shape)
-    return rows * cols * min(rows, cols)
-
-
-def assign(costs: list[int], loads: list[int]) -> list[int]:
-    """The owner rank of each matrix: largest cost first, onto the least
-    loaded rank (loads: each rank's work already fixed)."""
-    loads = list(loads)
-    owners = [0] * len(costs)
-    for j in sorted(range(len(costs)), key=lambda j: (-costs[j], j)):
-        rank = min(range(len(loads)), key=lambda r: (loads[r], r))
-        owners[j] = rank
-        loads[rank] += costs[j]
-    return owners
-
-
 class ShardedMatrices:
     """The Newton-Schulz inputs and outputs of one mesh's Muon shards, and
     their round trip through the owners ([Note: Muon on sharded matrices]).
@@ -113,7 +96,7 @@ class ShardedMatrices:
         for i in whole:
             for r, (start, end) in enumerate(row_ranges(entries[i].shape[0], world)):
                 loads[r] += (end - start) * ns_cost(entries[i].shape)
-        self.owners = dict(zip(sharded, assign([ns_cost(entries[i].shape) for i in sharded], loads)))
+        self.owners = dict(zip(sharded, assign_owners([ns_cost(entries[i].shape) for i in sharded], loads)))
         owned: dict[tuple, int] = defaultdict(int)  # this rank's matrices per batch key
         for i in sharded:
             owned[keys[i]] += self.owners[i] == rank

@@ -48,3 +48,23 @@ def lr_ratio(adjust_lr_fn: str | None, rows: int, cols: int) -> float:
     if adjust_lr_fn == "match_rms_adamw":
         return 0.2 * math.sqrt(max(rows, cols))
     raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
+
+
+def ns_cost(shape) -> int:
+    """Newton-Schulz's work on one matrix of this shape (rows x cols: the
+    last two dimensions), in units that rank matrices: rows * cols *
+    min(rows, cols), the Gram products' multiply-adds per iteration."""
+    rows, cols = shape[-2], shape[-1]
+    return rows * cols * min(rows, cols)
+
+
+def assign_owners(costs: list[int], loads: list[int]) -> list[int]:
+    """The owner rank of each matrix by its cost: largest first, onto the
+    least loaded rank (ties: the lower rank, then the earlier matrix).
+    ``loads`` holds each rank's work so far and is updated in place."""
+    owners = [0] * len(costs)
+    for j in sorted(range(len(costs)), key=lambda j: (-costs[j], j)):
+        rank = min(range(len(loads)), key=lambda r: (loads[r], r))
+        owners[j] = rank
+        loads[rank] += costs[j]
+    return owners

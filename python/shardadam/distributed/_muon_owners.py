@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .._newton_schulz import assign_owners, ns_cost
+
 # Elements each matrix's start is aligned to in its slot (256 bytes of fp32):
 # whole vectors for the kernels, whatever the shapes.
 SLOT_ALIGN = 64
@@ -46,7 +48,7 @@ class Matrix:
 
     @property
     def cost(self) -> int:
-        return ns_cost(self.rows, self.cols)
+        return ns_cost((self.rows, self.cols))
 
 
 @dataclass
@@ -58,10 +60,6 @@ class OwnerBucket:
 
     def owned_by(self, rank: int) -> list[Matrix]:
         return [m for m in self.matrices if m.owner == rank]
-
-
-def ns_cost(rows: int, cols: int) -> int:
-    return rows * cols * min(rows, cols)
 
 
 def _align(n: int) -> int:
@@ -94,14 +92,9 @@ def plan_owner_buckets(shapes: list[tuple], dtypes: list[torch.dtype], world_siz
             shape = shapes[k]
             rows, cols = shape[-2], shape[-1]
             pieces += [(k, None, rows, cols)] if len(shape) == 2 else [(k, i, rows, cols) for i in range(shape[0])]
-        owner = {}
-        for piece in sorted(pieces, key=lambda p: -ns_cost(p[2], p[3])):  # stable: ties keep bucket order
-            rank = min(range(world_size), key=lambda r: (load[r], r))
-            owner[piece[:2]] = rank
-            load[rank] += ns_cost(piece[2], piece[3])
+        owners = assign_owners([ns_cost(p[2:]) for p in pieces], load)
         used = [0] * world_size
-        for k, i, rows, cols in pieces:
-            r = owner[(k, i)]
+        for (k, i, rows, cols), r in zip(pieces, owners):
             bucket.matrices.append(Matrix(k, i, rows, cols, r, used[r]))
             used[r] = _align(used[r] + rows * cols)
         bucket.slot_size = max(SLOT_ALIGN, max(used))
