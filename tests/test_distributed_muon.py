@@ -10,6 +10,9 @@ Newton-Schulz iteration carries into the update at about 1e-6 of its size.
 """
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 import torch.nn as nn
@@ -262,3 +265,23 @@ def test_options_not_offered_are_refused_by_name():
     model = _Net()
     with pytest.raises(ValueError, match="capturable"):
         shardadam.DistributedFusedMuon(_groups(model), capturable=True)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_no_gradient_outlives_zero_grad(one_rank, overlap):
+    """The optimizer copies gradients into its buckets and keeps no reference
+    to them: after step() and zero_grad(set_to_none=True) every gradient of
+    the last step is gone, as with torch.optim."""
+    model = _Net()
+    refs = []
+    for p in model.parameters():  # registered first: runs before the optimizer's hand-over
+        p.register_post_accumulate_grad_hook(lambda p: refs.append(weakref.ref(p.grad)))
+    opt = shardadam.DistributedFusedMuon(_groups(model), overlap_grad_sync=overlap, **OPTIONS)
+    xs, ys = _data()
+    for s in range(2):
+        refs.clear()
+        nn.functional.mse_loss(model(xs[s]), ys[s]).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        gc.collect()
+        assert len(refs) == 7 and not any(r() is not None for r in refs), "a gradient outlived zero_grad"
