@@ -54,6 +54,10 @@ class OwnedMuon:
         self.buckets: list[OwnerBucket] = plan_owner_buckets([tuple(p.shape) for p in params],
                                                              [p.dtype for p in params], self.world, cap)
         self.bucket_of = {k: b for b, bucket in enumerate(self.buckets) for k in bucket.params}
+        self.matrices_of: dict[int, list[Matrix]] = {k: [] for k in range(len(params))}  # O(1) per hand-over
+        for bucket in self.buckets:
+            for m in bucket.matrices:
+                self.matrices_of[m.param].append(m)
         device = params[0].device
         self.full = [torch.zeros(self.world * b.slot_size, dtype=b.dtype, device=device) for b in self.buckets]
         self.shard = [torch.empty(b.slot_size, dtype=b.dtype, device=device) for b in self.buckets]
@@ -100,9 +104,8 @@ class OwnedMuon:
         if grad.shape != p.shape:
             raise ValueError(f"the gradient of Muon parameter {k} has shape {tuple(grad.shape)}, the parameter "
                              f"{tuple(p.shape)}")
-        for m in bucket.matrices:
-            if m.param == k:
-                _matrix(full, m, m.owner * bucket.slot_size).add_(_of_param(grad, m))
+        for m in self.matrices_of[k]:
+            _matrix(full, m, m.owner * bucket.slot_size).add_(_of_param(grad, m))
 
     def _launch(self, b: int) -> None:
         self._works[b] = _reduce_scatter(self.shard[b], self.full[b], group=self.group, async_op=True)
