@@ -45,11 +45,11 @@ def _torch_fused(sizes, dev, dtype):
     return torch_step(rand(sizes, dev, dtype), rand(sizes, dev, dtype), fused=True)
 
 
-def _stepped(optimizer, sizes, dev, first_steps: int, **options):
-    """optimizer.step on fp32 parameters with gradients, after its first steps
+def _stepped(optimizer, sizes, dev, first_steps: int, dtype=torch.float32, **options):
+    """optimizer.step on parameters with gradients, after its first steps
     (torchao's compile). The optimizer as a whole, its per-step checks of
     parameters and gradients included, as torchao's optimizers are timed."""
-    params = [torch.nn.Parameter(torch.randn(n, device=dev)) for n in sizes]
+    params = [torch.nn.Parameter(torch.randn(n, device=dev, dtype=dtype)) for n in sizes]
     for p in params:
         p.grad = torch.randn_like(p)
     opt = optimizer(params, lr=1e-3, weight_decay=0.01, **options)
@@ -62,18 +62,21 @@ def _fused_adam(sizes, dev, **states):
     return _stepped(shardadam.FusedAdam, sizes, dev, 1, **states)
 
 
-def _torchao(sizes, dev, optimizer):
-    """torchao's low-bit AdamW (compiled per parameter)."""
-    import torchao.optim
-    return _stepped(getattr(torchao.optim, optimizer), sizes, dev, 3)
+def _peer(module: str, optimizer: str, sizes, dev, **options):
+    """A peer's low-bit AdamW (torchao's compile per parameter in its first steps)."""
+    import importlib
+    return _stepped(getattr(importlib.import_module(module), optimizer), sizes, dev, 3, **options)
 
 
-def _has_torchao() -> bool:
+def _imports(module: str) -> bool:
     try:
-        import torchao.optim  # noqa: F401  (only whether it imports)
+        __import__(module)
     except Exception:  # absent, or built for another torch
         return False
     return True
+
+
+PEERS = {"torchao": "torchao.optim", "bitsandbytes": "bitsandbytes.optim"}
 
 
 SCALED = (F8, torch.float16)  # states kept with per-tensor scales: two passes
@@ -125,8 +128,13 @@ KINDS = {
     "FusedAdam 8-bit blockwise states": (16.06, lambda s, d: _fused_adam(
         s, d, exp_avg_dtype=shardadam.BLOCKWISE8, exp_avg_sq_dtype=shardadam.BLOCKWISE8)),
     "FusedAdam FP8 states": (16, lambda s, d: _fused_adam(s, d, exp_avg_dtype=F8, exp_avg_sq_dtype=F8)),
-    "torchao AdamW8bit": (16.06, lambda s, d: _torchao(s, d, "AdamW8bit")),
-    "torchao AdamWFp8": (16.06, lambda s, d: _torchao(s, d, "AdamWFp8")),
+    "FusedAdam bf16 stochastic rounding": (22, lambda s, d: _fused_adam(
+        s, d, dtype=torch.bfloat16, master_weights=False, bf16_stochastic_round=True)),
+    "torchao AdamW8bit": (16.06, lambda s, d: _peer("torchao.optim", "AdamW8bit", s, d)),
+    "torchao AdamWFp8": (16.06, lambda s, d: _peer("torchao.optim", "AdamWFp8", s, d)),
+    "torchao bf16 stochastic rounding": (14, lambda s, d: _peer(
+        "torchao.optim", "_AdamW", s, d, dtype=torch.bfloat16, bf16_stochastic_round=True)),
+    "bitsandbytes AdamW8bit": (16.06, lambda s, d: _peer("bitsandbytes.optim", "AdamW8bit", s, d)),
     **{name: (must, build) for name, (must, _, build) in MIXED.items()},
 }
 
@@ -155,7 +163,8 @@ def main() -> None:
                 continue
             if name.startswith("torch") and dev == "cpu" and n_tensors > 1:
                 continue  # torch's CPU fused step is per tensor: the 1-tensor row says enough
-            if name.startswith("torchao") and not (_has_torchao() and dev == "cuda"):
+            peer = PEERS.get(name.split()[0])
+            if peer and not (dev == "cuda" and _imports(peer)):
                 continue
             fn = build(sizes, dev)
             ms = statistics.median(time_steps(fn, dev, args.reps, args.warmup))

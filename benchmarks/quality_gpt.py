@@ -1,18 +1,25 @@
 #!/usr/bin/env python
 """Training quality of DistributedFusedAdam's storage kinds at scale, side by side in one run.
 
-Goal: each low-bit storage kind ends within 1% of fp32's final loss. Judged by
-"vs fp32": the final loss (mean of the last tenth of the steps) over fp32's.
-The GPT of models.py learning Python source byte by byte, from the same seed on
-the same global batches with each kind in turn; curves as CSV, SVG and JSON.
+Goal: each low-bit storage kind ends within 1% of fp32's final loss, and no
+worse than the peers' optimizers of the same kind (bitsandbytes, torchao: one
+rank, the whole model, torch's clip_grad_norm_); Muon + AdamW
+(DistributedFusedMuon) beside AdamW, each over --lr-scales, is reported as
+measured. Judged by "vs fp32": the final loss (mean of the last tenth of the
+steps) over fp32's. The GPT of models.py learning Python source byte by byte,
+from the same seed on the same global batches with each kind in turn; curves
+as CSV, SVG and JSON.
 
     torchrun --nproc_per_node 1 benchmarks/quality_gpt.py --steps 300 --out results/quality_gpt_h200
+    torchrun --nproc_per_node 1 benchmarks/quality_gpt.py --kinds "fp32,8-bit blockwise states,bitsandbytes AdamW8bit"
+    torchrun --nproc_per_node 1 benchmarks/quality_gpt.py --kinds "fp32,Muon + AdamW" --lr-scales 0.5,1,2
     torchrun --nproc_per_node 2 benchmarks/quality_gpt.py --tiny --steps 30     # smoke run, CPU (gloo) or GPU
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import pathlib
 import statistics
 import time
@@ -23,13 +30,36 @@ import torch.distributed as dist
 import shardadam
 from harness import fmt, parse_gpt_args, start_gpt
 from models import FULL, KINDS, SIZE_KEYS, add_size_args, build_model, lm_loss
-from quality_storage import kinds_arg, report, write_curves
+from quality_storage import MUON, add_sweep_args, kinds_arg, muon_groups, report, runs_of, write_curves
 from train import corpus, learning_rate, mean_over_ranks, param_groups, rank_slice, sample_batch  # examples/
 
 # The kinds of quality_storage.py that DistributedFusedAdam takes as they are
 # (it keeps fp32 masters for bf16 parameters unless they round stochastically).
 DISTRIBUTED_KINDS = ("fp32", "FP8 states", "FP8 exp_avg", "8-bit blockwise states", "bf16 stochastic rounding")
+# The peers' low-bit AdamW on one rank: name -> (parameter dtype, module, class, options).
+PEER_KINDS = {
+    "bitsandbytes AdamW8bit": (torch.float32, "bitsandbytes.optim", "AdamW8bit", {}),
+    "torchao AdamW8bit": (torch.float32, "torchao.optim", "AdamW8bit", {}),
+    "torchao AdamWFp8": (torch.float32, "torchao.optim", "AdamWFp8", {}),
+    "torchao bf16 stochastic rounding": (torch.bfloat16, "torchao.optim", "_AdamW", dict(bf16_stochastic_round=True)),
+}
 SMOOTH = 10  # steps per point of the plotted curves
+
+
+def build_optimizer(name: str, model: torch.nn.Module, args):
+    """The kind's optimizer on `model` and its clipping call."""
+    if name in PEER_KINDS:
+        _, module, cls, options = PEER_KINDS[name]
+        opt = getattr(importlib.import_module(module), cls)(param_groups(model, 0.1), lr=args.lr, **options)
+        return opt, lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    if name == MUON:
+        opt = shardadam.DistributedFusedMuon(muon_groups(model, 0.1), lr=args.lr, adjust_lr_fn="match_rms_adamw",
+                                             bucket_cap_mb=args.bucket_cap_mb)
+        return opt, lambda: opt.clip_grad_norm(1.0)
+    opt = shardadam.DistributedFusedAdam(param_groups(model, 0.1), lr=args.lr, bucket_cap_mb=args.bucket_cap_mb,
+                                         overlap_grad_sync=True, overlap_param_sync=True,
+                                         contiguous_param_buffer=True, **KINDS[name][1])
+    return opt, lambda: opt.clip_grad_norm(1.0)
 
 
 def smoothed(curves: dict[str, list[float]]) -> dict[str, list[float]]:
@@ -41,14 +71,12 @@ def smoothed(curves: dict[str, list[float]]) -> dict[str, list[float]]:
     return {name: [min(cap, sum(w) / len(w)) for w in ws] for name, ws in windows.items()}
 
 
-def train_kind(name: str, args, data: torch.Tensor, dev: torch.device, cuda: bool) -> dict:
-    """One kind from the common seed: the global loss of every step, ms per
-    step (median) and this rank's peak GPU memory."""
-    dtype, options = KINDS[name]
+def train_kind(name: str, kind: str, args, data: torch.Tensor, dev: torch.device, cuda: bool) -> dict:
+    """One run of a kind from the common seed: the global loss of every step,
+    ms per step (median) and this rank's peak GPU memory."""
+    dtype = PEER_KINDS[kind][0] if kind in PEER_KINDS else torch.float32 if kind == MUON else KINDS[kind][0]
     model = build_model(args, dev).to(dtype)
-    opt = shardadam.DistributedFusedAdam(param_groups(model, 0.1), lr=args.lr, bucket_cap_mb=args.bucket_cap_mb,
-                                         overlap_grad_sync=True, overlap_param_sync=True,
-                                         contiguous_param_buffer=True, **options)
+    opt, clip = build_optimizer(kind, model, args)
     gen = torch.Generator().manual_seed(args.seed + 1)
     if cuda:
         torch.cuda.reset_peak_memory_stats(dev)
@@ -60,7 +88,7 @@ def train_kind(name: str, args, data: torch.Tensor, dev: torch.device, cuda: boo
         batch = rank_slice(sample_batch(gen, data, args.batch * dist.get_world_size(), args.seq)).to(dev)
         loss = lm_loss(model, batch[:, :-1], batch[:, 1:], cuda)
         loss.backward()
-        opt.clip_grad_norm(1.0)
+        clip()
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(mean_over_ranks(loss))  # synchronises: the step is done
@@ -85,16 +113,19 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--chars", type=int, default=4_000_000, help="bytes of Python source to sample from")
     ap.add_argument("--kinds", default=",".join(DISTRIBUTED_KINDS),
-                    help="comma-separated subset of: " + ", ".join(DISTRIBUTED_KINDS))
+                    help="comma-separated subset of: " + ", ".join((*DISTRIBUTED_KINDS, *PEER_KINDS, MUON)))
+    add_sweep_args(ap)
     ap.add_argument("--out", type=pathlib.Path, help="rank 0 writes <out>.csv, <out>.svg and <out>.json")
     args = parse_gpt_args(ap, FULL, SIZE_KEYS)
-    kinds = kinds_arg(ap, args.kinds, DISTRIBUTED_KINDS)
+    kinds = kinds_arg(ap, args.kinds, (*DISTRIBUTED_KINDS, *PEER_KINDS, MUON))
     if args.steps < 10:
         ap.error("--steps must be at least 10 (the final loss is the mean of the last tenth)")
     args.log_every = max(1, args.steps // 10)
     dev, cuda, _, meta = start_gpt(args)
+    if dist.get_world_size() > 1 and any(name in PEER_KINDS for name in kinds):
+        ap.error("--kinds: the peers' optimizers are not distributed: run them with --nproc_per_node 1")
     data = torch.frombuffer(bytearray(corpus(args.chars).encode()), dtype=torch.uint8).long()
-    runs = {name: train_kind(name, args, data, dev, cuda) for name in kinds}
+    runs = {name: train_kind(name, kind, run_args, data, dev, cuda) for name, kind, run_args in runs_of(kinds, args)}
     if dist.get_rank() == 0:
         curves = {name: r["losses"] for name, r in runs.items()}
         final = report(curves, args.steps, f", {dist.get_world_size()} ranks", {
@@ -102,7 +133,7 @@ def main() -> None:
             "peak GiB (rank 0)": [fmt(r["peak_gib"], ".1f") for r in runs.values()]})
         if args.out:
             title = f"GPT {meta['params'] / 1e9:.2f}B, {args.steps} steps, {meta['world_size']} x {meta['device']}"
-            write_curves(args.out, curves, f"{title}, DistributedFusedAdam; running mean of {SMOOTH} steps, capped at "
+            write_curves(args.out, curves, f"{title}, DistributedFusedAdam and peers; running mean of {SMOOTH} steps, capped at "
                          "the first loss", smoothed(curves), meta=meta,
                          kinds={name: dict(final=final[name], ms=r["ms"], peak_gib=r["peak_gib"])
                                 for name, r in runs.items()})

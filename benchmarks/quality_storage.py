@@ -4,14 +4,17 @@
 Goal: each low-bit kind ends within 1% of fp32's final loss. Judged by "vs
 fp32": the final loss (mean of the last tenth of the steps) over fp32's. The
 example GPT (examples/train.py) from the same seed on the same batches in each
-kind of models.KINDS; curves as CSV and SVG.
+kind of models.KINDS, and Muon (FusedMuon on the blocks' matrices, AdamW on
+the rest) against AdamW, each over --lr-scales; curves as CSV and SVG.
 
     python benchmarks/quality_storage.py --kinds "fp32,FP8 states,FP8 exp_avg" --out results/quality_storage_cpu
+    python benchmarks/quality_storage.py --kinds "fp32,Muon + AdamW" --lr-scales 0.5,1,2 --out results/quality_muon_cpu
     python benchmarks/quality_storage.py --device cuda --steps 2000 --out results/quality_storage_h200
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import pathlib
 import sys
 
@@ -24,7 +27,23 @@ from models import KINDS
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 from report import write_loss_csv, write_loss_svg  # noqa: E402
-from train import corpus, train  # noqa: E402
+from train import corpus, param_groups, train  # noqa: E402
+
+
+MUON = "Muon + AdamW"  # FusedMuon: Muon on the blocks' matrices, AdamW (use_muon=False) on the rest
+
+
+def muon_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Muon for the transformer blocks' matrices; embeddings, the head, norms
+    and biases on AdamW (the usual split), matrices decayed, the rest not.
+    Muon's lr is scaled to AdamW's update RMS ("match_rms_adamw"), so both
+    parts follow one learning-rate schedule."""
+    hidden = [p for n, p in model.named_parameters() if n.startswith("blocks.") and p.dim() == 2]
+    ids = {id(p) for p in hidden}
+    rest = [p for p in model.parameters() if id(p) not in ids]
+    return [dict(params=hidden, weight_decay=weight_decay),
+            dict(params=[p for p in rest if p.dim() >= 2], use_muon=False, weight_decay=weight_decay),
+            dict(params=[p for p in rest if p.dim() < 2], use_muon=False, weight_decay=0.0)]
 
 
 def kinds_arg(ap, value: str, known) -> list[str]:
@@ -33,6 +52,25 @@ def kinds_arg(ap, value: str, known) -> list[str]:
     if "fp32" not in kinds:
         ap.error("--kinds: fp32 (the reference) missing")
     return kinds
+
+
+def add_sweep_args(ap) -> None:
+    ap.add_argument("--lr-scales", default="1", help="each kind at --lr times each of these (comma-separated; "
+                    "the one at 1 is the kind's own row)")
+
+
+def runs_of(kinds: list[str], args) -> list[tuple[str, str, argparse.Namespace]]:
+    """(run name, kind, args with its learning rate) for each kind at each --lr-scales."""
+    scales = [float(s) for s in args.lr_scales.split(",")]
+    if 1 not in scales:
+        raise SystemExit("--lr-scales: 1 missing (the kinds' own rows, fp32's the reference)")
+    runs = []
+    for kind in kinds:
+        for scale in scales:
+            run_args = copy.copy(args)
+            run_args.lr = args.lr * scale
+            runs.append((kind if scale == 1 else f"{kind}, lr x{scale:g}", kind, run_args))
+    return runs
 
 
 def report(curves: dict, steps: int, where: str, columns: dict | None = None) -> dict:
@@ -66,23 +104,29 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--chars", type=int, default=2_000_000)
-    ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated subset of: " + ", ".join(KINDS))
+    ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated subset of: " + ", ".join((*KINDS, MUON)))
+    add_sweep_args(ap)
     ap.add_argument("--out", type=pathlib.Path, help="write <out>.csv, <out>.svg and <out>.json")
     args = ap.parse_args()
-    kinds = kinds_arg(ap, args.kinds, KINDS)
+    kinds = kinds_arg(ap, args.kinds, (*KINDS, MUON))
     args.log_every = max(1, args.steps // 6)
     text = corpus(args.chars)
     chars = sorted(set(text))
     index = {c: i for i, c in enumerate(chars)}
     data = torch.tensor([index[c] for c in text], dtype=torch.long)
     curves = {}
-    for name in kinds:
-        dtype, options = KINDS[name]
-        curves[name] = train(name, lambda groups, o=options: shardadam.FusedAdam(groups, lr=args.lr, **o), args,
-                             data, len(chars), dtype)
+    for name, kind, run_args in runs_of(kinds, args):
+        if kind == MUON:
+            curves[name] = train(name, lambda model, a=run_args: shardadam.FusedMuon(
+                muon_groups(model, 0.1), lr=a.lr, adjust_lr_fn="match_rms_adamw"), run_args, data, len(chars),
+                torch.float32)
+            continue
+        dtype, options = KINDS[kind]
+        curves[name] = train(name, lambda model, a=run_args, o=options: shardadam.FusedAdam(
+            param_groups(model, 0.1), lr=a.lr, **o), run_args, data, len(chars), dtype)
     final = report(curves, args.steps, f" on {args.device}")
     if args.out:
-        write_curves(args.out, curves, f"example GPT, {args.steps} steps, FusedAdam storage kinds",
+        write_curves(args.out, curves, f"example GPT, {args.steps} steps, FusedAdam storage kinds and Muon",
                      meta=run_meta(args.device, steps=args.steps), final=final)
 
 

@@ -107,7 +107,7 @@ def next_char_loss(model, batch: torch.Tensor, vocab: int) -> torch.Tensor:
 def train(name: str, make_opt, args, data: torch.Tensor, vocab: int, dtype: torch.dtype) -> list[float]:
     torch.manual_seed(args.seed)
     model = TinyGPT(vocab, args.ctx).to(device=args.device, dtype=dtype)
-    opt = make_opt(param_groups(model, 0.1))
+    opt = make_opt(model)
     gen = torch.Generator().manual_seed(args.seed + 1)
     losses, t0 = [], time.perf_counter()
     for step in range(1, args.steps + 1):
@@ -135,11 +135,11 @@ def run_single(args, text: str) -> None:
     print(f"corpus: {len(text):,} characters of Python, vocabulary {len(chars)}; device {args.device}, "
           f"{'bf16 model + fp32 masters' if args.bf16 else 'fp32'}")
     ours = train("shardadam.FusedAdam",
-                 lambda groups: shardadam.FusedAdam(groups, lr=args.lr, master_weights=args.bf16),
+                 lambda model: shardadam.FusedAdam(param_groups(model, 0.1), lr=args.lr, master_weights=args.bf16),
                  args, data, len(chars), torch.bfloat16 if args.bf16 else torch.float32)
     # The reference: torch AdamW on the fp32 model (what fp32 masters stand for).
-    theirs = train("torch AdamW", lambda groups: torch.optim.AdamW(groups, lr=args.lr), args, data, len(chars),
-                   torch.float32)
+    theirs = train("torch AdamW", lambda model: torch.optim.AdamW(param_groups(model, 0.1), lr=args.lr), args, data,
+                   len(chars), torch.float32)
     tail = max(1, args.steps // 10)
     a, b = sum(ours[-tail:]) / tail, sum(theirs[-tail:]) / tail
     print(f"\nfinal loss (mean of last {tail} steps): FusedAdam {a:.4f}, torch AdamW {b:.4f}, "

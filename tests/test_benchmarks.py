@@ -167,12 +167,13 @@ def test_soak_short_run_and_its_plot(tmp_path):
 
 
 def test_quality_scripts_tiny(tmp_path):
-    out = run("quality_gpt", "--tiny", "--steps", "10", "--chars", "20000", "--kinds", "fp32,8-bit blockwise states",
-              "--out", str(tmp_path / "q"), ranks=1)
-    assert table_rows(out)["fp32"][1] == "+0.00%"
+    out = run("quality_gpt", "--tiny", "--steps", "10", "--chars", "20000", "--kinds",
+              "fp32,8-bit blockwise states,Muon + AdamW", "--out", str(tmp_path / "q"), ranks=1)
+    assert table_rows(out)["fp32"][1] == "+0.00%" and "Muon + AdamW" in table_rows(out)
     out = run("quality_storage", "--steps", "12", "--chars", "20000", "--batch", "2", "--ctx", "16",
-              "--kinds", "fp32,FP8 exp_avg", "--out", str(tmp_path / "s"))
-    assert table_rows(out)["fp32"][1] == "+0.00%"
+              "--kinds", "fp32,FP8 exp_avg,Muon + AdamW", "--lr-scales", "1,2", "--out", str(tmp_path / "s"))
+    rows = table_rows(out)
+    assert rows["fp32"][1] == "+0.00%" and {"fp32, lr x2", "Muon + AdamW", "Muon + AdamW, lr x2"} <= set(rows)
     for path in (tmp_path / "q.svg", tmp_path / "s.svg"):
         xml.dom.minidom.parse(str(path))
 
