@@ -136,9 +136,40 @@ def _sharded_runs(rank: int, world: int, path: str) -> dict:
     return result
 
 
+SKIPPED_STEP, INIT_SCALE = 1, 2.0 ** 8
+
+
+def _scaled_run(rank: int, world: int) -> dict:
+    """fp32 training under a GradScaler, rank 1's shard of up.weight's
+    gradient made inf at SKIPPED_STEP: the parameters after that step, the
+    scale at the end, the final parameters."""
+    model = _model(init_device_mesh("cpu", (world,)))
+    opt = _optimizer(model, torch.float32)
+    scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)
+    x, y = _data()
+    part = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
+    result = {}
+    for s in range(STEPS):
+        opt.zero_grad()
+        scaler.scale(F.mse_loss(model(x[s, part]), y[s, part])).backward()
+        if s == SKIPPED_STEP:
+            before = _full(model)
+            if rank == 1:
+                model.up.weight.grad.to_local()[0, 0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        if s == SKIPPED_STEP:
+            result["skipped step left the parameters"] = all(torch.equal(a, b) for a, b in zip(before, _full(model)))
+    result["scale"] = scaler.get_scale()
+    result["final"] = [t.numpy() for t in _full(model)]
+    return result
+
+
 def _save_worker(rank: int, world: int, port: int, path: str, out) -> None:
     with _rank_group(rank, world, port, out):
-        out.put((rank, _sharded_runs(rank, world, path)))
+        result = _sharded_runs(rank, world, path)
+        result["scaled"] = _scaled_run(rank, world)
+        out.put((rank, result))
     _exit()
 
 
@@ -212,6 +243,23 @@ def test_each_matrix_is_orthogonalized_once_and_the_ranks_share_the_work(runs, w
         assert max(cost) - min(cost) <= largest, f"{name}: Newton-Schulz work per rank {cost} is not balanced"
         assert all(sum(d[shape] for shape in d if shape != (24, 12)) for d in done), (
             f"{name}: every rank owns some of the sharded matrices: {done}")
+
+
+def test_grad_scaler_skips_on_every_rank_when_one_rank_overflows_and_unscales_otherwise(runs):
+    """torch's GradScaler unscales DTensor gradients with a found-inf flag
+    reduced over the mesh, so an overflow on one rank's shard skips the step
+    on every rank and every scaler backs off alike; the other steps equal the
+    unscaled run (fp32: the power-of-two scale is exact), the AdamW biases and
+    the momentum (which mixes gradients of two scales) included."""
+    model = _model()
+    _train(model, _optimizer(model, torch.float32), [s for s in range(STEPS) if s != SKIPPED_STEP])
+    for rank, result in enumerate(runs[2]):
+        scaled = result["scaled"]
+        assert scaled["skipped step left the parameters"], f"rank {rank} stepped past rank 1's overflow"
+        assert scaled["scale"] == INIT_SCALE / 2, f"rank {rank}'s scaler did not back off: {scaled['scale']}"
+        for i, (got, want) in enumerate(zip(scaled["final"], _full(model))):
+            torch.testing.assert_close(torch.from_numpy(got), want, rtol=0, atol=1e-5,
+                                       msg=lambda m: f"rank {rank}, parameter {i}: {m}")
 
 
 def test_momentum_is_saved_sharded_like_its_parameter(runs):
