@@ -13,7 +13,9 @@ match across ranks):
    gradient: they contribute zeros, as in DistributedFusedAdam);
 2. step(): the owner's momentum pass, batched Newton-Schulz and update pass
    (FusedMuon's MuonLayout over its matrices only) update its matrices in
-   the parameters;
+   the parameters; averaging, a GradScaler's unscaling and clipping fold
+   into the momentum pass's gradient scale (the reduced gradients are never
+   rescaled in memory), and a step skipped for inf/NaN writes nothing;
 3. each rank copies its matrices into its slot and the slots are
    all-gathered into every rank's parameters.
 """
@@ -24,7 +26,9 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from .. import kernels
 from .._muon_layout import Entry, MuonLayout, layout_key
+from ._grad_scaling import clip_factor
 from ._muon_owners import Matrix, OwnerBucket, plan_owner_buckets
 from ._transport import _all_gather, _reduce_scatter
 
@@ -64,7 +68,8 @@ class OwnedMuon:
         self.momentum = [torch.zeros(b.slot_size, dtype=momentum_dtype or b.dtype, device=device)
                          for b in self.buckets]
         self.stepped = False  # torch's state has no momentum_buffer before the first step
-        self.clip = None      # clip_grad_norm()'s factor (a 0-d tensor) for the next step
+        self.clip = None      # clip_grad_norm()'s (max_norm, loss-scaled norm) for the next step
+        self._norm_plan = kernels.NormPlan(self.shard, check_addresses=False)  # own buffers
         self.no_sync = False
         self._pending = [set(b.params) for b in self.buckets]
         self._works: list = [None] * len(self.buckets)
@@ -126,6 +131,12 @@ class OwnedMuon:
         for work in self._works:
             work.wait()
 
+    def nonfinite_here(self) -> torch.Tensor:
+        """1.0 (float32 [1]) when this rank's reduced gradients hold inf/NaN,
+        else 0.0; synchronises the gradients first."""
+        self.finish_grad_sync()
+        return kernels.l2_norm(self._norm_plan).nonfinite
+
     def grad_sq_norm(self) -> torch.Tensor:
         """The squared L2 norm of the synchronised (averaged, if
         average_grad_sync) Muon gradients, on every rank: each owner's sum
@@ -162,18 +173,34 @@ class OwnedMuon:
         return self._layout
 
     @torch.no_grad()
-    def step(self, param_groups: list[dict]) -> None:
-        """Reduce, step the owned matrices, all-gather the parameters."""
+    def step(self, param_groups: list[dict], inv_scale: torch.Tensor | None = None) -> None:
+        """Reduce, step the owned matrices, all-gather the parameters.
+        inv_scale: 1 / the loss scale of GradScaler's scaled gradients."""
         self.finish_grad_sync()
         layout = self._current_layout(param_groups)
         if layout is not None:
             grads = {id(e.param): e.grad for e in layout.entries}
-            scale = 1.0 / self.world if self.average else 1.0
-            layout.step(grads, param_groups, grad_scale=scale if self.clip is None else self.clip * scale,
-                        found_inf=None, unscale_grads=False)
+            scale = torch.full((), 1.0 / self.world if self.average else 1.0, device=self.shard[0].device)
+            if inv_scale is not None:
+                scale *= inv_scale
+            if self.clip is not None:
+                max_norm, scaled_norm = self.clip
+                scale *= clip_factor(max_norm, scaled_norm if inv_scale is None else scaled_norm * inv_scale)
+            layout.step(grads, param_groups, grad_scale=scale, found_inf=None, unscale_grads=False)
         self.stepped = True
-        self.clip = None
         self._gather_params()
+        self.end_iteration()
+
+    def end_iteration(self) -> None:
+        """Forget this iteration's gradients and clipping: after step(), for
+        a step skipped for inf/NaN (which writes nothing), and at zero_grad()
+        (a reduction in flight is waited for first)."""
+        self.clip = None
+        if self._launched == 0 and all(p == set(b.params) for p, b in zip(self._pending, self.buckets)):
+            return  # nothing was handed over: the buckets hold zeros
+        for work in self._works:
+            if work is not None:
+                work.wait()
         for full in self.full:
             full.zero_()
         self._pending = [set(b.params) for b in self.buckets]
