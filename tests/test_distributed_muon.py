@@ -52,11 +52,13 @@ def _data():
 
 
 def _train(model, opt, steps, rank=0, world=1, micro=1, clip=None, scaler=None, autocast=None,
-           unscale=False) -> list[float]:
+           unscale=False, zero_grad=True) -> list[float]:
     """Train on this rank's slice of the global batches; the pre-clip norms
     when clipping. scaler: a GradScaler scales the loss and steps; autocast:
     the forward under torch.autocast in that dtype; unscale: clip after
-    unscale_grads(grad_scaler=scaler) (else clip_grad_norm unscales)."""
+    unscale_grads(grad_scaler=scaler) (else clip_grad_norm unscales);
+    zero_grad=False: none after the steps (DistributedFusedMuon's step
+    consumes the gradients)."""
     device = next(model.parameters()).device
     xs, ys = (t.to(device) for t in _data())
     per = GLOBAL_BATCH // world
@@ -84,7 +86,8 @@ def _train(model, opt, steps, rank=0, world=1, micro=1, clip=None, scaler=None, 
         else:
             scaler.step(opt)
             scaler.update()
-        opt.zero_grad()
+        if zero_grad:
+            opt.zero_grad()
     return norms
 
 
@@ -195,11 +198,12 @@ def test_bf16_momentum_differs_from_fp32_by_bf16_rounding_only():
 INIT_SCALE = 2.0 ** 10
 
 
-def _amp_config(device="cpu", inf_param=None, inf_step=None, clip=None, unscale=False, autocast=None):
+def _amp_config(device="cpu", inf_param=None, inf_step=None, clip=None, unscale=False, autocast=None,
+                zero_grad=True):
     """inf_param at inf_step: the last rank's gradient of that parameter holds
-    an inf. clip, unscale: _train's. autocast: the forward's dtype."""
+    an inf. clip, unscale, zero_grad: _train's. autocast: the forward's dtype."""
     return dict(device=device, inf_param=inf_param, inf_step=inf_step, clip=clip, unscale=unscale,
-                autocast=autocast)
+                autocast=autocast, zero_grad=zero_grad)
 
 
 def _poisoned(param: torch.Tensor) -> list[bool]:
@@ -236,7 +240,7 @@ def _amp_train(model, opt, scaler, cfg, rank=0, world=1) -> dict:
         on[0] = s == cfg["inf_step"]
         before = _snapshot(model, opt) if s == cfg["inf_step"] else None
         norms += _train(model, opt, [s], rank, world, clip=cfg["clip"], scaler=scaler, autocast=cfg["autocast"],
-                        unscale=cfg["unscale"])
+                        unscale=cfg["unscale"], zero_grad=cfg["zero_grad"] or isinstance(opt, shardadam.FusedMuon))
         scales.append(scaler.get_scale())
         if before is not None:
             unchanged = all(torch.equal(a, b) for a, b in zip(before, _snapshot(model, opt)))
@@ -275,7 +279,7 @@ def _amp_reference(cfg) -> tuple[list, dict, list]:
 
 @pytest.mark.parametrize("world,cfg", [
     (2, _amp_config()),
-    (2, _amp_config(inf_param="hidden.weight", inf_step=2)),
+    (2, _amp_config(inf_param="hidden.weight", inf_step=2, zero_grad=False)),  # the skip ends the iteration
     (2, _amp_config(inf_param="head.bias", inf_step=2, clip=0.05, unscale=True)),
     (2, _amp_config(clip=0.05)),
     pytest.param(1, _amp_config(device="cuda", autocast=torch.float16, inf_param="experts", inf_step=2),
@@ -305,9 +309,11 @@ def test_grad_scaler_trains_as_fused_muon_on_unscaled_gradients(world, cfg):
             torch.testing.assert_close(torch.from_numpy(got), w, rtol=1e-5, atol=2e-6,
                                        msg=lambda m: f"rank {r}, param {i}: {m}")
         for i, state in want_state.items():
-            for k, w in state.items():
-                torch.testing.assert_close(torch.from_numpy(result["state"][i][k]), torch.from_numpy(w),
-                                           rtol=1e-5, atol=1e-7, msg=lambda m: f"rank {r}, state[{i}][{k}]: {m}")
+            for k, w in state.items():  # states span 1e-7..1e-2: the error is fp32 rounding of the largest value
+                w = torch.from_numpy(w)
+                torch.testing.assert_close(torch.from_numpy(result["state"][i][k]), w, rtol=1e-5,
+                                           atol=1e-5 * float(w.abs().max()),
+                                           msg=lambda m: f"rank {r}, state[{i}][{k}]: {m}")
 
 
 def test_scaler_unscale_is_refused_and_names_unscale_grads(one_rank):
@@ -427,3 +433,17 @@ def test_no_gradient_outlives_zero_grad(one_rank, overlap):
         opt.zero_grad(set_to_none=True)
         gc.collect()
         assert len(refs) == 7 and not any(r() is not None for r in refs), "a gradient outlived zero_grad"
+
+
+def test_zero_grad_discards_the_gradients_backward_handed_over(one_rank):
+    """With overlap_grad_sync the gradients are in the buckets after backward;
+    zero_grad() discards them there too, so the next step sees only the
+    gradients of the backward after it (FusedMuon's step on that batch)."""
+    model = _Net()
+    opt = shardadam.DistributedFusedMuon(_groups(model), ns_dtype=torch.float32, **OPTIONS)
+    xs, ys = _data()
+    nn.functional.mse_loss(model(xs[0]), ys[0]).backward()
+    opt.zero_grad()
+    _train(model, opt, [1])
+    for i, (got, want) in enumerate(zip(model.parameters(), _reference(torch.float32, [1]))):
+        torch.testing.assert_close(got.detach(), want, rtol=1e-5, atol=2e-6, msg=lambda m: f"param {i}: {m}")
