@@ -52,9 +52,10 @@ def _data():
 
 
 def _train(model, opt, steps, rank=0, world=1, micro=1, clip=None, scaler=None, autocast=None,
-           unscale=False, zero_grad=True) -> list[float]:
-    """Train on this rank's slice of the global batches; the pre-clip norms
-    when clipping. scaler: a GradScaler scales the loss and steps; autocast:
+           unscale=False, zero_grad=True, accumulate="no_sync") -> list[float]:
+    """Train on this rank's slice of the global batches, in `micro` pieces
+    (gradients accumulated inside no_sync(), or synchronised after each one
+    with accumulate="every"); the pre-clip norms when clipping. scaler: a GradScaler scales the loss and steps; autocast:
     the forward under torch.autocast in that dtype; unscale: clip after
     unscale_grads(grad_scaler=scaler) (else clip_grad_norm unscales);
     zero_grad=False: none after the steps (DistributedFusedMuon's step
@@ -68,7 +69,7 @@ def _train(model, opt, steps, rank=0, world=1, micro=1, clip=None, scaler=None, 
         for m, (xm, ym) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
             with contextlib.nullcontext() if autocast is None else torch.autocast(device.type, dtype=autocast):
                 loss = nn.functional.mse_loss(model(xm).float(), ym) / micro
-            with opt.no_sync() if m < micro - 1 else contextlib.nullcontext():
+            with opt.no_sync() if m < micro - 1 and accumulate == "no_sync" else contextlib.nullcontext():
                 (loss if scaler is None else scaler.scale(loss)).backward()
         if clip is not None:
             if not hasattr(opt, "clip_grad_norm"):  # FusedMuon: torch's clipping of unscaled gradients
@@ -124,16 +125,17 @@ def _worker(rank, world, port, cfg, out) -> None:
                     p.add_(1.0)
         opt = shardadam.DistributedFusedMuon(_groups(model), ns_dtype=cfg["ns_dtype"], momentum_dtype=cfg["momentum"],
                                              overlap_grad_sync=cfg["overlap"], bucket_cap_mb=cfg["cap"], **OPTIONS)
-        norms = _train(model, opt, range(STEPS), rank, world, cfg["micro"], cfg["clip"])
+        norms = _train(model, opt, range(STEPS), rank, world, cfg["micro"], cfg["clip"], accumulate=cfg["accumulate"])
         out.put((rank, dict(norms=norms, params=[p.detach().cpu().numpy().copy() for p in model.parameters()],
                             owned=opt.orthogonalized_matrices(),
                             buckets=len(opt._muon.buckets))))
     _exit()
 
 
-def _config(ns_dtype=torch.float32, overlap=True, cap=100.0, micro=1, device="cpu", clip=None, momentum=None):
+def _config(ns_dtype=torch.float32, overlap=True, cap=100.0, micro=1, device="cpu", clip=None, momentum=None,
+            accumulate="no_sync"):
     return dict(ns_dtype=ns_dtype, overlap=overlap, cap=cap, micro=micro, device=device, clip=clip,
-                momentum=momentum)
+                momentum=momentum, accumulate=accumulate)
 
 
 @pytest.mark.parametrize("world,cfg", [
@@ -142,10 +144,12 @@ def _config(ns_dtype=torch.float32, overlap=True, cap=100.0, micro=1, device="cp
     (4, _config()),                             # more ranks than matrices of some shapes
     (2, _config(overlap=False)),
     (3, _config(micro=2)),                      # no_sync accumulation
+    (2, _config(micro=3, accumulate="every", cap=1e-3, clip=0.05)),  # a reduction round per micro-batch
     (2, _config(clip=0.05)),                    # clip_grad_norm over both parts, as torch's over the model
     pytest.param(1, _config(device="cuda"), marks=pytest.mark.cuda),
     pytest.param(2, _config(device="cuda", cap=1e-3, micro=2), marks=pytest.mark.multigpu),
-], ids=["world-2", "world-3-small-buckets", "world-4", "no-overlap", "no_sync-3", "clip", "nccl-1", "nccl-2-small-buckets"])
+], ids=["world-2", "world-3-small-buckets", "world-4", "no-overlap", "no_sync-3", "rounds-per-micro-batch", "clip",
+        "nccl-1", "nccl-2-small-buckets"])
 def test_matches_fused_muon_on_the_global_batch(world, cfg):
     results = _spawn_all(_worker, world, cfg)
     want_norms = []
@@ -447,3 +451,15 @@ def test_zero_grad_discards_the_gradients_backward_handed_over(one_rank):
     _train(model, opt, [1])
     for i, (got, want) in enumerate(zip(model.parameters(), _reference(torch.float32, [1]))):
         torch.testing.assert_close(got.detach(), want, rtol=1e-5, atol=2e-6, msg=lambda m: f"param {i}: {m}")
+
+
+def test_backward_after_the_gradients_were_reduced_is_refused(one_rank):
+    """grad_norm() reduced this iteration's Muon gradients: a further backward
+    before step() would miss the step, and raises saying so."""
+    model = _Net()
+    opt = shardadam.DistributedFusedMuon(_groups(model)[:1], **OPTIONS)
+    xs, ys = _data()
+    nn.functional.mse_loss(model(xs[0]), ys[0]).backward()
+    opt.grad_norm()
+    with pytest.raises(RuntimeError, match="^DistributedFusedMuon: a backward after the gradients were reduced"):
+        nn.functional.mse_loss(model(xs[1]), ys[1]).backward()

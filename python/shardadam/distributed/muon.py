@@ -44,7 +44,8 @@ class DistributedFusedMuon(torch.optim.Optimizer):
     (the default) the result equals FusedMuon (or torch.optim.Muon + AdamW)
     on the global batch. With overlap_grad_sync=True a Muon parameter's
     ``.grad`` is handed to the optimizer as backward produces it and is then
-    None; inside no_sync() gradients accumulate in ``.grad``. A trainable
+    None; inside no_sync() gradients accumulate in ``.grad``, and without it
+    each backward's gradients are reduced and the reductions add up. A trainable
     Muon parameter that got no gradient on any rank is stepped with a zero
     gradient (its momentum still acts), as DistributedFusedAdam steps its
     parameters.
