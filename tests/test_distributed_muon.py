@@ -55,8 +55,9 @@ def _train(model, opt, steps, rank=0, world=1, micro=1, clip=None, scaler=None, 
            unscale=False, zero_grad=True, accumulate="no_sync") -> list[float]:
     """Train on this rank's slice of the global batches, in `micro` pieces
     (gradients accumulated inside no_sync(), or synchronised after each one
-    with accumulate="every"); the pre-clip norms when clipping. scaler: a GradScaler scales the loss and steps; autocast:
-    the forward under torch.autocast in that dtype; unscale: clip after
+    with accumulate="every"); the pre-clip norms when clipping. scaler: a
+    GradScaler scales the loss and steps; autocast: the forward under
+    torch.autocast in that dtype; unscale: clip after
     unscale_grads(grad_scaler=scaler) (else clip_grad_norm unscales);
     zero_grad=False: none after the steps (DistributedFusedMuon's step
     consumes the gradients)."""
@@ -248,7 +249,6 @@ def _amp_train(model, opt, scaler, cfg, rank=0, world=1) -> dict:
         scales.append(scaler.get_scale())
         if before is not None:
             unchanged = all(torch.equal(a, b) for a, b in zip(before, _snapshot(model, opt)))
-    on[0] = False
     return dict(norms=norms, scales=scales, unchanged=unchanged)
 
 
