@@ -10,6 +10,7 @@ Newton-Schulz iteration carries into the update at about 1e-6 of its size.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import weakref
 
@@ -50,7 +51,16 @@ def _data():
     return torch.randn(STEPS, GLOBAL_BATCH, 16, generator=g), torch.randn(STEPS, GLOBAL_BATCH, 1, generator=g)
 
 
-def _train(model, opt, steps, rank=0, world=1, micro=1, clip=None) -> list[float]:
+def _train(model, opt, steps, rank=0, world=1, micro=1, clip=None, scaler=None, autocast=None,
+           unscale=False, zero_grad=True, accumulate="no_sync") -> list[float]:
+    """Train on this rank's slice of the global batches, in `micro` pieces
+    (gradients accumulated inside no_sync(), or synchronised after each one
+    with accumulate="every"); the pre-clip norms when clipping. scaler: a
+    GradScaler scales the loss and steps; autocast: the forward under
+    torch.autocast in that dtype; unscale: clip after
+    unscale_grads(grad_scaler=scaler) (else clip_grad_norm unscales);
+    zero_grad=False: none after the steps (DistributedFusedMuon's step
+    consumes the gradients)."""
     device = next(model.parameters()).device
     xs, ys = (t.to(device) for t in _data())
     per = GLOBAL_BATCH // world
@@ -58,30 +68,50 @@ def _train(model, opt, steps, rank=0, world=1, micro=1, clip=None) -> list[float
     for s in steps:
         x, y = xs[s, rank * per:(rank + 1) * per], ys[s, rank * per:(rank + 1) * per]
         for m, (xm, ym) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
-            loss = nn.functional.mse_loss(model(xm), ym) / micro
-            if m < micro - 1:
-                with opt.no_sync():
-                    loss.backward()
-            else:
-                loss.backward()
+            with contextlib.nullcontext() if autocast is None else torch.autocast(device.type, dtype=autocast):
+                loss = nn.functional.mse_loss(model(xm).float(), ym) / micro
+            with opt.no_sync() if m < micro - 1 and accumulate == "no_sync" else contextlib.nullcontext():
+                (loss if scaler is None else scaler.scale(loss)).backward()
         if clip is not None:
-            norm = opt.clip_grad_norm(clip) if hasattr(opt, "clip_grad_norm") else \
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            if not hasattr(opt, "clip_grad_norm"):  # FusedMuon: torch's clipping of unscaled gradients
+                if scaler is not None:
+                    scaler.unscale_(opt)
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            elif unscale:
+                opt.unscale_grads(grad_scaler=scaler)
+                norm = opt.clip_grad_norm(clip)
+            else:
+                norm = opt.clip_grad_norm(clip, grad_scaler=scaler)
             norms.append(float(norm))
-        opt.step()
-        opt.zero_grad()
+        if scaler is None:
+            opt.step()
+        else:
+            scaler.step(opt)
+            scaler.update()
+        if zero_grad:
+            opt.zero_grad()
     return norms
 
 
 OPTIONS = dict(lr=0.05, weight_decay=0.1)
 
 
-def _reference(ns_dtype, steps=STEPS, device="cpu", clip=None, norms=None) -> list[torch.Tensor]:
+def _reference(ns_dtype, steps=range(STEPS), device="cpu", clip=None, norms=None, state=None) -> list[torch.Tensor]:
+    """FusedMuon's parameters after training on the global batches of
+    `steps`; its pre-clip norms into `norms` and state dict into `state`."""
     model = _Net().to(device)
-    got = _train(model, shardadam.FusedMuon(_groups(model), ns_dtype=ns_dtype, **OPTIONS), range(steps), clip=clip)
+    opt = shardadam.FusedMuon(_groups(model), ns_dtype=ns_dtype, **OPTIONS)
+    got = _train(model, opt, steps, clip=clip)
     if norms is not None:
         norms.extend(got)
+    if state is not None:
+        state.update(_numpy_state(opt.state_dict()))
     return [p.detach().cpu().clone() for p in model.parameters()]
+
+
+def _numpy_state(sd: dict) -> dict:
+    """A state dict's per-parameter tensors as numpy arrays (they travel between processes)."""
+    return {i: {k: v.detach().cpu().numpy().copy() for k, v in s.items()} for i, s in sd["state"].items()}
 
 
 def _worker(rank, world, port, cfg, out) -> None:
@@ -96,38 +126,17 @@ def _worker(rank, world, port, cfg, out) -> None:
                     p.add_(1.0)
         opt = shardadam.DistributedFusedMuon(_groups(model), ns_dtype=cfg["ns_dtype"], momentum_dtype=cfg["momentum"],
                                              overlap_grad_sync=cfg["overlap"], bucket_cap_mb=cfg["cap"], **OPTIONS)
-        norms = _train(model, opt, range(STEPS), rank, world, cfg["micro"], cfg["clip"])
+        norms = _train(model, opt, range(STEPS), rank, world, cfg["micro"], cfg["clip"], accumulate=cfg["accumulate"])
         out.put((rank, dict(norms=norms, params=[p.detach().cpu().numpy().copy() for p in model.parameters()],
                             owned=opt.orthogonalized_matrices(),
                             buckets=len(opt._muon.buckets))))
     _exit()
 
 
-def _scaler_worker(rank, world, port, out) -> None:
-    with _rank_group(rank, world, port, out):
-        model = _Net()
-        opt = shardadam.DistributedFusedMuon(_groups(model))
-        scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
-        xs, ys = _data()
-        scaler.scale(nn.functional.mse_loss(model(xs[0]), ys[0])).backward()
-        before = [p.detach().clone() for p in model.parameters()]
-        try:
-            scaler.step(opt)
-            refused = ""
-        except RuntimeError as e:
-            refused = str(e)
-        out.put((rank, (refused, all(torch.equal(a, b) for a, b in zip(before, model.parameters())))))
-    _exit()
-
-
-def test_grad_scaler_is_refused_before_anything_is_written():
-    for refused, unchanged in _spawn_all(_scaler_worker, 2):
-        assert "GradScaler" in refused and unchanged
-
-
-def _config(ns_dtype=torch.float32, overlap=True, cap=100.0, micro=1, device="cpu", clip=None, momentum=None):
+def _config(ns_dtype=torch.float32, overlap=True, cap=100.0, micro=1, device="cpu", clip=None, momentum=None,
+            accumulate="no_sync"):
     return dict(ns_dtype=ns_dtype, overlap=overlap, cap=cap, micro=micro, device=device, clip=clip,
-                momentum=momentum)
+                momentum=momentum, accumulate=accumulate)
 
 
 @pytest.mark.parametrize("world,cfg", [
@@ -136,10 +145,12 @@ def _config(ns_dtype=torch.float32, overlap=True, cap=100.0, micro=1, device="cp
     (4, _config()),                             # more ranks than matrices of some shapes
     (2, _config(overlap=False)),
     (3, _config(micro=2)),                      # no_sync accumulation
+    (2, _config(micro=3, accumulate="every", cap=1e-3, clip=0.05)),  # a reduction round per micro-batch
     (2, _config(clip=0.05)),                    # clip_grad_norm over both parts, as torch's over the model
     pytest.param(1, _config(device="cuda"), marks=pytest.mark.cuda),
     pytest.param(2, _config(device="cuda", cap=1e-3, micro=2), marks=pytest.mark.multigpu),
-], ids=["world-2", "world-3-small-buckets", "world-4", "no-overlap", "no_sync-3", "clip", "nccl-1", "nccl-2-small-buckets"])
+], ids=["world-2", "world-3-small-buckets", "world-4", "no-overlap", "no_sync-3", "rounds-per-micro-batch", "clip",
+        "nccl-1", "nccl-2-small-buckets"])
 def test_matches_fused_muon_on_the_global_batch(world, cfg):
     results = _spawn_all(_worker, world, cfg)
     want_norms = []
@@ -181,6 +192,147 @@ def test_bf16_momentum_differs_from_fp32_by_bf16_rounding_only():
     errors = _movement_errors([torch.from_numpy(p) for p in results[0]["params"]], fp32)
     noise = max(_movement_errors(_reference(torch.bfloat16), fp32))
     assert 1e-4 < max(errors) < 2 * noise, f"movement differs by {errors}; bf16 Newton-Schulz alone {noise:.2e}"
+
+
+# ---------------------------------------------------------------- GradScaler
+#
+# Muon's update is invariant to a constant gradient scale, so a gradient left
+# scaled does not move the Muon parameters differently: it shows in the
+# momentum buffers, in the AdamW part and in the norms, all compared here.
+
+INIT_SCALE = 2.0 ** 10
+
+
+def _amp_config(device="cpu", inf_param=None, inf_step=None, clip=None, unscale=False, autocast=None,
+                zero_grad=True):
+    """inf_param at inf_step: the last rank's gradient of that parameter holds
+    an inf. clip, unscale, zero_grad: _train's. autocast: the forward's dtype."""
+    return dict(device=device, inf_param=inf_param, inf_step=inf_step, clip=clip, unscale=unscale,
+                autocast=autocast, zero_grad=zero_grad)
+
+
+def _poisoned(param: torch.Tensor) -> list[bool]:
+    """A switch: while on, the first element of param's gradient is inf
+    (a tensor hook: it runs before the optimizer takes the gradient)."""
+    on = [False]
+
+    def hook(grad):
+        if not on[0]:
+            return grad
+        grad = grad.clone()
+        grad.view(-1)[0] = float("inf")
+        return grad
+
+    param.register_hook(hook)
+    return on
+
+
+def _snapshot(model, opt) -> list[torch.Tensor]:
+    """The parameters and every tensor of the optimizer's state dict (every rank must call it)."""
+    state = opt.state_dict()["state"]
+    return [p.detach().clone() for p in model.parameters()] + \
+        [state[i][k].detach().clone() for i in sorted(state) for k in sorted(state[i])]
+
+
+def _amp_train(model, opt, scaler, cfg, rank=0, world=1) -> dict:
+    """_train under the GradScaler, one step at a time: the pre-clip norms,
+    the scale after each step, and whether the inf step left the parameters
+    and the optimizer state bit-unchanged (None without one)."""
+    on = _poisoned(dict(model.named_parameters())[cfg["inf_param"]]) \
+        if cfg["inf_param"] is not None and rank == world - 1 else [False]
+    norms, scales, unchanged = [], [], None
+    for s in range(STEPS):
+        on[0] = s == cfg["inf_step"]
+        before = _snapshot(model, opt) if s == cfg["inf_step"] else None
+        norms += _train(model, opt, [s], rank, world, clip=cfg["clip"], scaler=scaler, autocast=cfg["autocast"],
+                        unscale=cfg["unscale"], zero_grad=cfg["zero_grad"] or isinstance(opt, shardadam.FusedMuon))
+        scales.append(scaler.get_scale())
+        if before is not None:
+            unchanged = all(torch.equal(a, b) for a, b in zip(before, _snapshot(model, opt)))
+    return dict(norms=norms, scales=scales, unchanged=unchanged)
+
+
+def _amp_worker(rank, world, port, cfg, out) -> None:
+    cuda = cfg["device"] == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    with _rank_group(rank, world, port, out, "nccl" if cuda else "gloo"):
+        model = _Net().to(f"cuda:{rank}" if cuda else "cpu")
+        opt = shardadam.DistributedFusedMuon(_groups(model), ns_dtype=torch.float32, **OPTIONS)
+        got = _amp_train(model, opt, torch.amp.GradScaler(cfg["device"], init_scale=INIT_SCALE), cfg, rank, world)
+        out.put((rank, dict(got, params=[p.detach().cpu().numpy().copy() for p in model.parameters()],
+                            state=_numpy_state(opt.state_dict()))))
+    _exit()
+
+
+def _amp_reference(cfg) -> tuple[list, dict, list]:
+    """(parameters, state, pre-clip norms) of FusedMuon on the global batch:
+    on the CPU without a scaler, leaving out the inf step (fp32 gradients
+    scale by 2**10 exactly); on CUDA the same GradScaler flow (torch's own
+    unscaling: autocast's fp16 gradients do not scale exactly)."""
+    norms, state = [], {}
+    if cfg["device"] == "cpu":
+        params = _reference(torch.float32, [s for s in range(STEPS) if s != cfg["inf_step"]], clip=cfg["clip"],
+                            norms=norms, state=state)
+        return params, state, norms
+    model = _Net().cuda()
+    opt = shardadam.FusedMuon(_groups(model), ns_dtype=torch.float32, **OPTIONS)
+    got = _amp_train(model, opt, torch.amp.GradScaler("cuda", init_scale=INIT_SCALE), cfg)
+    return [p.detach().cpu() for p in model.parameters()], _numpy_state(opt.state_dict()), got["norms"]
+
+
+@pytest.mark.parametrize("world,cfg", [
+    (2, _amp_config()),
+    (2, _amp_config(inf_param="hidden.weight", inf_step=2, zero_grad=False)),  # the skip ends the iteration
+    (2, _amp_config(inf_param="head.bias", inf_step=2, clip=0.05, unscale=True)),
+    (2, _amp_config(clip=0.05)),
+    pytest.param(1, _amp_config(device="cuda", autocast=torch.float16, inf_param="experts", inf_step=2),
+                 marks=pytest.mark.cuda),
+    pytest.param(1, _amp_config(device="cuda", autocast=torch.bfloat16, clip=0.05), marks=pytest.mark.cuda),
+], ids=["scaled", "inf-in-a-muon-matrix", "inf-in-an-adamw-param-unscale-then-clip", "clip-unscales",
+        "nccl-1-fp16-autocast-inf", "nccl-1-bf16-autocast-clip"])
+def test_grad_scaler_trains_as_fused_muon_on_unscaled_gradients(world, cfg):
+    """Parameters, momentum buffers and AdamW states equal FusedMuon's on the
+    unscaled gradients of the global batch; an inf in one rank's gradient
+    of one parameter skips the step on every rank, writing nothing, and the
+    scaler backs off; clip_grad_norm returns (and clips by) the unscaled norm."""
+    results = _spawn_all(_amp_worker, world, cfg)
+    want, want_state, want_norms = _amp_reference(cfg)
+    inf_step = cfg["inf_step"]
+    scales = [INIT_SCALE / 2 if inf_step is not None and s >= inf_step else INIT_SCALE for s in range(STEPS)]
+    if cfg["clip"] is not None:
+        assert min(want_norms) > cfg["clip"], "the test must clip at every step"
+    for r, result in enumerate(results):
+        assert result["scales"] == scales, f"rank {r}: scales {result['scales']}"
+        assert result["unchanged"] is (None if inf_step is None else True), f"rank {r} wrote in the inf step"
+        if cfg["clip"] is not None:
+            got_norms = [n for s, n in enumerate(result["norms"]) if s != inf_step]  # the inf step's is inf
+            torch.testing.assert_close(torch.tensor(got_norms), torch.tensor(want_norms), rtol=1e-5, atol=0,
+                                       msg=lambda m: f"rank {r}, norms: {m}")
+        for i, (got, w) in enumerate(zip(result["params"], want)):
+            torch.testing.assert_close(torch.from_numpy(got), w, rtol=1e-5, atol=2e-6,
+                                       msg=lambda m: f"rank {r}, param {i}: {m}")
+        for i, state in want_state.items():
+            for k, w in state.items():  # states span 1e-7..1e-2: the error is fp32 rounding of the largest value
+                w = torch.from_numpy(w)
+                torch.testing.assert_close(torch.from_numpy(result["state"][i][k]), w, rtol=1e-5,
+                                           atol=1e-5 * float(w.abs().max()),
+                                           msg=lambda m: f"rank {r}, state[{i}][{k}]: {m}")
+
+
+def test_scaler_unscale_is_refused_and_names_unscale_grads(one_rank):
+    """scaler.unscale_(opt) cannot reach the gradients in the buckets: the
+    step raises, naming the method that can, before anything is written."""
+    model = _Net()
+    opt = shardadam.DistributedFusedMuon(_groups(model), **OPTIONS)
+    scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)
+    xs, ys = _data()
+    scaler.scale(nn.functional.mse_loss(model(xs[0]), ys[0])).backward()
+    before = _snapshot(model, opt)
+    scaler.unscale_(opt)
+    with pytest.raises(RuntimeError, match=r"optimizer\.unscale_grads\(grad_scaler=scaler\)"):
+        scaler.step(opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, _snapshot(model, opt)))
 
 
 def _checkpoint_worker(rank, world, port, path, phase, out) -> None:
@@ -285,3 +437,29 @@ def test_no_gradient_outlives_zero_grad(one_rank, overlap):
         opt.zero_grad(set_to_none=True)
         gc.collect()
         assert len(refs) == 7 and not any(r() is not None for r in refs), "a gradient outlived zero_grad"
+
+
+def test_zero_grad_discards_the_gradients_backward_handed_over(one_rank):
+    """With overlap_grad_sync the gradients are in the buckets after backward;
+    zero_grad() discards them there too, so the next step sees only the
+    gradients of the backward after it (FusedMuon's step on that batch)."""
+    model = _Net()
+    opt = shardadam.DistributedFusedMuon(_groups(model), ns_dtype=torch.float32, **OPTIONS)
+    xs, ys = _data()
+    nn.functional.mse_loss(model(xs[0]), ys[0]).backward()
+    opt.zero_grad()
+    _train(model, opt, [1])
+    for i, (got, want) in enumerate(zip(model.parameters(), _reference(torch.float32, [1]))):
+        torch.testing.assert_close(got.detach(), want, rtol=1e-5, atol=2e-6, msg=lambda m: f"param {i}: {m}")
+
+
+def test_backward_after_the_gradients_were_reduced_is_refused(one_rank):
+    """grad_norm() reduced this iteration's Muon gradients: a further backward
+    before step() would miss the step, and raises saying so."""
+    model = _Net()
+    opt = shardadam.DistributedFusedMuon(_groups(model)[:1], **OPTIONS)
+    xs, ys = _data()
+    nn.functional.mse_loss(model(xs[0]), ys[0]).backward()
+    opt.grad_norm()
+    with pytest.raises(RuntimeError, match="^DistributedFusedMuon: a backward after the gradients were reduced"):
+        nn.functional.mse_loss(model(xs[1]), ys[1]).backward()

@@ -1,7 +1,8 @@
-"""torch.amp.GradScaler and the ZeRO engine: the gradients live in the
-optimizer's shards, out of the scaler's reach, so the optimizer unscales
-(inside its kernel's gradient scale) and finds inf/NaN itself, on every rank
-alike, and tells the scaler.
+"""torch.amp.GradScaler and the sharded optimizers (the ZeRO engine and
+DistributedFusedMuon): the gradients live in the optimizer's shards, out of
+the scaler's reach, so the optimizer unscales (inside its kernels' gradient
+scale) and finds inf/NaN itself, on every rank alike, and tells the scaler.
+The checks and conversions both optimizers make are here.
 
 [Note: GradScaler protocols] GradScaler.step(opt) has two ways to step an
 optimizer with _step_supports_amp_scaling. The old one passes
@@ -58,6 +59,65 @@ def inv_scale(scaler, device) -> torch.Tensor:
     if scaler._scale is None:
         raise RuntimeError("the GradScaler has not scaled a loss yet (scaler.scale(loss) first)")
     return scaler._scale.to(device, torch.float32).reciprocal().reshape(())
+
+
+def check_stage(scaler, optimizer, unscaled_by_optimizer: bool, device) -> torch.Tensor | None:
+    """step()'s check of the scaler's stage, before anything is written: 1 /
+    its loss scale when the gradients are still scaled, None when the
+    optimizer's unscale_grads() unscaled them (unscaled_by_optimizer) or
+    without a scaler."""
+    if scaler is None:
+        return None
+    unscaled = stage(scaler, optimizer) == "UNSCALED"
+    if unscaled and not unscaled_by_optimizer:
+        raise RuntimeError(f"scaler.unscale_(optimizer) cannot reach {type(optimizer).__name__}'s gradients "
+                           "(they live in its buckets): call optimizer.unscale_grads(grad_scaler=scaler) "
+                           "instead, or nothing (clip_grad_norm() and step() unscale by themselves)")
+    if not unscaled and unscaled_by_optimizer:
+        raise RuntimeError("the GradScaler steps gradients that unscale_grads(inv_scale=...) already "
+                           "unscaled: they would be unscaled twice; use "
+                           "unscale_grads(grad_scaler=scaler), or one of the two")
+    return None if unscaled else inv_scale(scaler, device)
+
+
+def requested_inv_scale(args: tuple, given, scaler, optimizer, already_unscaled: bool, device) -> torch.Tensor:
+    """unscale_grads()'s arguments, checked: the inverse loss scale (given:
+    its inv_scale, also its first positional argument, GradScaler.
+    _unscale_grads_'s order; or 1 / the scaler's scale) as a float32 0-d
+    tensor on `device`."""
+    if args:
+        if given is not None:
+            raise TypeError("unscale_grads: inv_scale given both by position and by keyword")
+        given = args[0]
+    if (given is None) == (scaler is None):
+        raise ValueError("unscale_grads needs exactly one of inv_scale or grad_scaler")
+    if already_unscaled:
+        raise RuntimeError("unscale_grads() was already called in this iteration (after the last step() or "
+                           "zero_grad()): the gradients would be unscaled twice")
+    if scaler is not None:
+        now = stage(scaler, optimizer)
+        if now != "READY":
+            raise RuntimeError(f"unscale_grads(grad_scaler=...): the scaler is {now} for this optimizer "
+                               "(unscale_ or step already ran since the last update())")
+        given = inv_scale(scaler, device)
+    return torch.as_tensor(given, dtype=torch.float32, device=device).reshape(())
+
+
+def met(scaler, before):
+    """The scaler a norm is unscaled with from now on: one handed to
+    grad_norm() or clip_grad_norm() if enabled, else the one met before."""
+    return scaler if scaler is not None and scaler.is_enabled() else before
+
+
+def unscaled_norm(norm: torch.Tensor, inv: torch.Tensor | None, scaler, device) -> torch.Tensor:
+    """A norm of the (loss-scaled) gradients, unscaled: by unscale_grads()'s
+    factor inv when it ran, else by the scaler met (none, or one that has
+    not scaled a loss yet: the gradients are not scaled)."""
+    if inv is not None:
+        return norm * inv
+    if scaler is None or scaler._scale is None:
+        return norm
+    return norm * scaler._scale.to(device, torch.float32).reciprocal().reshape(())
 
 
 def report(scaler, optimizer, found_inf: torch.Tensor, device, unscaled: bool = False) -> None:

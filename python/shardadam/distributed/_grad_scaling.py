@@ -18,9 +18,15 @@ from . import _amp
 from ._iteration import Grads
 from ._peer_timeout import naming_phase
 
-__all__ = ["GradScaling"]
+__all__ = ["GradScaling", "clip_factor"]
 
 _log = logging.getLogger("shardadam")
+
+
+def clip_factor(max_norm: float, norm: torch.Tensor) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_'s factor for gradients of this
+    (unscaled) norm: min(1, max_norm / (norm + 1e-6)), on the norm's device."""
+    return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
 
 
 class GradScaling:
@@ -37,18 +43,7 @@ class GradScaling:
         """step()'s check of the scaler's stage: 1 / its loss scale when the
         gradients are still scaled, None when unscale_grads() unscaled them
         (or without a scaler)."""
-        if grad_scaler is None:
-            return None
-        unscaled = _amp.stage(grad_scaler, self) == "UNSCALED"
-        if unscaled and self.iteration.inv_scale is None:
-            raise RuntimeError(f"scaler.unscale_(optimizer) cannot reach {type(self).__name__}'s gradients "
-                               "(they live in its buckets): call optimizer.unscale_grads(grad_scaler=scaler) "
-                               "instead, or nothing (clip_grad_norm() and step() unscale by themselves)")
-        if not unscaled and self.iteration.inv_scale is not None:
-            raise RuntimeError("the GradScaler steps gradients that unscale_grads(inv_scale=...) already "
-                               "unscaled: they would be unscaled twice; use "
-                               "unscale_grads(grad_scaler=scaler), or one of the two")
-        return None if unscaled else _amp.inv_scale(grad_scaler, self.device)
+        return _amp.check_stage(grad_scaler, self, self.iteration.inv_scale is not None, self.device)
 
     def _gradient_scale(self, grad_scaler, inv_loss_scale) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The kernel's gradient scale (averaging and unscaling) and, with a
@@ -88,14 +83,27 @@ class GradScaling:
             return
         max_norm, scaled_norm = self.iteration.clip
         unscaled = scaled_norm * (grad_scale * (self.world_size if self.average_grad_sync else 1.0))
-        grad_scale *= torch.clamp(max_norm / (unscaled + 1e-6), max=1.0)
+        grad_scale *= clip_factor(max_norm, unscaled)
 
     def _nonfinite_on_any_rank(self) -> torch.Tensor:
         """1.0 on the device when the reduced gradient shard of any rank holds
         inf/NaN, else 0.0: one all-reduce, no host sync."""
-        found = kernels.l2_norm(self._shard_norm_plan()).nonfinite
+        found = self._nonfinite_here()
         dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.dist_group)
         return found
+
+    def _nonfinite_here(self) -> torch.Tensor:
+        """1.0 (float32 [1], on the device) when this rank's reduced gradient
+        shard holds inf/NaN, else 0.0."""
+        return kernels.l2_norm(self._shard_norm_plan()).nonfinite
+
+    def _fold_inv_scale(self, inv_scale: torch.Tensor) -> None:
+        """Synchronise this iteration's gradients and have the next step
+        unscale them by inv_scale (a float32 0-d tensor on the device); its
+        callers have checked that none was folded yet."""
+        if self.iteration.grads is not Grads.REDUCED:
+            self.grad_sync()
+        self.iteration.inv_scale = inv_scale
 
     @naming_phase("unscale_grads()")
     def unscale_grads(self, *args, inv_scale=None, grad_scaler=None) -> dict:
@@ -108,27 +116,11 @@ class GradScaling:
         inf/NaN); with grad_scaler, as scaler.unscale_(optimizer) would, the
         scaler records it and moves to its unscaled stage, so that
         clip_grad_norm() and then scaler.step(optimizer) / scaler.update() follow."""
-        if args:
-            if inv_scale is not None:
-                raise TypeError("unscale_grads: inv_scale given both by position and by keyword")
-            inv_scale = args[0]
-        if (inv_scale is None) == (grad_scaler is None):
-            raise ValueError("unscale_grads needs exactly one of inv_scale or grad_scaler")
         self._refuse_with_host_step_in_backward("unscale_grads()")
-        if self.iteration.inv_scale is not None:
-            raise RuntimeError("unscale_grads() was already called in this iteration (after the last step() or "
-                               "zero_grad()): the gradients would be unscaled twice")
-        if grad_scaler is not None:
-            stage = _amp.stage(grad_scaler, self)
-            if stage != "READY":
-                raise RuntimeError(f"unscale_grads(grad_scaler=...): the scaler is {stage} for this optimizer "
-                                   "(unscale_ or step already ran since the last update())")
-            inv_scale = _amp.inv_scale(grad_scaler, self.device)
-        inv_scale = torch.as_tensor(inv_scale, dtype=torch.float32, device=self.device).reshape(())
-        if self.iteration.grads is not Grads.REDUCED:
-            self.grad_sync()
+        inv_scale = _amp.requested_inv_scale(args, inv_scale, grad_scaler, self, self.iteration.inv_scale is not None,
+                                             self.device)
+        self._fold_inv_scale(inv_scale)
         found_inf = self._nonfinite_on_any_rank()
-        self.iteration.inv_scale = inv_scale
         if grad_scaler is not None:
             self._grad_scaler = grad_scaler
             _amp.report(grad_scaler, self, found_inf, self.device, unscaled=True)
@@ -167,16 +159,10 @@ class GradScaling:
         return self._unscaled(scaled)
 
     def _meet_scaler(self, grad_scaler) -> None:
-        if grad_scaler is not None and grad_scaler.is_enabled():
-            self._grad_scaler = grad_scaler
+        self._grad_scaler = _amp.met(grad_scaler, self._grad_scaler)
 
     def _unscaled(self, norm: torch.Tensor) -> torch.Tensor:
-        if self.iteration.inv_scale is not None:  # unscale_grads() ran
-            return norm * self.iteration.inv_scale
-        # A scaler that has not scaled a loss yet has no scale: the gradients are not scaled.
-        if self._grad_scaler is None or self._grad_scaler._scale is None:
-            return norm
-        return norm * self._grad_scaler._scale.to(self.device, torch.float32).reciprocal().reshape(())
+        return _amp.unscaled_norm(norm, self.iteration.inv_scale, self._grad_scaler, self.device)
 
     def _scaled_grad_norm(self, parameters, norm_type: float) -> torch.Tensor:
         """The norm of the gradients as they are (loss-scaled under AMP)."""

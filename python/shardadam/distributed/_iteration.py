@@ -14,7 +14,7 @@ half-reduced gradients or stale parameters.
                 deferred --the next forward / param_sync()--> gathering
                 current | gathering --every bucket landed--> current
 
-A backward after the gradients were reduced (grad_sync(), grad_norm() or
+A backward after the gradients were reduced (grad_sync(), grad_norm(), unscale_grads() or
 clip_grad_norm()) and before step() would start a reduction that the step
 no longer waits for: the reduced -> reducing move is refused. "consumed":
 the contiguous gradient buffer holds this rank's reduced shard ([Note:
@@ -61,12 +61,11 @@ _PARAM_MOVES = {
     Params.GATHERING: {Params.CURRENT, Params.GATHERING, Params.DEFERRED},
     Params.DEFERRED: {Params.CURRENT, Params.DEFERRED},
 }
-_WHY = {
-    (Grads.REDUCED, Grads.REDUCING): (
-        "a backward after the gradients were reduced (grad_sync(), grad_norm() or clip_grad_norm()) and before "
-        "step(): its gradients would miss this step. Call step() (or zero_grad()) first, or take norms after the "
-        "last backward"),
-}
+BACKWARD_AFTER_REDUCTION = (
+    "a backward after the gradients were reduced (grad_sync(), grad_norm(), clip_grad_norm() or unscale_grads()) "
+    "and before step(): its gradients would miss this step. Call step() (or zero_grad()) first, or take norms "
+    "after the last backward")
+_WHY = {(Grads.REDUCED, Grads.REDUCING): BACKWARD_AFTER_REDUCTION}
 
 
 @dataclass

@@ -10,10 +10,16 @@ match across ranks):
    parameter of the bucket and of every bucket before it has been handed
    over, the bucket is reduce-scattered (overlap_grad_sync; otherwise all of
    it happens in step(), as it does for buckets whose parameters got no
-   gradient: they contribute zeros, as in DistributedFusedAdam);
+   gradient: they contribute zeros, as in DistributedFusedAdam). A second
+   gradient for a parameter (a backward per micro-batch without no_sync())
+   starts a new round, as in DistributedFusedAdam: the rest of the current
+   round is reduced and waited for, and the new round's reduced gradients
+   are added to the earlier rounds';
 2. step(): the owner's momentum pass, batched Newton-Schulz and update pass
    (FusedMuon's MuonLayout over its matrices only) update its matrices in
-   the parameters;
+   the parameters; averaging, a GradScaler's unscaling and clipping fold
+   into the momentum pass's gradient scale (the reduced gradients are never
+   rescaled in memory), and a step skipped for inf/NaN writes nothing;
 3. each rank copies its matrices into its slot and the slots are
    all-gathered into every rank's parameters.
 """
@@ -24,7 +30,10 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from .. import kernels
 from .._muon_layout import Entry, MuonLayout, layout_key
+from ._grad_scaling import clip_factor
+from ._iteration import BACKWARD_AFTER_REDUCTION
 from ._muon_owners import Matrix, OwnerBucket, plan_owner_buckets
 from ._transport import _all_gather, _reduce_scatter
 
@@ -64,11 +73,15 @@ class OwnedMuon:
         self.momentum = [torch.zeros(b.slot_size, dtype=momentum_dtype or b.dtype, device=device)
                          for b in self.buckets]
         self.stepped = False  # torch's state has no momentum_buffer before the first step
-        self.clip = None      # clip_grad_norm()'s factor (a 0-d tensor) for the next step
+        self.clip = None      # clip_grad_norm()'s (max_norm, loss-scaled norm) for the next step
+        self._norm_plan = kernels.NormPlan(self.shard, check_addresses=False)  # own buffers
         self.no_sync = False
         self._pending = [set(b.params) for b in self.buckets]
         self._works: list = [None] * len(self.buckets)
         self._launched = 0
+        self._round = 0
+        self._adds: list = [None] * len(self.buckets)  # a later round's reduced shard, added once waited for
+        self._reduced = False  # finish_grad_sync() ran: the step's gradients are final
         self._layout = None
         self._addresses = None
         self._entries_now: list[Entry] = []
@@ -86,12 +99,11 @@ class OwnedMuon:
         launch every bucket that is complete and next in order."""
         if self.no_sync or p.grad is None:
             return  # inside no_sync() the gradient accumulates in .grad
+        if self._reduced:
+            raise RuntimeError(f"DistributedFusedMuon: {BACKWARD_AFTER_REDUCTION}")
         b = self.bucket_of[k]
-        if self._works[b] is not None or b < self._launched:
-            raise RuntimeError(
-                f"DistributedFusedMuon: a second backward reached Muon parameter {k} after its bucket was "
-                "reduced this iteration; accumulate gradients inside optimizer.no_sync() for every "
-                "micro-batch but the last")
+        if k not in self._pending[b]:  # handed over already: another backward pass
+            self._new_round()
         self._stage(b, k, p.grad)
         p.grad = None
         self._pending[b].discard(k)
@@ -108,8 +120,33 @@ class OwnedMuon:
             _matrix(full, m, m.owner * bucket.slot_size).add_(_of_param(grad, m))
 
     def _launch(self, b: int) -> None:
-        self._works[b] = _reduce_scatter(self.shard[b], self.full[b], group=self.group, async_op=True)
+        out = self.shard[b] if self._round == 0 else torch.empty_like(self.shard[b])
+        self._works[b] = _reduce_scatter(out, self.full[b], group=self.group, async_op=True)
+        self._adds[b] = out if self._round else None
         self._launched = b + 1
+
+    def _wait(self) -> None:
+        """Wait for every reduction in flight; a later round's result is
+        added to the shard then."""
+        for b, work in enumerate(self._works):
+            if work is not None:
+                work.wait()
+                self._works[b] = None
+            if self._adds[b] is not None:
+                self.shard[b].add_(self._adds[b])
+                self._adds[b] = None
+
+    def _new_round(self) -> None:
+        """Reduce the rest of this round (parameters not handed over count as
+        zeros), wait for it, and start the next with empty buckets."""
+        for b in range(self._launched, len(self.buckets)):
+            self._launch(b)
+        self._wait()
+        for full in self.full:
+            full.zero_()
+        self._pending = [set(b.params) for b in self.buckets]
+        self._launched = 0
+        self._round += 1
 
     def finish_grad_sync(self) -> None:
         """Stage the gradients backward has not handed over (no overlap, or
@@ -123,8 +160,14 @@ class OwnedMuon:
                     self.params[k].grad = None
             self._pending[b].clear()
             self._launch(b)
-        for work in self._works:
-            work.wait()
+        self._wait()
+        self._reduced = True
+
+    def nonfinite_here(self) -> torch.Tensor:
+        """1.0 (float32 [1]) when this rank's reduced gradients hold inf/NaN,
+        else 0.0; synchronises the gradients first."""
+        self.finish_grad_sync()
+        return kernels.l2_norm(self._norm_plan).nonfinite
 
     def grad_sq_norm(self) -> torch.Tensor:
         """The squared L2 norm of the synchronised (averaged, if
@@ -162,23 +205,39 @@ class OwnedMuon:
         return self._layout
 
     @torch.no_grad()
-    def step(self, param_groups: list[dict]) -> None:
-        """Reduce, step the owned matrices, all-gather the parameters."""
+    def step(self, param_groups: list[dict], inv_scale: torch.Tensor | None = None) -> None:
+        """Reduce, step the owned matrices, all-gather the parameters.
+        inv_scale: 1 / the loss scale of GradScaler's scaled gradients."""
         self.finish_grad_sync()
         layout = self._current_layout(param_groups)
         if layout is not None:
             grads = {id(e.param): e.grad for e in layout.entries}
-            scale = 1.0 / self.world if self.average else 1.0
-            layout.step(grads, param_groups, grad_scale=scale if self.clip is None else self.clip * scale,
-                        found_inf=None, unscale_grads=False)
+            scale = torch.full((), 1.0 / self.world if self.average else 1.0, device=self.shard[0].device)
+            if inv_scale is not None:
+                scale *= inv_scale
+            if self.clip is not None:
+                max_norm, scaled_norm = self.clip
+                scale *= clip_factor(max_norm, scaled_norm if inv_scale is None else scaled_norm * inv_scale)
+            layout.step(grads, param_groups, grad_scale=scale, found_inf=None, unscale_grads=False)
         self.stepped = True
-        self.clip = None
         self._gather_params()
+        self.end_iteration()
+
+    def end_iteration(self) -> None:
+        """Forget this iteration's gradients and clipping: after step(), for
+        a step skipped for inf/NaN (which writes nothing), and at zero_grad()
+        (a reduction in flight is waited for first)."""
+        self.clip = None
+        self._reduced = False
+        if self._round == 0 and self._launched == 0 and \
+                all(p == set(b.params) for p, b in zip(self._pending, self.buckets)):
+            return  # nothing was handed over: the buckets hold zeros
+        self._wait()
         for full in self.full:
             full.zero_()
         self._pending = [set(b.params) for b in self.buckets]
-        self._works = [None] * len(self.buckets)
         self._launched = 0
+        self._round = 0
 
     def _gather_params(self) -> None:
         works = []

@@ -9,7 +9,9 @@ import torch.distributed as dist
 
 from .._groups import run_closure
 from .._muon_groups import MUON_KEYS, add_group, check_group, check_muon_hyper, uses_muon
+from . import _amp
 from ._agreement import check_same
+from ._iteration import Grads
 from ._muon_owned import OwnedMuon
 from .adam import DistributedFusedAdam
 
@@ -42,7 +44,8 @@ class DistributedFusedMuon(torch.optim.Optimizer):
     (the default) the result equals FusedMuon (or torch.optim.Muon + AdamW)
     on the global batch. With overlap_grad_sync=True a Muon parameter's
     ``.grad`` is handed to the optimizer as backward produces it and is then
-    None; inside no_sync() gradients accumulate in ``.grad``. A trainable
+    None; inside no_sync() gradients accumulate in ``.grad``, and without it
+    each backward's gradients are reduced and the reductions add up. A trainable
     Muon parameter that got no gradient on any rank is stepped with a zero
     gradient (its momentum still acts), as DistributedFusedAdam steps its
     parameters.
@@ -51,10 +54,16 @@ class DistributedFusedMuon(torch.optim.Optimizer):
     ``momentum_buffer``, the AdamW groups' ``exp_avg``, ``exp_avg_sq`` and
     steps, plus their fp32 ``param`` masters) with whole tensors on every
     rank, so it loads at any world size. grad_norm() and clip_grad_norm()
-    span both parts. Not offered yet: GradScaler (refused at the step; use
-    bf16 autocast), capturable steps and CUDA-graph capture, DCP's sharded
-    state dict (save state_dict() instead), and the options named in
-    ``_REFUSED_OPTIONS``.
+    span both parts.
+
+    torch.amp.GradScaler works as with DistributedFusedAdam (``scaler.step(opt)``;
+    ``opt.unscale_grads(grad_scaler=scaler)`` before clipping, or
+    ``clip_grad_norm(max_norm, grad_scaler=scaler)`` alone): 1/scale joins
+    both parts' gradient scales, and one found-inf flag, agreed over every
+    rank and both parts, skips the whole step (nothing is written) and tells
+    the scaler. Not offered yet: capturable steps and CUDA-graph capture,
+    DCP's sharded state dict (save state_dict() instead), and the options
+    named in ``_REFUSED_OPTIONS``.
     """
 
     def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
@@ -99,6 +108,9 @@ class DistributedFusedMuon(torch.optim.Optimizer):
                 bucket_cap_mb=bucket_cap_mb, **adamw_options)
             inner = iter(self._adamw.param_groups)
             self.param_groups = [g if uses_muon(g) else next(inner) for g in self.param_groups]
+        self._device = device if muon_params else self._adamw.device
+        self._grad_scaler = None  # the GradScaler met last: grad_norm() unscales with it
+        self._inv_scale = None    # unscale_grads()'s factor, folded into this iteration's step
         self._muon = None
         if muon_params:
             src = 0 if process_group is None else dist.get_global_rank(process_group, 0)
@@ -134,29 +146,91 @@ class DistributedFusedMuon(torch.optim.Optimizer):
 
     # ------------------------------------------------------------ iteration
 
-    # GradScaler then hands its scale to step() instead of unscaling the
-    # gradients it cannot reach (they live in the buckets), so step() can
-    # refuse it rather than train on scaled AdamW gradients.
+    # torch.amp.GradScaler hands itself to step(): the gradients live in the
+    # buckets, out of its reach ([Note: GradScaler protocols] in _amp.py).
     _step_supports_amp_scaling = True
 
     @torch.no_grad()
     def step(self, closure=None, **kwargs):
         """Reduce the Muon gradients to their owners, step the owned matrices
-        and all-gather them; then the AdamW groups' ZeRO step."""
-        if kwargs.get("grad_scaler") is not None or getattr(self, "grad_scale", None) is not None:
-            raise RuntimeError(f"{type(self).__name__} does not take a GradScaler yet: train with bf16 autocast "
-                               "(no loss scaling), or use FusedMuon")
-        if kwargs:
-            raise TypeError(f"step() got unexpected keyword arguments {sorted(kwargs)}")
+        and all-gather them; then the AdamW groups' ZeRO step. With a
+        GradScaler (``scaler.step(opt)``), 1/scale joins both parts'
+        gradient scales unless unscale_grads() ran, and a non-finite
+        gradient on any rank, in either part, skips the whole step on every
+        rank (momentum, parameters, AdamW states and steps unchanged) and is
+        reported to the scaler so that ``scaler.update()`` backs off."""
+        grad_scaler = _amp.stepping_scaler(self, kwargs)
+        if grad_scaler is not None and not grad_scaler.is_enabled():
+            grad_scaler = None
         loss = run_closure(closure)
         for i, group in enumerate(self.param_groups):
             if uses_muon(group):
                 check_group(f"param_groups[{i}]", group)
+        inv_loss_scale = _amp.check_stage(grad_scaler, self, self._inv_scale is not None, self._device)
+        if grad_scaler is not None:
+            if inv_loss_scale is not None:
+                self._fold_inv_scale(inv_loss_scale)
+            self._grad_scaler = grad_scaler
+            found_inf = self._nonfinite_on_any_rank()
+            _amp.report(grad_scaler, self, found_inf, self._device)
+            if found_inf.item():
+                self._end_iteration(skipped=True)
+                return loss
         if self._muon is not None:
-            self._muon.step(self.param_groups)
+            self._muon.step(self.param_groups, self._inv_scale)
         if self._adamw is not None:
             self._adamw.step()
+        self._inv_scale = None
         return loss
+
+    def _end_iteration(self, skipped: bool = False) -> None:
+        """Forget this iteration's gradients, unscaling and clipping (a step
+        skipped for inf/NaN, or zero_grad())."""
+        if self._muon is not None:
+            self._muon.end_iteration()
+        if self._adamw is not None and skipped:
+            self._adamw._end_iteration(stepped=True)  # as its own step() ends a skipped step
+        self._inv_scale = None
+
+    @torch.no_grad()
+    def unscale_grads(self, *args, inv_scale=None, grad_scaler=None) -> dict:
+        """DistributedFusedAdam's deferred unscale, over both parts: divide
+        this iteration's gradients by the loss scale inside the next step
+        (gradients are not rewritten): inv_scale (a number or a 0-d tensor;
+        also the first positional argument), or 1 / grad_scaler's current
+        scale. Synchronises the gradients and returns {device: found_inf}
+        (1.0 where any rank's gradients, in either part, hold inf/NaN); with
+        grad_scaler, as scaler.unscale_(optimizer) would, the scaler records
+        it and moves to its unscaled stage, so that clip_grad_norm() and then
+        scaler.step(optimizer) / scaler.update() follow."""
+        inv = _amp.requested_inv_scale(args, inv_scale, grad_scaler, self, self._inv_scale is not None, self._device)
+        self._fold_inv_scale(inv)
+        found_inf = self._nonfinite_on_any_rank()
+        if grad_scaler is not None:
+            self._grad_scaler = grad_scaler
+            _amp.report(grad_scaler, self, found_inf, self._device, unscaled=True)
+        return {self._device: found_inf}
+
+    def _fold_inv_scale(self, inv: torch.Tensor) -> None:
+        """Both parts unscale this iteration's gradients by inv in the step."""
+        if self._adamw is not None:
+            self._adamw._fold_inv_scale(inv.to(self._adamw.device))
+        self._inv_scale = inv
+
+    def _nonfinite_on_any_rank(self) -> torch.Tensor:
+        """1.0 (float32 [1]) when the synchronised gradients of any rank, in
+        either part, hold inf/NaN, else 0.0: one all-reduce for both parts,
+        so every rank and both parts skip together; synchronises the
+        gradients first."""
+        found = torch.zeros(1, dtype=torch.float32, device=self._device)
+        if self._muon is not None:
+            found = torch.maximum(found, self._muon.nonfinite_here())
+        if self._adamw is not None:
+            if self._adamw.iteration.grads is not Grads.REDUCED:
+                self._adamw.grad_sync()
+            found = torch.maximum(found, self._adamw._nonfinite_here().to(self._device))
+        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.process_group)
+        return found
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for g in self.param_groups:
@@ -168,6 +242,7 @@ class DistributedFusedMuon(torch.optim.Optimizer):
                         p.grad.zero_()
         if self._adamw is not None:
             self._adamw.zero_grad(set_to_none=set_to_none)
+        self._end_iteration()
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -192,33 +267,43 @@ class DistributedFusedMuon(torch.optim.Optimizer):
             self._adamw.param_sync()
 
     @torch.no_grad()
-    def grad_norm(self) -> torch.Tensor:
+    def grad_norm(self, *, grad_scaler=None) -> torch.Tensor:
         """The L2 norm of the synchronised (averaged, if average_grad_sync)
         gradients of every parameter, Muon and AdamW groups together, as a
         0-d tensor on every rank; synchronises the gradients now. Read
         gradients this way: with overlap_grad_sync, ``.grad`` is None after
-        backward."""
+        backward. Under AMP the norm is unscaled, as DistributedFusedAdam's,
+        by unscale_grads()' factor or the GradScaler passed here or before
+        (to step(), unscale_grads() or clip_grad_norm())."""
+        self._grad_scaler = _amp.met(grad_scaler, self._grad_scaler)
+        return _amp.unscaled_norm(self._scaled_grad_norm(), self._inv_scale, self._grad_scaler, self._device)
+
+    def _scaled_grad_norm(self) -> torch.Tensor:
+        """grad_norm() of the gradients as they are (loss-scaled under AMP)."""
         sq = None
         if self._muon is not None:
             sq = self._muon.grad_sq_norm()
         if self._adamw is not None:
-            adamw = self._adamw.grad_norm().square()
+            adamw = self._adamw._scaled_grad_norm(None, 2.0).square()
             sq = adamw if sq is None else sq + adamw.to(sq.device)
         return sq.sqrt()
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+    @torch.no_grad()
+    def clip_grad_norm(self, max_norm: float, *, grad_scaler=None) -> torch.Tensor:
         """Scale every gradient so their global L2 norm (grad_norm()) is at
         most max_norm, as torch.nn.utils.clip_grad_norm_ does over all the
-        parameters, inside the next step (gradients are not rewritten).
-        Returns the norm before clipping."""
+        parameters, inside the next step (gradients are not rewritten);
+        under a GradScaler the norm is compared unscaled, in step(). Returns
+        the norm before clipping, unscaled as grad_norm()'s."""
         if not max_norm > 0:
             raise ValueError(f"max_norm must be > 0, got {max_norm}")
-        norm = self.grad_norm()
+        self._grad_scaler = _amp.met(grad_scaler, self._grad_scaler)
+        scaled = self._scaled_grad_norm()
         if self._muon is not None:
-            self._muon.clip = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            self._muon.clip = (float(max_norm), scaled)
         if self._adamw is not None:  # the engine's clip, given the whole model's norm (_grad_scaling.py)
-            self._adamw.iteration.clip = (float(max_norm), norm.to(self._adamw.device))
-        return norm
+            self._adamw.iteration.clip = (float(max_norm), scaled.to(self._adamw.device))
+        return _amp.unscaled_norm(scaled, self._inv_scale, self._grad_scaler, self._device)
 
     def orthogonalized_matrices(self) -> list[tuple[int, int | None]]:
         """(Muon parameter index, matrix index or None) of each matrix this
