@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from .._groups import run_closure
 from .._muon_groups import MUON_KEYS, add_group, check_group, check_muon_hyper, uses_muon
+from . import _muon_dcp
 from ._agreement import check_same
 from ._muon_owned import OwnedMuon
 from .adam import DistributedFusedAdam
@@ -258,6 +259,23 @@ class DistributedFusedMuon(torch.optim.Optimizer):
             else:
                 groups.append(_adamw_group_as_fused_muon(next(inner_groups), ids, state))
         return {"state": state, "param_groups": groups}
+
+    def sharded_state_dict(self) -> dict:
+        """Only this rank's pieces (its matrices' momentum, its shards of the
+        AdamW groups' state), for torch.distributed.checkpoint: see
+        distributed/_muon_dcp.py (a checkpoint of N ranks loads on M)."""
+        return _muon_dcp.sharded_state_dict(self)
+
+    def check_sharded_checkpoint(self, checkpoint_id, key: str = "optim") -> None:
+        """Before dcp.load: refuse a DCP checkpoint whose sharded_state_dict()
+        (under `key`) was written for other parameters or groups, naming the
+        first that differs, on every rank, with nothing read into the
+        optimizer. A collective: every rank of process_group calls it."""
+        _muon_dcp.check_checkpoint(self, checkpoint_id, key)
+
+    def load_sharded_state_dict(self, sharded: dict) -> None:
+        """Take a sharded_state_dict() structure that dcp.load has filled."""
+        _muon_dcp.load_sharded_state_dict(self, sharded)
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
