@@ -13,6 +13,7 @@ on the saving world size, the uninterrupted distributed run bit for bit.
 """
 from __future__ import annotations
 
+import json
 import re
 
 import numpy as np
@@ -22,11 +23,14 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
 import shardadam
-from shardadam.distributed._muon_owners import plan_owner_buckets
 from test_distributed import _exit, _numpy, _rank_group, _spawn_all
 from test_distributed_muon import OPTIONS, STEPS, _groups, _Net, _reference, _train
 
 SAVE_WORLD, SAVED_STEPS = 2, 2
+
+# DCP takes the ragged DTensors without the deprecation warnings of ShardedTensor (the one-rank tests run DCP here).
+pytestmark = [pytest.mark.filterwarnings("error::FutureWarning"),
+              pytest.mark.filterwarnings("error::DeprecationWarning")]
 
 
 def _optimizer(model, momentum_dtype=None):
@@ -38,24 +42,31 @@ def _params(model) -> list[np.ndarray]:
     return [p.detach().cpu().numpy().copy() for p in model.parameters()]
 
 
-def _save_worker(rank, world, port, path, momentum_dtype, out) -> None:
+def _model(rank: int, device: str) -> _Net:
+    """_Net on this rank's device (one GPU per rank with NCCL)."""
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    return _Net().to(f"cuda:{rank}" if device == "cuda" else "cpu")
+
+
+def _save_worker(rank, world, port, path, momentum_dtype, device, out) -> None:
     """SAVED_STEPS steps, dcp.save, then the rest of the run uninterrupted."""
-    with _rank_group(rank, world, port, out):
-        model = _Net()
+    model = _model(rank, device)
+    with _rank_group(rank, world, port, out, "nccl" if device == "cuda" else "gloo"):
         opt = _optimizer(model, momentum_dtype)
         _train(model, opt, range(SAVED_STEPS), rank, world)
         dcp.save({"model": model.state_dict(), "optim": opt.sharded_state_dict()}, checkpoint_id=path)
         state = _numpy(opt.state_dict())
         _train(model, opt, range(SAVED_STEPS, STEPS), rank, world)
-        out.put((rank, dict(state=state, params=_params(model))))
+        out.put((rank, dict(state=state, params=_params(model), owned=opt.orthogonalized_matrices())))
     _exit()
 
 
-def _load_worker(rank, world, port, path, momentum_dtype, out) -> None:
+def _load_worker(rank, world, port, path, momentum_dtype, device, out) -> None:
     """A step of its own, then check, dcp.load and load the checkpoint and
     take the steps after it."""
-    with _rank_group(rank, world, port, out):
-        model = _Net()
+    model = _model(rank, device)
+    with _rank_group(rank, world, port, out, "nccl" if device == "cuda" else "gloo"):
         opt = _optimizer(model, momentum_dtype)
         _train(model, opt, range(STEPS - 1, STEPS), rank, world)  # state the checkpoint must replace
         opt.check_sharded_checkpoint(path)
@@ -71,15 +82,23 @@ def _load_worker(rank, world, port, path, momentum_dtype, out) -> None:
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """The checkpoints of 2 ranks, by momentum_dtype: (path, rank 0's result)."""
+    """The checkpoints of 2 ranks (or world), by momentum_dtype and device:
+    (path, rank 0's result and the matrices' owners)."""
     cache = {}
 
-    def save(momentum_dtype):
-        if momentum_dtype not in cache:
+    def save(momentum_dtype=None, device="cpu", world=SAVE_WORLD):
+        key = momentum_dtype, device, world
+        if key not in cache:
             path = str(tmp_path_factory.mktemp("dcp") / "ckpt")
-            cache[momentum_dtype] = path, _spawn_all(_save_worker, SAVE_WORLD, path, momentum_dtype)[0]
-        return cache[momentum_dtype]
+            results = _spawn_all(_save_worker, world, path, momentum_dtype, device)
+            cache[key] = path, dict(results[0], owners=_owners(results))
+        return cache[key]
     return save
+
+
+def _owners(results: list) -> dict:
+    """Each matrix's owner, from every rank's orthogonalized_matrices()."""
+    return {m: rank for rank, result in enumerate(results) for m in result["owned"]}
 
 
 def _assert_same_state(got: dict, want: dict, what: str) -> None:
@@ -91,34 +110,28 @@ def _assert_same_state(got: dict, want: dict, what: str) -> None:
             np.testing.assert_array_equal(got["state"][i][name], value, err_msg=f"{what}: state {i} {name}")
 
 
-def test_owners_differ_between_the_world_sizes():
-    """The resharding below is real: matrices change owners from 2 to 3 ranks
-    (the default bucket cap: one bucket)."""
-    model = _Net()
-    muon = _groups(model)[0]["params"]
-
-    def owners(world):
-        buckets = plan_owner_buckets([tuple(p.shape) for p in muon], [p.dtype for p in muon], world, cap=1 << 30)
-        return {(m.param, m.index): m.owner for b in buckets for m in b.matrices}
-    two, three = owners(2), owners(3)
-    assert any(three[m] == 2 for m in three) and any(two[m] != three[m] for m in two), (two, three)
-
-
-@pytest.mark.parametrize("load_world", [1, 2, 3])
-def test_dcp_checkpoint_of_2_ranks_resumes_at_other_world_sizes(saved, load_world):
-    path, before = saved(None)
-    results = _spawn_all(_load_worker, load_world, path, None)
-    want = _reference(torch.float32)
+@pytest.mark.parametrize("save_world,load_world,device", [
+    (2, 1, "cpu"), (2, 2, "cpu"), (2, 3, "cpu"),
+    pytest.param(1, 1, "cuda", marks=pytest.mark.cuda),
+    pytest.param(2, 1, "cuda", marks=pytest.mark.multigpu),
+], ids=["2-to-1", "2-to-2", "2-to-3", "nccl-1-to-1", "nccl-2-to-1"])
+def test_dcp_checkpoint_resumes_at_other_world_sizes(saved, save_world, load_world, device):
+    path, before = saved(device=device, world=save_world)
+    results = _spawn_all(_load_worker, load_world, path, None, device)
+    want = _reference(torch.float32, device=device)
     for rank, result in enumerate(results):
         _assert_same_state(result["state"], before["state"], f"rank {rank} of {load_world}, loaded")
         for i, (got, w) in enumerate(zip(result["params"], want)):
             torch.testing.assert_close(torch.from_numpy(got), w, rtol=1e-5, atol=2e-6,
                                        msg=lambda m: f"rank {rank} of {load_world}, param {i}: {m}")
-        if load_world == SAVE_WORLD:  # the same owners and reductions: the uninterrupted run, bit for bit
+        if load_world == save_world:  # the same owners and reductions: the uninterrupted run, bit for bit
             for i, (got, w) in enumerate(zip(result["params"], before["params"])):
                 np.testing.assert_array_equal(got, w, err_msg=f"rank {rank}, param {i}")
-    owned = [m for result in results for m in result["owned"]]
-    assert sorted(owned, key=repr) == sorted([(0, None), (1, None), (2, 0), (2, 1), (2, 2)], key=repr)
+    owners = _owners(results)
+    assert sorted(owners, key=repr) == sorted(before["owners"], key=repr) == sorted(
+        [(0, None), (1, None), (2, 0), (2, 1), (2, 2)], key=repr)
+    if load_world == 3:  # the matrices have other owners: DCP hands each rank other pieces than were saved
+        assert any(owners[m] != before["owners"][m] for m in owners), (before["owners"], owners)
 
 
 @pytest.mark.parametrize("load_world", [2, 3])
@@ -127,10 +140,11 @@ def test_bf16_momentum_is_saved_in_the_parameter_dtype_and_loaded_exactly(saved,
     bf16 slots on load; the state comes back exactly (bf16 -> fp32 -> bf16),
     and on the saving world size the run continues bit for bit."""
     path, before = saved(torch.bfloat16)
-    results = _spawn_all(_load_worker, load_world, path, torch.bfloat16)
+    results = _spawn_all(_load_worker, load_world, path, torch.bfloat16, "cpu")
+    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    assert metadata["optim.state.0.momentum_buffer"].properties.dtype == torch.float32
     momentum = before["state"]["state"][0]["momentum_buffer"]
-    assert momentum.dtype == np.float32 and np.array_equal(
-        torch.from_numpy(momentum).bfloat16().float().numpy(), momentum), "bf16 values, held in fp32"
+    assert np.array_equal(torch.from_numpy(momentum).bfloat16().float().numpy(), momentum), "bf16 values"
     for rank, result in enumerate(results):
         _assert_same_state(result["state"], before["state"], f"rank {rank} of {load_world}, loaded")
         if load_world == SAVE_WORLD:
@@ -173,7 +187,8 @@ def _refusal_worker(rank, world, port, path, out) -> None:
     """An optimizer of _other_model with state of its own meets the checkpoint
     of _Net at `path`: check_sharded_checkpoint, dcp.load and
     load_sharded_state_dict (given _Net's structure) refuse it; and a
-    structure only rank 1 refuses is refused on both. Nothing changes."""
+    structure only rank 1 refuses (its momentum, or its AdamW groups' part)
+    is refused on both. Nothing changes."""
     from torch.distributed.checkpoint.api import CheckpointException
     with _rank_group(rank, world, port, out):
         model = _other_model()
@@ -182,14 +197,19 @@ def _refusal_worker(rank, world, port, path, out) -> None:
         before = _snapshot(model, opt)
         template = {"optim": opt.sharded_state_dict()}
         net_opt = _optimizer(_Net())
-        fresh = _optimizer(_other_model()).sharded_state_dict()  # the state of an unstepped twin: zeros
+        twin = _optimizer(_other_model())  # unstepped: its state is zeros
+        fresh, adamw_bad = twin.sharded_state_dict(), twin.sharded_state_dict()
         if rank == 1:
             fresh["state"].pop("0")
+            groups = json.loads(adamw_bad["adamw"]["param_groups"])
+            groups[0]["lr"] = float("inf")
+            adamw_bad["adamw"]["param_groups"] = json.dumps(groups)
         result = dict(checked=_refusal(lambda: opt.check_sharded_checkpoint(path), ValueError),
                       dcp=_refusal(lambda: dcp.load(template, checkpoint_id=path), CheckpointException),
                       key=next(k for k in template["optim"] if k.startswith("layout_")),
                       handed=_refusal(lambda: opt.load_sharded_state_dict(net_opt.sharded_state_dict()), ValueError),
-                      one_rank=_refusal(lambda: opt.load_sharded_state_dict(fresh), ValueError))
+                      one_rank=_refusal(lambda: opt.load_sharded_state_dict(fresh), ValueError),
+                      adamw=_refusal(lambda: opt.load_sharded_state_dict(adamw_bad), ValueError))
         after = _snapshot(model, opt)
         result["changed"] = [k for k in before if not torch.equal(before[k], after[k])]
         out.put((rank, result))
@@ -197,24 +217,26 @@ def _refusal_worker(rank, world, port, path, out) -> None:
 
 
 def test_another_models_checkpoint_is_refused_on_every_rank_before_anything_is_written(saved):
-    path, _ = saved(None)
+    path, _ = saved()
     results = _spawn_all(_refusal_worker, 2, path)
     shape = (r"the checkpoint's trainable parameters \(in param_groups order\) differ from the optimizer's: "
              r"param_groups\[0\]\['params'\]\[2\] \(index 2\) has shape \(3, 20, 40\) in the checkpoint, "
              r"\(4, 20, 40\) in the optimizer")
+    refused = r"DistributedFusedMuon.load_sharded_state_dict refused on "
+    expected = {
+        "checked": shape,
+        "handed": refused + r"ranks 0, 1 of 2 \(nothing was loaded on any rank\); rank 0: " + shape,
+        "one_rank": refused + r"rank 1 of 2 .*; rank 1: sharded\['state'\]\['0'\]\['momentum_buffer'\] must be "
+                              r"the momentum DTensor",
+        "adamw": refused + r"rank 1 of 2 .*; rank 1: sharded\['adamw'\] \(the AdamW groups' DistributedFusedAdam\): "
+                           r"sharded\['param_groups'\]\[0\]: lr must be finite",
+    }
     for rank, result in enumerate(results):
         assert result["changed"] == [], f"rank {rank} changed {result['changed']}"
-        assert result["checked"] is not None and re.match(shape, result["checked"]), result["checked"]
         assert result["dcp"] is not None and f"Missing key in checkpoint state_dict: optim.{result['key']}." in \
             result["dcp"], result["dcp"]
-        assert result["handed"] is not None and re.match(
-            r"DistributedFusedMuon.load_sharded_state_dict refused on ranks 0, 1 of 2 \(nothing was loaded on any "
-            r"rank\); rank 0: " + shape, result["handed"]), result["handed"]
-        assert result["one_rank"] is not None and re.match(
-            r"DistributedFusedMuon.load_sharded_state_dict refused on rank 1 of 2 .*rank 1: "
-            r"sharded\['state'\]\['0'\]\['momentum_buffer'\] must be the momentum DTensor", result["one_rank"]), \
-            result["one_rank"]
-        for name in ("checked", "handed", "one_rank"):
+        for name, pattern in expected.items():
+            assert result[name] is not None and re.match(pattern, result[name]), f"rank {rank}, {name}: {result[name]}"
             assert result[name] == results[0][name], f"rank {rank}: {name} differs from rank 0's"
 
 
@@ -243,3 +265,5 @@ def test_round_trip_on_one_rank(one_rank, tmp_path, parts, steps):
     loaded.load_sharded_state_dict(state["optim"])
     _assert_same_state(_numpy(loaded.state_dict()), want, parts)
     assert ("momentum_buffer" in str(want)) == (parts != "adamw" and steps > 0)
+    if steps == 0:  # the loading optimizer's own momentum is gone too, where state_dict() shows none
+        assert not any(t.any() for t in loaded._muon.momentum)
