@@ -51,11 +51,12 @@ class DistributedFusedMuon(torch.optim.Optimizer):
     Checkpoints: state_dict() gives FusedMuon's dict (torch's keys: Muon's
     ``momentum_buffer``, the AdamW groups' ``exp_avg``, ``exp_avg_sq`` and
     steps, plus their fp32 ``param`` masters) with whole tensors on every
-    rank, so it loads at any world size. grad_norm() and clip_grad_norm()
+    rank, so it loads at any world size; sharded_state_dict() holds only the
+    rank's own pieces, for torch.distributed.checkpoint, and loads at any
+    world size too (_muon_dcp.py). grad_norm() and clip_grad_norm()
     span both parts. Not offered yet: GradScaler (refused at the step; use
-    bf16 autocast), capturable steps and CUDA-graph capture, DCP's sharded
-    state dict (save state_dict() instead), and the options named in
-    ``_REFUSED_OPTIONS``.
+    bf16 autocast), capturable steps and CUDA-graph capture, and the options
+    named in ``_REFUSED_OPTIONS``.
     """
 
     def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
