@@ -32,8 +32,8 @@ piece. The owners follow the Newton-Schulz cost, not a torch.chunk split of
 dim 0, so a plain ``Shard(0)`` DTensor cannot describe them; ShardedTensor
 could, but DCP warns that it is deprecated. This is sharded_checkpoint's
 ragged DTensor ([Note: ragged DTensor pieces]: its local tensor is torch's
-LocalShardsWrapper, which DCP saves piece by piece and reshards on load, on
-gloo as on NCCL). LocalShardsWrapper takes several pieces on one rank only
+LocalShardsWrapper, which DCP saves piece by piece and reshards on load,
+with gloo as with NCCL). LocalShardsWrapper takes several pieces on one rank only
 for 1-D and 2-D tensors (torch 2.13's view raises for more dims, and
 DTensor.from_local calls it), hence the rows. DCP writes each matrix once,
 from its owner, and on load each rank asks for the matrices it owns at the
@@ -143,12 +143,12 @@ def check_checkpoint(opt, checkpoint_id, key: str) -> None:
     optimizer's (a few strings, read alone), naming the first parameter that
     differs; every rank reads the same and raises alike."""
     tables = read_tables(checkpoint_id, key, opt.process_group, ("params", "shapes", "param_groups"))
-    _check_tables(opt, tables)
+    _check_tables(opt, tables, _Table(opt))
 
 
-def _check_tables(opt, sharded: Mapping) -> list:
+def _check_tables(opt, sharded: Mapping, table: _Table) -> list:
     """The parameter tables, then the groups: the Muon groups' values to set."""
-    check_tables(opt, _Table(opt), json_list(sharded, "params", "parameter table"),
+    check_tables(opt, table, json_list(sharded, "params", "parameter table"),
                  json_list(sharded, "shapes", "shape table"))
     return _group_values(opt, json_list(sharded, "param_groups", "parameter groups"))
 
@@ -190,8 +190,9 @@ def _check(opt, sharded) -> tuple[list, list, bool]:
         got = f"a dict with keys {list(sharded)}" if isinstance(sharded, Mapping) else type(sharded).__name__
         raise ValueError(f"the sharded state dict must be the dict of a sharded_state_dict() of this optimizer "
                          f"(with {list(keys)}), as filled by dcp.load, got {got}")
-    values = _check_tables(opt, sharded)
-    check_layout_key(sharded, _Table(opt))
+    table = _Table(opt)
+    values = _check_tables(opt, sharded, table)
+    check_layout_key(sharded, table)
     if not isinstance(sharded["stepped"], bool):
         raise ValueError(f"sharded['stepped'] must be True or False, got {sharded['stepped']!r}")
     pieces = _matched_momentum(opt, sharded["state"])
@@ -214,7 +215,8 @@ def _matched_momentum(opt, state) -> list:
         p = opt._muon.params[k]
         i = index[id(p)]
         where = f"sharded['state']['{i}']['momentum_buffer']"
-        tensor = state.get(str(i), {}).get("momentum_buffer") if isinstance(state.get(str(i)), Mapping) else None
+        entry = state.get(str(i))
+        tensor = entry.get("momentum_buffer") if isinstance(entry, Mapping) else None
         if not isinstance(tensor, DTensor) or not isinstance(tensor.to_local(), LocalShardsWrapper):
             raise ValueError(f"{where} must be the momentum DTensor of a sharded_state_dict() of this optimizer, "
                              f"got {type(tensor).__name__}")

@@ -130,7 +130,9 @@ def ragged_dtensor(pieces: list[torch.Tensor], offsets: list[tuple[int, ...]], s
                    dtype: torch.dtype, device) -> DTensor:
     """A DTensor of global `shape` of which this rank holds `pieces` at
     `offsets` ([Note: ragged DTensor pieces]); a rank without any holds one
-    empty piece (of `dtype`, on `device`) past the end of dim 0."""
+    empty piece (of `dtype`, on `device`) past the end of dim 0. Several
+    pieces on one rank: 1-D or 2-D tensors only (torch's LocalShardsWrapper
+    takes no more dims: [Note: Muon momentum in DCP] in _muon_dcp.py)."""
     if not pieces:
         pieces = [torch.empty((0, *shape[1:]), dtype=dtype, device=device)]
         offsets = [(shape[0], *(0 for _ in shape[1:]))]
