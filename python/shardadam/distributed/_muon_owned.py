@@ -279,6 +279,12 @@ class OwnedMuon:
                     _matrix(self.momentum[b], m).copy_(_of_param(buffers[m.param], m))
         self.stepped = bool(buffers)
 
+    def owned_momentum(self) -> list[tuple[Matrix, torch.Tensor]]:
+        """The matrices this rank owns and views of their momentum, as stored
+        (in momentum_dtype): what its sharded checkpoint holds."""
+        return [(m, _matrix(self.momentum[b], m)) for b, bucket in enumerate(self.buckets)
+                for m in bucket.owned_by(self.rank)]
+
     def owned(self) -> list[Matrix]:
         """The matrices this rank orthogonalizes."""
         return [m for bucket in self.buckets for m in bucket.owned_by(self.rank)]

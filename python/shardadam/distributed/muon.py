@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from .._groups import run_closure
 from .._muon_groups import MUON_KEYS, add_group, check_group, check_muon_hyper, uses_muon
-from . import _amp
+from . import _amp, _muon_dcp
 from ._agreement import check_same
 from ._iteration import Grads
 from ._muon_owned import OwnedMuon
@@ -53,16 +53,17 @@ class DistributedFusedMuon(torch.optim.Optimizer):
     Checkpoints: state_dict() gives FusedMuon's dict (torch's keys: Muon's
     ``momentum_buffer``, the AdamW groups' ``exp_avg``, ``exp_avg_sq`` and
     steps, plus their fp32 ``param`` masters) with whole tensors on every
-    rank, so it loads at any world size. grad_norm() and clip_grad_norm()
-    span both parts.
+    rank, so it loads at any world size; sharded_state_dict() holds only the
+    rank's own pieces, for torch.distributed.checkpoint, and loads at any
+    world size too (_muon_dcp.py). grad_norm() and clip_grad_norm() span both
+    parts.
 
     torch.amp.GradScaler works as with DistributedFusedAdam (``scaler.step(opt)``;
     ``opt.unscale_grads(grad_scaler=scaler)`` before clipping, or
     ``clip_grad_norm(max_norm, grad_scaler=scaler)`` alone): 1/scale joins
     both parts' gradient scales, and one found-inf flag, agreed over every
     rank and both parts, skips the whole step (nothing is written) and tells
-    the scaler. Not offered yet: capturable steps and CUDA-graph capture,
-    DCP's sharded state dict (save state_dict() instead), and the options
+    the scaler. Not offered yet: capturable steps and CUDA-graph capture, and the options
     named in ``_REFUSED_OPTIONS``.
     """
 
@@ -343,6 +344,23 @@ class DistributedFusedMuon(torch.optim.Optimizer):
             else:
                 groups.append(_adamw_group_as_fused_muon(next(inner_groups), ids, state))
         return {"state": state, "param_groups": groups}
+
+    def sharded_state_dict(self) -> dict:
+        """Only this rank's pieces (its matrices' momentum, its shards of the
+        AdamW groups' state), for torch.distributed.checkpoint: see
+        distributed/_muon_dcp.py (a checkpoint of N ranks loads on M)."""
+        return _muon_dcp.sharded_state_dict(self)
+
+    def check_sharded_checkpoint(self, checkpoint_id, key: str = "optim") -> None:
+        """Before dcp.load: refuse a DCP checkpoint whose sharded_state_dict()
+        (under `key`) was written for other parameters or groups, naming the
+        first that differs, on every rank, with nothing read into the
+        optimizer. A collective: every rank of process_group calls it."""
+        _muon_dcp.check_checkpoint(self, checkpoint_id, key)
+
+    def load_sharded_state_dict(self, sharded: dict) -> None:
+        """Take a sharded_state_dict() structure that dcp.load has filled."""
+        _muon_dcp.load_sharded_state_dict(self, sharded)
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:

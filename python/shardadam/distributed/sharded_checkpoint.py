@@ -21,9 +21,10 @@ form DCP supports for several pieces per rank at any offsets: it hands DCP
 one write item and one chunk per piece); the DTensor is ``Shard(0)`` on a 1-D
 DeviceMesh over the optimizer's process group, with the space's global size.
 Building it costs no collective (DCP's planning gathers the chunks). A rank
-with no piece holds one empty piece at the end of the space: DCP keeps one
-write item per (key, offset), so at offset 0 it could drop the real piece
-that starts there in favour of the empty one.
+with no piece holds one empty piece at the end of the space (past the end of
+dim 0, for ragged_dtensor's N-D tensors): DCP keeps one write item per (key,
+offset), so at offset 0 it could drop the real piece that starts there in
+favour of the empty one.
 
 A checkpoint of another layout is refused before anything is written:
 - by DCP itself, while it plans (before it reads any data): the structure holds
@@ -71,7 +72,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
-__all__ = ["check_checkpoint", "layout_key", "load_sharded_state_dict", "local_pieces", "sharded_state_dict"]
+__all__ = ["check_checkpoint", "check_layout_key", "check_sharded_state_dict", "check_tables", "json_list",
+           "layout_key", "load_sharded_state_dict", "local_pieces", "ragged_dtensor", "ragged_pieces", "read_tables",
+           "shape_row", "sharded_state_dict"]
 
 LAYOUT_PREFIX = "layout_"
 
@@ -95,10 +98,7 @@ class _FlatSpace:
             self.offsets[k] = total
             self.starts.append(total)
             self.table.append([index[id(p)], p.numel()])
-            # [index, shape], and the dims' memory order where it is not
-            # row-major (channels_last): the space holds each parameter in memory order.
-            dims = memory_order(p)
-            self.shapes.append([index[id(p)], list(p.shape)] + ([list(dims)] if list(dims) != sorted(dims) else []))
+            self.shapes.append(shape_row(index[id(p)], p))
             total += p.numel()
         self.total = total
         self.frags = sorted((f for f in opt._shard_fragments if f.numel > 0), key=self.start)
@@ -116,6 +116,31 @@ class _FlatSpace:
             i = max(0, bisect.bisect_right(self.starts, start) - 1)  # past empty parameters at the same offset
             out.setdefault(i, []).append((start - self.starts[i], end - self.starts[i]))
         return out
+
+
+def shape_row(index: int, p: torch.Tensor) -> list:
+    """A parameter's row of the shape table: [index, shape], and the dims'
+    memory order where it is not row-major (channels_last): the flat space
+    holds each parameter in memory order."""
+    dims = memory_order(p)
+    return [index, list(p.shape)] + ([list(dims)] if list(dims) != sorted(dims) else [])
+
+
+def ragged_dtensor(pieces: list[torch.Tensor], offsets: list[tuple[int, ...]], shape: tuple[int, ...], mesh,
+                   dtype: torch.dtype, device) -> DTensor:
+    """A DTensor of global `shape` of which this rank holds `pieces` at
+    `offsets` ([Note: ragged DTensor pieces]); a rank without any holds one
+    empty piece (of `dtype`, on `device`) past the end of dim 0. Several
+    pieces on one rank: 1-D or 2-D tensors only (torch's LocalShardsWrapper
+    takes no more dims: [Note: Muon momentum in DCP] in _muon_dcp.py)."""
+    if not pieces:
+        pieces = [torch.empty((0, *shape[1:]), dtype=dtype, device=device)]
+        offsets = [(shape[0], *(0 for _ in shape[1:]))]
+    stride = [1] * len(shape)
+    for d in reversed(range(len(shape) - 1)):
+        stride[d] = stride[d + 1] * shape[d + 1]
+    return DTensor.from_local(LocalShardsWrapper(pieces, offsets), mesh, [Shard(0)], run_check=False,
+                              shape=torch.Size(shape), stride=tuple(stride))
 
 
 def sharded_state_dict(opt) -> dict:
@@ -139,11 +164,7 @@ def sharded_state_dict(opt) -> dict:
             rows: dict[int, torch.Tensor] = {}
             pieces = [_piece(opt, name, f, rows) for f in space.frags]
             offsets = [(space.start(f),) for f in space.frags]
-            if not pieces:  # [Note: ragged DTensor pieces]
-                pieces, offsets = [torch.empty(0, device=where)], [(space.total,)]
-            state[_saved_name(name)] = DTensor.from_local(LocalShardsWrapper(pieces, offsets), mesh, [Shard(0)],
-                                                          run_check=False, shape=torch.Size([space.total]),
-                                                          stride=(1,))
+            state[_saved_name(name)] = ragged_dtensor(pieces, offsets, (space.total,), mesh, torch.float32, where)
     # Strings: DCP would flatten lists and dicts into keys that must already
     # exist, key by key, when loading. The layout key comes before the other
     # new entries, so that DCP names it when a checkpoint lacks it.
@@ -186,7 +207,7 @@ def load_sharded_state_dict(opt, sharded: dict) -> None:
     everything first, then the ranks agree (one small collective): if any
     refuses, every rank raises the same ValueError and none writes anything."""
     group_values, pieces = validate_then_agree("DistributedFusedAdam.load_sharded_state_dict",
-                                               lambda: _check(opt, sharded), opt.group, opt.device)
+                                               lambda: check_sharded_state_dict(opt, sharded), opt.group, opt.device)
     for values, group in zip(group_values, opt.param_groups):
         set_group_values(group, values)
     for name, f, tensor in pieces:
@@ -202,26 +223,33 @@ def load_sharded_state_dict(opt, sharded: dict) -> None:
 
 def check_checkpoint(opt, checkpoint_id, key: str) -> None:
     """The checkpoint's parameter tables against the optimizer's, read alone
-    (two short strings, through a partial dcp.load) before the caller's
-    dcp.load plans: DCP's own refusal of another layout names a key, this one
-    the parameter. Every rank reads the same tables and raises alike."""
+    (read_tables) before the caller's dcp.load plans: DCP's own refusal of
+    another layout names a key, this one the parameter. Every rank reads the
+    same tables and raises alike."""
+    tables = read_tables(checkpoint_id, key, opt.dist_group)
+    check_tables(opt, _FlatSpace(opt), json_list(tables, "params", "parameter table"),
+                 json_list(tables, "shapes", "shape table") if tables["shapes"] else None)
+
+
+def read_tables(checkpoint_id, key: str, process_group, names: tuple[str, ...] = ("params", "shapes")) -> dict:
+    """The string entries `names` of the sharded_state_dict() saved under
+    `key` (a few short strings, through a partial dcp.load); "" where the
+    checkpoint has none. Refuses a checkpoint without `key`'s ``params``."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultLoadPlanner
     if not isinstance(key, str) or not key:
         raise ValueError(f"key must be the name the sharded_state_dict() was saved under (e.g. 'optim'), got {key!r}")
-    tables = {"params": "", "shapes": ""}
+    tables = dict.fromkeys(names, "")
     dcp.load({key: tables}, checkpoint_id=checkpoint_id, planner=DefaultLoadPlanner(allow_partial_load=True),
-             process_group=opt.dist_group)
+             process_group=process_group)
     if not tables["params"]:
         raise ValueError(f"the checkpoint at {checkpoint_id!r} holds no sharded_state_dict() under {key!r} (no "
                          f"'{key}.params' entry): pass the key it was saved under, e.g. "
                          "dcp.save({'optim': opt.sharded_state_dict()}) -> key='optim'")
-    space = _FlatSpace(opt)
-    _check_tables(opt, space, _json(tables, "params", "parameter table"),
-                  _json(tables, "shapes", "shape table") if tables["shapes"] else None)
+    return tables
 
 
-def _json(sharded: Mapping, key: str, what: str) -> list:
+def json_list(sharded: Mapping, key: str, what: str) -> list:
     value = sharded[key]
     try:
         value = json.loads(value) if isinstance(value, (str, bytes)) else value
@@ -232,14 +260,14 @@ def _json(sharded: Mapping, key: str, what: str) -> list:
     return value
 
 
-def _check(opt, sharded) -> tuple[list, list]:
+def check_sharded_state_dict(opt, sharded) -> tuple[list, list]:
     """Everything load_sharded_state_dict checks, writing nothing: (the
     groups' values to set, [(state name, fragment, loaded piece)])."""
     if not isinstance(sharded, Mapping) or any(k not in sharded for k in ("state", "params", "param_groups")):
         got = f"a dict with keys {list(sharded)}" if isinstance(sharded, Mapping) else type(sharded).__name__
         raise ValueError("the sharded state dict must be the dict of a sharded_state_dict() of this optimizer "
                          f"(with 'state', 'params' and 'param_groups'), as filled by dcp.load, got {got}")
-    saved_groups = _json(sharded, "param_groups", "parameter groups")
+    saved_groups = json_list(sharded, "param_groups", "parameter groups")
     if len(saved_groups) != len(opt.param_groups):
         raise ValueError(f"the checkpoint has {len(saved_groups)} parameter groups, the optimizer "
                          f"{len(opt.param_groups)}: another model, or groups built another way")
@@ -253,15 +281,15 @@ def _check(opt, sharded) -> tuple[list, list]:
                              f"{len(group['params'])}: another model, or groups built another way")
         group_values.append(check_group_values(where, saved, group, opt.rule))
     space = _FlatSpace(opt)
-    _check_tables(opt, space, _json(sharded, "params", "parameter table"),
-                  _json(sharded, "shapes", "shape table") if "shapes" in sharded else None)
-    _check_layout_key(sharded, space)
+    check_tables(opt, space, json_list(sharded, "params", "parameter table"),
+                 json_list(sharded, "shapes", "shape table") if "shapes" in sharded else None)
+    check_layout_key(sharded, space)
     if not isinstance(sharded["state"], Mapping):
         raise ValueError(f"sharded['state'] must be a dict of DTensors, got {type(sharded['state']).__name__}")
     return group_values, _matched_pieces(opt, sharded["state"], space)
 
 
-def _check_tables(opt, space: _FlatSpace, saved_params: list, saved_shapes: list | None) -> None:
+def check_tables(opt, space: _FlatSpace, saved_params: list, saved_shapes: list | None) -> None:
     """The checkpoint's trainable parameters are the optimizer's: same
     indices, numels, shapes and memory orders (older checkpoints, without a
     shape table: numels). Names the first parameter that differs."""
@@ -310,7 +338,7 @@ def _outer_first(row: list) -> tuple:
     return tuple(row[2]) if len(row) == 3 else tuple(dims)
 
 
-def _check_layout_key(sharded: Mapping, space: _FlatSpace) -> None:
+def check_layout_key(sharded: Mapping, space: _FlatSpace) -> None:
     mine = layout_key(space)
     keys = [k for k in sharded if isinstance(k, str) and k.startswith(LAYOUT_PREFIX)]
     if not keys:
@@ -356,11 +384,17 @@ def _matched_pieces(opt, state: dict, space: _FlatSpace) -> list:
 
 def local_pieces(tensor: DTensor) -> list[tuple[int, torch.Tensor]]:
     """This rank's pieces of a state of sharded_state_dict(), as (offset in
-    the flat space, values) in offset order; the empty placeholder piece of a
-    rank without any is left out ([Note: ragged DTensor pieces])."""
+    the flat space, values) in offset order (ragged_pieces)."""
+    return [(offset[0], t) for offset, t in ragged_pieces(tensor)]
+
+
+def ragged_pieces(tensor: DTensor) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+    """This rank's pieces of a ragged_dtensor(), as (offsets, values) in
+    offset order; the empty placeholder piece of a rank without any is left
+    out ([Note: ragged DTensor pieces])."""
     local = tensor.to_local()
-    return sorted(((offset[0], t) for offset, t in zip(local.local_offsets(), local.local_shards()) if t.numel() > 0),
-                  key=lambda piece: piece[0])
+    return sorted(((tuple(offset), t) for offset, t in zip(local.local_offsets(), local.local_shards())
+                   if t.numel() > 0), key=lambda piece: piece[0])
 
 
 def _mismatch(saved: str, space: _FlatSpace, given: list, mine: list) -> str:
