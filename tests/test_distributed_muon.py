@@ -176,9 +176,17 @@ def _movement_errors(got: list, want: list) -> list[float]:
 
 
 def test_bf16_newton_schulz_moves_the_parameters_as_fused_muon():
+    """Ranks' gradients sum in another order than the global batch's, and bf16
+    Newton-Schulz turns those fp32 roundings into bf16 ones: the run stays
+    within half of bf16's own distance from fp32 Newton-Schulz (measured: a
+    fifth of it at most, 2.2% of the movement against 12.7%; the figures vary
+    with the machine's BLAS), while fp32 Newton-Schulz in its place, or a
+    10% learning-rate error, lands a whole bf16 distance away."""
     results = _spawn_all(_worker, 2, _config(ns_dtype=torch.bfloat16))
-    errors = _movement_errors([torch.from_numpy(p) for p in results[0]["params"]], _reference(torch.bfloat16))
-    assert max(errors) < 1e-2, f"movement differs by {errors} of its size"
+    bf16 = _reference(torch.bfloat16)
+    noise = max(_movement_errors(bf16, _reference(torch.float32)))
+    errors = _movement_errors([torch.from_numpy(p) for p in results[0]["params"]], bf16)
+    assert noise > 1e-2 and max(errors) < noise / 2, f"movement differs by {errors}; bf16 against fp32 {noise:.2e}"
 
 
 def test_bf16_momentum_differs_from_fp32_by_bf16_rounding_only():
