@@ -212,11 +212,12 @@ INIT_SCALE = 2.0 ** 10
 
 
 def _amp_config(device="cpu", inf_param=None, inf_step=None, clip=None, unscale=False, autocast=None,
-                zero_grad=True):
+                zero_grad=True, skip_nonfinite=False):
     """inf_param at inf_step: the last rank's gradient of that parameter holds
-    an inf. clip, unscale, zero_grad: _train's. autocast: the forward's dtype."""
+    an inf. clip, unscale, zero_grad: _train's. autocast: the forward's dtype.
+    skip_nonfinite: no scaler (a disabled one), skip_nonfinite_grads=True."""
     return dict(device=device, inf_param=inf_param, inf_step=inf_step, clip=clip, unscale=unscale,
-                autocast=autocast, zero_grad=zero_grad)
+                autocast=autocast, zero_grad=zero_grad, skip_nonfinite=skip_nonfinite)
 
 
 def _poisoned(param: torch.Tensor) -> list[bool]:
@@ -266,8 +267,10 @@ def _amp_worker(rank, world, port, cfg, out) -> None:
         torch.cuda.set_device(rank)
     with _rank_group(rank, world, port, out, "nccl" if cuda else "gloo"):
         model = _Net().to(f"cuda:{rank}" if cuda else "cpu")
-        opt = shardadam.DistributedFusedMuon(_groups(model), ns_dtype=torch.float32, **OPTIONS)
-        got = _amp_train(model, opt, torch.amp.GradScaler(cfg["device"], init_scale=INIT_SCALE), cfg, rank, world)
+        opt = shardadam.DistributedFusedMuon(_groups(model), ns_dtype=torch.float32,
+                                             skip_nonfinite_grads=cfg["skip_nonfinite"], **OPTIONS)
+        scaler = torch.amp.GradScaler(cfg["device"], init_scale=INIT_SCALE, enabled=not cfg["skip_nonfinite"])
+        got = _amp_train(model, opt, scaler, cfg, rank, world)
         out.put((rank, dict(got, params=[p.detach().cpu().numpy().copy() for p in model.parameters()],
                             state=_numpy_state(opt.state_dict()))))
     _exit()
@@ -294,11 +297,12 @@ def _amp_reference(cfg) -> tuple[list, dict, list]:
     (2, _amp_config(inf_param="hidden.weight", inf_step=2, zero_grad=False)),  # the skip ends the iteration
     (2, _amp_config(inf_param="head.bias", inf_step=2, clip=0.05, unscale=True)),
     (2, _amp_config(clip=0.05)),
+    (2, _amp_config(inf_param="head.bias", inf_step=2, skip_nonfinite=True)),
     pytest.param(1, _amp_config(device="cuda", autocast=torch.float16, inf_param="experts", inf_step=2),
                  marks=pytest.mark.cuda),
     pytest.param(1, _amp_config(device="cuda", autocast=torch.bfloat16, clip=0.05), marks=pytest.mark.cuda),
 ], ids=["scaled", "inf-in-a-muon-matrix", "inf-in-an-adamw-param-unscale-then-clip", "clip-unscales",
-        "nccl-1-fp16-autocast-inf", "nccl-1-bf16-autocast-clip"])
+        "skip-nonfinite-grads-without-a-scaler", "nccl-1-fp16-autocast-inf", "nccl-1-bf16-autocast-clip"])
 def test_grad_scaler_trains_as_fused_muon_on_unscaled_gradients(world, cfg):
     """Parameters, momentum buffers and AdamW states equal FusedMuon's on the
     unscaled gradients of the global batch; an inf in one rank's gradient
@@ -307,7 +311,8 @@ def test_grad_scaler_trains_as_fused_muon_on_unscaled_gradients(world, cfg):
     results = _spawn_all(_amp_worker, world, cfg)
     want, want_state, want_norms = _amp_reference(cfg)
     inf_step = cfg["inf_step"]
-    scales = [INIT_SCALE / 2 if inf_step is not None and s >= inf_step else INIT_SCALE for s in range(STEPS)]
+    scales = [1.0 if cfg["skip_nonfinite"] else INIT_SCALE / 2 if inf_step is not None and s >= inf_step
+              else INIT_SCALE for s in range(STEPS)]
     if cfg["clip"] is not None:
         assert min(want_norms) > cfg["clip"], "the test must clip at every step"
     for r, result in enumerate(results):

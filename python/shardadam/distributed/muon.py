@@ -70,7 +70,7 @@ class DistributedFusedMuon(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
                  ns_coefficients=(3.4445, -4.775, 2.0315), eps=1e-7, ns_steps=5, adjust_lr_fn=None, *,
                  process_group=None, overlap_grad_sync=True, average_grad_sync=True, bucket_cap_mb=100,
-                 ns_dtype=torch.bfloat16, momentum_dtype=None, **adamw_options):
+                 ns_dtype=torch.bfloat16, momentum_dtype=None, skip_nonfinite_grads=False, **adamw_options):
         name = type(self).__name__
         refused = [k for k in _REFUSED_OPTIONS if adamw_options.get(k)]
         if refused:
@@ -88,6 +88,7 @@ class DistributedFusedMuon(torch.optim.Optimizer):
         check_muon_hyper(name, defaults)
         self.process_group = process_group
         self.ns_dtype = ns_dtype
+        self.skip_nonfinite_grads = bool(skip_nonfinite_grads)
         self._adamw_given: list[dict] = []
         super().__init__(params, defaults)
         muon_params = [p for g in self.param_groups if uses_muon(g) for p in g["params"]]
@@ -159,7 +160,9 @@ class DistributedFusedMuon(torch.optim.Optimizer):
         gradient scales unless unscale_grads() ran, and a non-finite
         gradient on any rank, in either part, skips the whole step on every
         rank (momentum, parameters, AdamW states and steps unchanged) and is
-        reported to the scaler so that ``scaler.update()`` backs off."""
+        reported to the scaler so that ``scaler.update()`` backs off; with
+        skip_nonfinite_grads=True (DistributedFusedAdam's option), such a
+        step is skipped the same way without a scaler."""
         grad_scaler = _amp.stepping_scaler(self, kwargs)
         if grad_scaler is not None and not grad_scaler.is_enabled():
             grad_scaler = None
@@ -168,12 +171,13 @@ class DistributedFusedMuon(torch.optim.Optimizer):
             if uses_muon(group):
                 check_group(f"param_groups[{i}]", group)
         inv_loss_scale = _amp.check_stage(grad_scaler, self, self._inv_scale is not None, self._device)
-        if grad_scaler is not None:
+        if grad_scaler is not None or self.skip_nonfinite_grads:
             if inv_loss_scale is not None:
                 self._fold_inv_scale(inv_loss_scale)
-            self._grad_scaler = grad_scaler
             found_inf = self._nonfinite_on_any_rank()
-            _amp.report(grad_scaler, self, found_inf, self._device)
+            if grad_scaler is not None:
+                self._grad_scaler = grad_scaler
+                _amp.report(grad_scaler, self, found_inf, self._device)
             if found_inf.item():
                 self._end_iteration(skipped=True)
                 return loss
