@@ -61,6 +61,7 @@ from ._iteration import BackwardOrderProbe, Grads, Iteration, Params
 from ._layout_build import LayoutBuild
 from ._options import check_storage_options, check_sync_dtypes, state_dtypes
 from ._peer_timeout import naming_phase
+from ._shard_groups import shard_groups
 from ._state_io import StateIO
 
 __all__ = ["ShardedOptimizer"]
@@ -159,16 +160,10 @@ class ShardedOptimizer(LayoutBuild, StateIO, GradScaling, HostStep, ApexMethods,
         # gloo can abort when it is torn down at interpreter exit.
         self.group = process_group
         self.world_size = dist.get_world_size(self.group)
-        # Sharding: state is split over the distributed group and repeated
-        # over the redundant group (apex's layout: world = distributed x redundant).
-        self.dist_group = distributed_process_group if distributed_process_group is not None else process_group
-        self.redundant_group = redundant_process_group
-        self.dist_size = dist.get_world_size(self.dist_group)
-        self.rank = dist.get_rank(self.dist_group)
-        redundant_size = dist.get_world_size(redundant_process_group) if redundant_process_group is not None else 1
-        if self.dist_size * redundant_size != self.world_size:
-            raise ValueError(f"distributed_process_group ({self.dist_size} ranks) x redundant_process_group "
-                             f"({redundant_size} ranks) must cover process_group ({self.world_size} ranks)")
+        # Sharding: [Note: redundant replicas] in _shard_groups.py.
+        groups = shard_groups(process_group, distributed_process_group, redundant_process_group)
+        self.dist_group, self.redundant_group = groups.shard, groups.redundant
+        self.dist_size, self.rank = groups.shard_size, groups.shard_rank
         # Checked above (_options.py): the state's dtype and how the master is stored.
         self.dtype = dtype
         self.store_param_remainders = store_param_remainders
