@@ -74,7 +74,7 @@ from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
 __all__ = ["check_checkpoint", "check_layout_key", "check_sharded_state_dict", "check_tables", "json_list",
            "layout_key", "load_sharded_state_dict", "local_pieces", "ragged_dtensor", "ragged_pieces", "read_tables",
-           "shape_row", "sharded_state_dict"]
+           "refuse_redundant", "shape_row", "sharded_state_dict"]
 
 LAYOUT_PREFIX = "layout_"
 
@@ -143,14 +143,20 @@ def ragged_dtensor(pieces: list[torch.Tensor], offsets: list[tuple[int, ...]], s
                               shape=torch.Size(shape), stride=tuple(stride))
 
 
+def refuse_redundant(opt) -> None:
+    """No sharded checkpoint with a redundant group (before anything is
+    built or written): every replica would write the same pieces."""
+    if opt.redundant_group is not None:
+        raise NotImplementedError("sharded_state_dict with a redundant_process_group: every replica would "
+                                  "write the same pieces; use state_dict() (portable)")
+
+
 def sharded_state_dict(opt) -> dict:
     """This rank's pieces of every state as one DTensor per state, plus
     the parameter table and the groups. fp32 states are views of the
     optimizer's buffers (dcp.load fills them in place); remainders and scaled
     states go through fp32 copies of whole bucket rows, one per bucket."""
-    if opt.redundant_group is not None:
-        raise NotImplementedError("sharded_state_dict with a redundant_process_group: every replica would "
-                                  "write the same pieces; use state_dict() (portable)")
+    refuse_redundant(opt)
     if not all(opt._initialized):  # the state a first step would start from
         opt.init_params([p for p, done in zip(opt.params, opt._initialized) if not done])
     space = _FlatSpace(opt)
