@@ -33,7 +33,7 @@ import shardadam
 from conftest import assert_bits_equal
 from shardadam import checkpoint
 from shardadam.distributed import sharded_checkpoint
-from test_distributed import _exit, _frozen, _groups, _model, _rank_group, _spawn, _train
+from test_distributed import _exit, _frozen, _groups, _model, _rank_group, _spawn, _train, _two_by_two
 
 # DCP takes the DTensor pieces without the deprecation warnings of ShardedTensor.
 pytestmark = [pytest.mark.filterwarnings("error::FutureWarning"), pytest.mark.filterwarnings("error::DeprecationWarning")]
@@ -49,12 +49,7 @@ def _gather_worker(rank: int, world: int, port: int, redundant: bool, out) -> No
         model = _model()
         frozen = _frozen(model)
         frozen.requires_grad_(False)
-        groups = {}
-        if redundant:  # 4 ranks: shards over {0, 1} and {2, 3}, each repeated over {0, 2} / {1, 3}
-            shard_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-            replica_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-            groups = dict(distributed_process_group=shard_groups[rank // 2],
-                          redundant_process_group=replica_groups[rank % 2])
+        groups = _two_by_two(rank) if redundant else {}
         opt = shardadam.DistributedFusedAdam(_groups(model, frozen), lr=1e-2, weight_decay=0.1, bucket_cap_mb=1e-4,
                                              **groups)
         _train(model, opt, rank, world, range(3))

@@ -149,6 +149,14 @@ def _rank_group(rank: int, world: int, port: int, out, backend: str = "gloo"):
         out.join_thread()  # the result is flushed before the process exits
 
 
+def _two_by_two(rank: int) -> dict:
+    """apex's layout on 4 ranks, as keyword arguments: shards over {0, 1} and
+    {2, 3}, each repeated over {0, 2} / {1, 3} (every rank creates every group)."""
+    shard_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    replica_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    return dict(distributed_process_group=shard_groups[rank // 2], redundant_process_group=replica_groups[rank % 2])
+
+
 def _exit() -> None:
     # Skip interpreter teardown: gloo's threads sometimes abort it ("terminate
     # called without an active exception", seen with 3 ranks on 2 cores and
@@ -175,12 +183,7 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out) -> None:
         frozen = _frozen(model)
         frozen.requires_grad_(False)
         frozen_before = frozen.detach().clone()
-        groups = {}
-        if cfg["redundant"]:  # 4 ranks: shards over {0, 1} and {2, 3}, each repeated over {0, 2} / {1, 3}
-            shard_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-            replica_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-            groups = dict(distributed_process_group=shard_groups[rank // 2],
-                          redundant_process_group=replica_groups[rank % 2])
+        groups = _two_by_two(rank) if cfg["redundant"] else {}
         opt = _distributed(cfg, _groups(model, frozen), bucket_cap_mb=cfg["bucket_cap_mb"],
                            overlap_grad_sync=cfg["overlap"], grad_sync_dtype=cfg["grad_sync_dtype"],
                            pipeline_size=cfg["pipeline_size"], overlap_param_sync=cfg["overlap_param_sync"],

@@ -20,7 +20,7 @@ import torch
 import shardadam
 from shardadam.distributed import _host_shards
 from test_distributed import (STEPS, _distributed, _exit, _frozen, _groups, _lr_schedule, _model, _rank_group,
-                              _spawn, _train)
+                              _spawn, _train, _two_by_two)
 
 # name -> (optimizer options, training options, model dtype)
 CASES = {
@@ -174,13 +174,9 @@ def _redundant_worker(rank: int, world: int, port: int, out) -> None:
     accumulating in no_sync(), stepped during backward against stepped in
     step() (with a redundant group every bucket is handed over in step(),
     after the replicas' all-reduce)."""
-    import torch.distributed as dist
     with _rank_group(rank, world, port, out):
         _host_shards.runs_pipeline = lambda where: True
-        shard_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-        replica_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-        groups = dict(distributed_process_group=shard_groups[rank // 2],
-                      redundant_process_group=replica_groups[rank % 2])
+        groups = _two_by_two(rank)
         snapshots = []
         for state_device, accumulate, in_backward in ((None, "every", False), ("cpu", "every", False),
                                                       ("cpu", "no_sync", False), ("cpu", "no_sync", True)):
