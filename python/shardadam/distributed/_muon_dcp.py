@@ -69,7 +69,7 @@ from .._muon_groups import MUON_KEYS, check_muon_hyper, uses_muon
 from .._state_dict_check import check_state_tensor
 from ._agreement import validate_then_agree
 from .sharded_checkpoint import (check_layout_key, check_sharded_state_dict, check_tables, json_list, layout_key,
-                                 ragged_dtensor, ragged_pieces, read_tables, shape_row)
+                                 ragged_dtensor, ragged_pieces, read_tables, refuse_redundant, shape_row)
 
 __all__ = ["check_checkpoint", "load_sharded_state_dict", "sharded_state_dict"]
 
@@ -115,6 +115,7 @@ def _device(opt) -> torch.device:
 def sharded_state_dict(opt) -> dict:
     """This rank's momentum pieces, the AdamW groups' sharded state dict, the
     tables and the groups ([Note: Muon momentum in DCP]); no collective."""
+    refuse_redundant(opt)  # the AdamW part's refusal, for the Muon part too
     table = _Table(opt)
     state = {}
     if opt._muon is not None:

@@ -22,6 +22,11 @@ match across ranks):
    rescaled in memory), and a step skipped for inf/NaN writes nothing;
 3. each rank copies its matrices into its slot and the slots are
    all-gathered into every rank's parameters.
+
+With a redundant group ([Note: redundant replicas] in _shard_groups.py) the
+owners are spread over the distributed group, each replica set holds the
+same owners, and the reduced slots are all-reduced over the redundant group
+before the step, so every replica of an owner steps identically.
 """
 from __future__ import annotations
 
@@ -35,6 +40,7 @@ from .._muon_layout import Entry, MuonLayout, layout_key
 from ._grad_scaling import clip_factor
 from ._iteration import BACKWARD_AFTER_REDUCTION
 from ._muon_owners import Matrix, OwnerBucket, plan_owner_buckets
+from ._shard_groups import ShardGroups
 from ._transport import _all_gather, _reduce_scatter
 
 
@@ -48,16 +54,18 @@ def _of_param(p: torch.Tensor, m: Matrix) -> torch.Tensor:
 
 class OwnedMuon:
     """The Muon parameters' buckets, hooks, reductions, step and momentum I/O
-    on one rank of ``group``."""
+    on one rank of ``groups.shard``."""
 
-    def __init__(self, params: list[torch.Tensor], group_of: list[int], group, *, cap: int,
+    def __init__(self, params: list[torch.Tensor], group_of: list[int], groups: ShardGroups, *, cap: int,
                  overlap_grad_sync: bool, average_grad_sync: bool, ns_dtype: torch.dtype,
                  momentum_dtype: torch.dtype | None = None):
         self.params = params
         self.group_of = group_of
-        self.group = group
-        self.world = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
+        self.group = groups.shard  # the owners' group: reduce-scatters and all-gathers
+        self.redundant = groups.redundant
+        self.world = groups.shard_size  # the owners: slots per bucket
+        self.rank = groups.shard_rank
+        self.world_size = groups.world_size  # the ranks whose gradients are summed
         self.average = average_grad_sync
         self.ns_dtype = ns_dtype
         self.buckets: list[OwnerBucket] = plan_owner_buckets([tuple(p.shape) for p in params],
@@ -151,7 +159,11 @@ class OwnedMuon:
     def finish_grad_sync(self) -> None:
         """Stage the gradients backward has not handed over (no overlap, or
         parameters without a gradient: zeros), launch every bucket left, in
-        order, and wait for all."""
+        order, and wait for all; with a redundant group, all-reduce the slots
+        over it. Once per iteration (the all-reduce adds up): later calls
+        return at once."""
+        if self._reduced:
+            return
         for b in range(self._launched, len(self.buckets)):
             for k in sorted(self._pending[b]):
                 g = self.params[k].grad
@@ -161,6 +173,9 @@ class OwnedMuon:
             self._pending[b].clear()
             self._launch(b)
         self._wait()
+        if self.redundant is not None:  # the replicas of each slot add their sums
+            for work in [dist.all_reduce(s, group=self.redundant, async_op=True) for s in self.shard]:
+                work.wait()
         self._reduced = True
 
     def nonfinite_here(self) -> torch.Tensor:
@@ -172,11 +187,12 @@ class OwnedMuon:
     def grad_sq_norm(self) -> torch.Tensor:
         """The squared L2 norm of the synchronised (averaged, if
         average_grad_sync) Muon gradients, on every rank: each owner's sum
-        over its slots (the padding holds zeros), all-reduced."""
+        over its slots (the padding holds zeros), all-reduced over the
+        owners ([Note: redundant replicas])."""
         self.finish_grad_sync()
         sq = sum((s.float().square().sum() for s in self.shard), torch.zeros((), device=self.shard[0].device))
         dist.all_reduce(sq, group=self.group)
-        return sq / self.world ** 2 if self.average else sq
+        return sq / self.world_size ** 2 if self.average else sq
 
     # ------------------------------------------------------------ step
 
@@ -212,7 +228,7 @@ class OwnedMuon:
         layout = self._current_layout(param_groups)
         if layout is not None:
             grads = {id(e.param): e.grad for e in layout.entries}
-            scale = torch.full((), 1.0 / self.world if self.average else 1.0, device=self.shard[0].device)
+            scale = torch.full((), 1.0 / self.world_size if self.average else 1.0, device=self.shard[0].device)
             if inv_scale is not None:
                 scale *= inv_scale
             if self.clip is not None:

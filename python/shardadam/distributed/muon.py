@@ -13,6 +13,7 @@ from . import _amp, _muon_dcp
 from ._agreement import check_same
 from ._iteration import Grads
 from ._muon_owned import OwnedMuon
+from ._shard_groups import shard_groups
 from .adam import DistributedFusedAdam
 
 __all__ = ["DistributedFusedMuon"]
@@ -35,7 +36,12 @@ class DistributedFusedMuon(torch.optim.Optimizer):
     groups are stepped by an inner DistributedFusedAdam (AdamW sharded
     element-wise), which takes the keyword options in ``adamw_options``
     (dtype, grad_sync_dtype, param_sync_dtype, storage kinds, bucket and
-    overlap options, ...). ``momentum_dtype`` stores the Muon momentum in
+    overlap options, ...). ``distributed_process_group`` x
+    ``redundant_process_group`` is DistributedFusedAdam's layout, for both
+    parts: the owners are spread over each distributed group, every
+    distributed group holds the same owners, and the replicas of an owner
+    (its redundant group) step identically ([Note: redundant replicas] in
+    _shard_groups.py). ``momentum_dtype`` stores the Muon momentum in
     another dtype than the parameter's (None: torch's choice); bf16 halves
     it for fp32 parameters, and checkpoints hold it in the parameter's dtype.
 
@@ -69,8 +75,9 @@ class DistributedFusedMuon(torch.optim.Optimizer):
 
     def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
                  ns_coefficients=(3.4445, -4.775, 2.0315), eps=1e-7, ns_steps=5, adjust_lr_fn=None, *,
-                 process_group=None, overlap_grad_sync=True, average_grad_sync=True, bucket_cap_mb=100,
-                 ns_dtype=torch.bfloat16, momentum_dtype=None, skip_nonfinite_grads=False, **adamw_options):
+                 process_group=None, distributed_process_group=None, redundant_process_group=None,
+                 overlap_grad_sync=True, average_grad_sync=True, bucket_cap_mb=100, ns_dtype=torch.bfloat16,
+                 momentum_dtype=None, skip_nonfinite_grads=False, **adamw_options):
         name = type(self).__name__
         refused = [k for k in _REFUSED_OPTIONS if adamw_options.get(k)]
         if refused:
@@ -87,6 +94,7 @@ class DistributedFusedMuon(torch.optim.Optimizer):
                         ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
         check_muon_hyper(name, defaults)
         self.process_group = process_group
+        self.redundant_group = redundant_process_group
         self.ns_dtype = ns_dtype
         self.skip_nonfinite_grads = bool(skip_nonfinite_grads)
         self._adamw_given: list[dict] = []
@@ -97,6 +105,7 @@ class DistributedFusedMuon(torch.optim.Optimizer):
         if any(p.device != device for p in muon_params):
             raise ValueError(f"{name}: the Muon parameters lie on {sorted({str(p.device) for p in muon_params})}; "
                              "each rank's must share one device (the rank's GPU, or the CPU with gloo)")
+        groups = shard_groups(process_group, distributed_process_group, redundant_process_group)
         check_same(f"{name}: the {{ranks}} ranks of process_group were not given the same Muon parameters and "
                    "hyperparameters: {difference}. Every rank must build the same model and optimizer",
                    self._muon_setup(), process_group, device)
@@ -106,6 +115,7 @@ class DistributedFusedMuon(torch.optim.Optimizer):
         if self._adamw_given:
             self._adamw = DistributedFusedAdam(
                 [dict(g) for g in self._adamw_given], process_group=process_group,
+                distributed_process_group=distributed_process_group, redundant_process_group=redundant_process_group,
                 overlap_grad_sync=overlap_grad_sync, average_grad_sync=average_grad_sync,
                 bucket_cap_mb=bucket_cap_mb, **adamw_options)
             inner = iter(self._adamw.param_groups)
@@ -120,7 +130,7 @@ class DistributedFusedMuon(torch.optim.Optimizer):
                 for p in muon_params:
                     dist.broadcast(p.data, src=src, group=process_group)
             elem = muon_params[0].element_size()
-            self._muon = OwnedMuon(muon_params, group_of, process_group,
+            self._muon = OwnedMuon(muon_params, group_of, groups,
                                    cap=max(1, int(bucket_cap_mb * (1 << 20)) // elem),
                                    overlap_grad_sync=overlap_grad_sync, average_grad_sync=average_grad_sync,
                                    ns_dtype=ns_dtype, momentum_dtype=momentum_dtype)
@@ -352,7 +362,9 @@ class DistributedFusedMuon(torch.optim.Optimizer):
     def sharded_state_dict(self) -> dict:
         """Only this rank's pieces (its matrices' momentum, its shards of the
         AdamW groups' state), for torch.distributed.checkpoint: see
-        distributed/_muon_dcp.py (a checkpoint of N ranks loads on M)."""
+        distributed/_muon_dcp.py (a checkpoint of N ranks loads on M).
+        Refused with a redundant_process_group, as DistributedFusedAdam
+        refuses it (every replica would write the same pieces)."""
         return _muon_dcp.sharded_state_dict(self)
 
     def check_sharded_checkpoint(self, checkpoint_id, key: str = "optim") -> None:
