@@ -12,16 +12,19 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import re
 import weakref
 
+import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 import shardadam
 from shardadam._newton_schulz import ns_cost
 from shardadam.distributed._muon_owners import SLOT_ALIGN, plan_owner_buckets
-from test_distributed import _exit, _rank_group, _spawn_all
+from test_distributed import _exit, _rank_group, _spawn_all, _two_by_two
 
 STEPS, GLOBAL_BATCH = 4, 12
 
@@ -125,18 +128,20 @@ def _worker(rank, world, port, cfg, out) -> None:
                 for p in model.parameters():
                     p.add_(1.0)
         opt = shardadam.DistributedFusedMuon(_groups(model), ns_dtype=cfg["ns_dtype"], momentum_dtype=cfg["momentum"],
-                                             overlap_grad_sync=cfg["overlap"], bucket_cap_mb=cfg["cap"], **OPTIONS)
+                                             overlap_grad_sync=cfg["overlap"], bucket_cap_mb=cfg["cap"], **OPTIONS,
+                                             **(_two_by_two(rank) if cfg["redundant"] else {}))
         norms = _train(model, opt, range(STEPS), rank, world, cfg["micro"], cfg["clip"], accumulate=cfg["accumulate"])
         out.put((rank, dict(norms=norms, params=[p.detach().cpu().numpy().copy() for p in model.parameters()],
-                            owned=opt.orthogonalized_matrices(),
-                            buckets=len(opt._muon.buckets))))
+                            state=_numpy_state(opt.state_dict()), owned=opt.orthogonalized_matrices(),
+                            buckets=len(opt._muon.buckets), adamw_shards=opt._adamw.dist_size)))
     _exit()
 
 
 def _config(ns_dtype=torch.float32, overlap=True, cap=100.0, micro=1, device="cpu", clip=None, momentum=None,
-            accumulate="no_sync"):
+            accumulate="no_sync", redundant=False):
+    """redundant: 4 ranks as 2 distributed x 2 redundant (_two_by_two)."""
     return dict(ns_dtype=ns_dtype, overlap=overlap, cap=cap, micro=micro, device=device, clip=clip,
-                momentum=momentum, accumulate=accumulate)
+                momentum=momentum, accumulate=accumulate, redundant=redundant)
 
 
 @pytest.mark.parametrize("world,cfg", [
@@ -147,14 +152,19 @@ def _config(ns_dtype=torch.float32, overlap=True, cap=100.0, micro=1, device="cp
     (3, _config(micro=2)),                      # no_sync accumulation
     (2, _config(micro=3, accumulate="every", cap=1e-3, clip=0.05)),  # a reduction round per micro-batch
     (2, _config(clip=0.05)),                    # clip_grad_norm over both parts, as torch's over the model
+    (4, _config(redundant=True)),               # owners over {0, 1} and {2, 3}, replicated over {0, 2} / {1, 3}
+    (4, _config(redundant=True, overlap=False, clip=0.05)),
     pytest.param(1, _config(device="cuda"), marks=pytest.mark.cuda),
     pytest.param(2, _config(device="cuda", cap=1e-3, micro=2), marks=pytest.mark.multigpu),
 ], ids=["world-2", "world-3-small-buckets", "world-4", "no-overlap", "no_sync-3", "rounds-per-micro-batch", "clip",
-        "nccl-1", "nccl-2-small-buckets"])
+        "redundant-2x2", "redundant-2x2-no-overlap-clip", "nccl-1", "nccl-2-small-buckets"])
 def test_matches_fused_muon_on_the_global_batch(world, cfg):
+    """Parameters, norms and state (Muon's update is invariant to a constant
+    gradient scale, a wrong average shows in the momentum) equal FusedMuon's
+    on the global batch; every rank holds the same parameters."""
     results = _spawn_all(_worker, world, cfg)
-    want_norms = []
-    want = _reference(cfg["ns_dtype"], device=cfg["device"], clip=cfg["clip"], norms=want_norms)
+    want_norms, want_state = [], {}
+    want = _reference(cfg["ns_dtype"], device=cfg["device"], clip=cfg["clip"], norms=want_norms, state=want_state)
     if cfg["clip"] is not None:
         assert min(want_norms) > cfg["clip"], "the test must clip at every step"
         for result in results:
@@ -163,11 +173,30 @@ def test_matches_fused_muon_on_the_global_batch(world, cfg):
         for i, (got, w) in enumerate(zip(result["params"], want)):
             torch.testing.assert_close(torch.from_numpy(got), w, rtol=1e-5, atol=2e-6,
                                        msg=lambda m: f"rank {r}, param {i}: {m}")
+        assert all(np.array_equal(a, b) for a, b in zip(result["params"], results[0]["params"])), \
+            f"rank {r}'s parameters differ from rank 0's"
+        _assert_state_close(result["state"], want_state, f"rank {r}")
+        assert result["adamw_shards"] == (2 if cfg["redundant"] else world), "the AdamW part's shards"
     if cfg["cap"] < 1:
         assert results[0]["buckets"] == 3
-    # Every matrix is orthogonalized by exactly one rank.
-    owned = [m for result in results for m in result["owned"]]
-    assert sorted(owned, key=repr) == sorted([(0, None), (1, None), (2, 0), (2, 1), (2, 2)], key=repr)
+    # Every matrix is orthogonalized by exactly one rank of each replica set, the
+    # same in each: ranks r and r + 2 are replicas of each other.
+    replica_sets = [results[:2], results[2:]] if cfg["redundant"] else [results]
+    for ranks in replica_sets:
+        owned = [m for result in ranks for m in result["owned"]]
+        assert sorted(owned, key=repr) == sorted([(0, None), (1, None), (2, 0), (2, 1), (2, 2)], key=repr)
+        assert [result["owned"] for result in ranks] == [result["owned"] for result in replica_sets[0]]
+
+
+def _assert_state_close(got: dict, want: dict, where: str) -> None:
+    """State dicts' tensors (_numpy_state) at fp32 rounding: states span
+    1e-7..1e-2, so the error is the rounding of each tensor's largest value."""
+    assert got.keys() == want.keys(), f"{where}: state of parameters {sorted(got)}, want {sorted(want)}"
+    for i, state in want.items():
+        for k, w in state.items():
+            w = torch.from_numpy(w)
+            torch.testing.assert_close(torch.from_numpy(got[i][k]), w, rtol=1e-5, atol=1e-5 * float(w.abs().max()),
+                                       msg=lambda m: f"{where}, state[{i}][{k}]: {m}")
 
 
 def _movement_errors(got: list, want: list) -> list[float]:
@@ -325,12 +354,7 @@ def test_grad_scaler_trains_as_fused_muon_on_unscaled_gradients(world, cfg):
         for i, (got, w) in enumerate(zip(result["params"], want)):
             torch.testing.assert_close(torch.from_numpy(got), w, rtol=1e-5, atol=2e-6,
                                        msg=lambda m: f"rank {r}, param {i}: {m}")
-        for i, state in want_state.items():
-            for k, w in state.items():  # states span 1e-7..1e-2: the error is fp32 rounding of the largest value
-                w = torch.from_numpy(w)
-                torch.testing.assert_close(torch.from_numpy(result["state"][i][k]), w, rtol=1e-5,
-                                           atol=1e-5 * float(w.abs().max()),
-                                           msg=lambda m: f"rank {r}, state[{i}][{k}]: {m}")
+        _assert_state_close(result["state"], want_state, f"rank {r}")
 
 
 def test_scaler_unscale_is_refused_and_names_unscale_grads(one_rank):
@@ -348,11 +372,13 @@ def test_scaler_unscale_is_refused_and_names_unscale_grads(one_rank):
     assert all(torch.equal(a, b) for a, b in zip(before, _snapshot(model, opt)))
 
 
-def _checkpoint_worker(rank, world, port, path, phase, out) -> None:
-    """phase "save": 2 steps, state_dict() to path; "load": load it and take the rest."""
+def _checkpoint_worker(rank, world, port, path, phase, redundant, out) -> None:
+    """phase "save": 2 steps, state_dict() to path; "load": load it and take
+    the rest. redundant: 4 ranks as 2 x 2 (_two_by_two)."""
     with _rank_group(rank, world, port, out):
         model = _Net()
-        opt = shardadam.DistributedFusedMuon(_groups(model), ns_dtype=torch.float32, **OPTIONS)
+        opt = shardadam.DistributedFusedMuon(_groups(model), ns_dtype=torch.float32, **OPTIONS,
+                                             **(_two_by_two(rank) if redundant else {}))
         if phase == "save":
             _train(model, opt, range(2), rank, world)
             sd = opt.state_dict()
@@ -368,20 +394,21 @@ def _checkpoint_worker(rank, world, port, path, phase, out) -> None:
     _exit()
 
 
-@pytest.mark.parametrize("load_world", [1, 3])
-def test_state_dict_of_2_ranks_resumes_at_other_world_sizes(tmp_path, load_world):
+@pytest.mark.parametrize("load_world,redundant", [(1, False), (3, False), (4, True)], ids=["1", "3", "2x2-redundant"])
+def test_state_dict_of_2_ranks_resumes_at_other_world_sizes(tmp_path, load_world, redundant):
     path = str(tmp_path / "ckpt.pt")
-    keys = _spawn_all(_checkpoint_worker, 2, path, "save")
+    keys = _spawn_all(_checkpoint_worker, 2, path, "save", False)
     assert keys[0] == ["momentum_buffer"]
-    resumed = _spawn_all(_checkpoint_worker, load_world, path, "load")
+    resumed = _spawn_all(_checkpoint_worker, load_world, path, "load", redundant)
     for i, (got, want) in enumerate(zip(resumed[0], _reference(torch.float32))):
         torch.testing.assert_close(torch.from_numpy(got), want, rtol=1e-5, atol=2e-6, msg=lambda m: f"param {i}: {m}")
 
 
-def test_state_dict_loads_into_fused_muon(tmp_path):
+@pytest.mark.parametrize("world,redundant", [(2, False), (4, True)], ids=["2", "2x2-redundant"])
+def test_state_dict_loads_into_fused_muon(tmp_path, world, redundant):
     """The checkpoint is FusedMuon's: a single-process run resumes from it."""
     path = str(tmp_path / "ckpt.pt")
-    _spawn_all(_checkpoint_worker, 2, path, "save")
+    _spawn_all(_checkpoint_worker, world, path, "save", redundant)
     saved = torch.load(path)
     model = _Net()
     model.load_state_dict(saved["model"])
@@ -424,6 +451,47 @@ def test_bad_groups_raise_before_anything_is_written(bad, match):
     with pytest.raises(ValueError, match=match):
         shardadam.DistributedFusedMuon(bad(model))
     assert all(torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))
+
+
+def _bad_layout_worker(rank, world, port, out) -> None:
+    """2 ranks: groups that do not cover process_group (each rank its own
+    distributed group and no redundant group; a redundant group of both and
+    no distributed group), with and without AdamW groups, and
+    DistributedFusedAdam on the same groups: every refusal's message, and
+    whether the parameters (rank 1's differ from rank 0's, which the
+    broadcast would write) are untouched."""
+    with _rank_group(rank, world, port, out):
+        model = _Net()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(rank)
+        before = [p.detach().clone() for p in model.parameters()]
+        alone, both = [dist.new_group([0]), dist.new_group([1])][rank], dist.new_group([0, 1])
+        messages = []
+        for layout in (dict(distributed_process_group=alone), dict(redundant_process_group=both)):
+            for make in (lambda: shardadam.DistributedFusedMuon(_groups(model)[:1], **layout),
+                         lambda: shardadam.DistributedFusedMuon(_groups(model), **layout),
+                         lambda: shardadam.DistributedFusedAdam(model.parameters(), **layout)):
+                try:
+                    make()
+                    messages.append(None)
+                except ValueError as e:
+                    messages.append(str(e))
+        out.put((rank, dict(messages=messages,
+                            unchanged=all(torch.equal(a, p) for a, p in zip(before, model.parameters())))))
+    _exit()
+
+
+def test_groups_that_do_not_cover_the_process_group_are_refused_before_anything_is_written():
+    """DistributedFusedAdam's check of distributed_process_group x
+    redundant_process_group, on both parts, before the broadcast."""
+    results = _spawn_all(_bad_layout_worker, 2)
+    cover = r"distributed_process_group \({} ranks\) x redundant_process_group \({} ranks\) must cover process_group " \
+            r"\(2 ranks\): pass both"
+    for rank, result in enumerate(results):
+        assert result["unchanged"], f"rank {rank}'s parameters were written"
+        for i, (message, sizes) in enumerate(zip(result["messages"], [(1, 1)] * 3 + [(2, 2)] * 3)):
+            assert message is not None and re.match(cover.format(*sizes), message), f"rank {rank}, case {i}: {message}"
 
 
 def test_options_not_offered_are_refused_by_name():

@@ -19,6 +19,7 @@ import re
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
@@ -267,3 +268,17 @@ def test_round_trip_on_one_rank(one_rank, tmp_path, parts, steps):
     assert ("momentum_buffer" in str(want)) == (parts != "adamw" and steps > 0)
     if steps == 0:  # the loading optimizer's own momentum is gone too, where state_dict() shows none
         assert not any(t.any() for t in loaded._muon.momentum)
+
+
+@pytest.mark.parametrize("parts", ["both", "muon"], ids=["with-adamw-groups", "muon-groups-only"])
+def test_sharded_state_dict_is_refused_with_a_redundant_group(one_rank, parts):
+    """Every replica would write the same pieces, as DistributedFusedAdam
+    refuses: sharded_state_dict() raises, naming the option, so that nothing
+    reaches dcp.save (a one-rank redundant group is one all the same)."""
+    model = _Net()
+    groups = _groups(model) if parts == "both" else _groups(model)[:1]
+    opt = shardadam.DistributedFusedMuon(groups, **OPTIONS, redundant_process_group=dist.new_group([0]))
+    _train(model, opt, range(1))
+    with pytest.raises(NotImplementedError, match=r"^sharded_state_dict with a redundant_process_group: .*"
+                                                  r"use state_dict\(\) \(portable\)"):
+        opt.sharded_state_dict()
