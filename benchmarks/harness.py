@@ -129,6 +129,11 @@ def choose(ap, value: str, known, option: str, sep: str = ",") -> list[str]:
     return chosen
 
 
+def add_device_arg(ap) -> None:
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="default: cuda where torch sees a GPU, else cpu")
+
+
 def add_run_args(ap, lr: float | None = 1e-4, buckets: str | None = "DistributedFusedAdam's bucket size in MiB "
                  "(default 100)", out: str | None = "write the results here as JSON") -> None:
     """--lr, --bucket-cap-mb (its help: buckets), --seed and --out (its help: out), each unless None."""

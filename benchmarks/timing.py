@@ -92,14 +92,12 @@ def clock_ms(fn) -> float:
 
 
 def median_ms(fn, dev, reps: int, warmup: int = 0, sync_after: bool = True, setup=None) -> float:
-    """Median milliseconds of one call from an idle device: synchronised
-    before each call and, with sync_after, inside the clock after it (host plus
-    device time); without, the time for the call to return (its host cost).
-    `setup`, if given, runs untimed before every timed call."""
-    for _ in range(warmup):
-        fn()
+    """Median milliseconds of one call from an idle device, after `warmup`
+    untimed calls: synchronised before each call and, with sync_after, inside
+    the clock after it (host plus device time); without, the time for the call
+    to return (its host cost). `setup`, if given, runs untimed before every call."""
     times = []
-    for _ in range(reps):
+    for _ in range(warmup + reps):
         if setup is not None:
             setup()
         sync(dev)
@@ -109,7 +107,7 @@ def median_ms(fn, dev, reps: int, warmup: int = 0, sync_after: bool = True, setu
             sync(dev)
         times.append((time.perf_counter() - t0) * 1e3)
     sync(dev)
-    return statistics.median(times)
+    return statistics.median(times[warmup:])
 
 
 def time_wall_and_host(fn, dev, reps: int, warmup: int, setup=None) -> tuple[float, float]:
