@@ -177,9 +177,10 @@ def test_quality_scripts_tiny(tmp_path):
 
 
 def test_bench_capacity_one_attempt():
-    out = run("bench_capacity", "--nproc", "1", "--candidates", "ddp", "--d-model", "64", "--heads", "4", "--vocab",
-              "256", "--seq", "32", "--batch", "2", "--layers", "1", "--start", "1")
-    assert table_rows(out)["ddp"][0] == "1"
+    out = run("bench_capacity", "--nproc", "1", "--candidates", "ddp,host:8-bit blockwise states", "--d-model", "64",
+              "--heads", "4", "--vocab", "256", "--seq", "32", "--batch", "2", "--layers", "1", "--start", "1")
+    rows = table_rows(out)
+    assert rows["ddp"][0] == rows["host:8-bit blockwise states"][0] == "1"
 
 
 def test_kernel_and_step_benchmarks_on_the_cpu():
