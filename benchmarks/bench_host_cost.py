@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import shardadam
-from bench_fused_adam import LR, WD, shard_fp32
+from bench_kernels import LR, WD, shard_fp32
 from harness import add_device_arg, add_run_args, init_one_rank, md_table, say, start_gpt, write_json
 from models import FULL, SIZE_KEYS, add_size_args, autocast, build_model, fill_defaults, gpt2_medium_shapes, make_batch
 from shardadam import kernels
@@ -50,7 +50,7 @@ SMALL = [(4,)] * 20_000
 
 
 def fused_adam(shapes, **options):
-    """FusedAdam.step and its per-step setup, as bench_fused_adam.py times them."""
+    """FusedAdam.step and its per-step setup, as bench_kernels.py --fused-adam times them."""
     def make(dev):
         step = shard_fp32(shapes, dev, **options)
         return step, step.setup

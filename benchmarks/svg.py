@@ -3,8 +3,9 @@
 the benchmark machines need no plotting package), a chart per result picked by
 what the JSON holds: bench_distributed.py's ms per iteration (labelled with the
 ratio to DDP + fused AdamW) and peak memory, from one file or several (a bar
-from the last file that has it, its file named); soak.py's memory against step
-per rank; bench_host_state.py --timeline's lanes; bench_hf_llama.py's losses.
+from the last file that has it, its file named); bench_kernels.py's GB/s;
+soak.py's memory against step per rank; bench_host_state.py --timeline's
+lanes; bench_hf_llama.py's losses.
 
     python benchmarks/svg.py results/run3.json results/run4.json --out plot.svg
     python benchmarks/svg.py benchmarks/results/bench_hf_llama_2xh200.json   # writes the .svg beside it
@@ -57,10 +58,6 @@ class Canvas:
     def rect(self, x, y, width, height, fill, **attrs) -> None:
         self.add("rect", x=x, y=y, width=width, height=height, fill=fill, **attrs)
 
-    def polyline(self, points, stroke, **attrs) -> None:
-        self.add("polyline", points=" ".join(f"{x:.1f},{y:.1f}" for x, y in points), fill="none", stroke=stroke,
-                 stroke_width=1.5, **attrs)
-
     def legend(self, x: float, y: float, entries: list[tuple[str, str]], dy: float = 20) -> float:
         """A colour swatch and a label per entry, one under the other; returns the y below them."""
         for i, (color, label) in enumerate(entries):
@@ -101,14 +98,8 @@ class Axes:
         return self.y0 + self.h * (1 - (v - self.ylo) / ((self.yhi - self.ylo) or 1))
 
     def plot(self, xs, ys, color: str, **attrs) -> None:
-        self.c.polyline([(self.x(a), self.y(b)) for a, b in zip(xs, ys)], color, **attrs)
-
-    def hline(self, v: float, color: str, x_from: float | None = None, **attrs) -> None:
-        self.c.line(self.x(self.xlo if x_from is None else x_from), self.y(v), self.x0 + self.w, self.y(v),
-                    stroke=color, **attrs)
-
-    def vline(self, v: float, color: str, **attrs) -> None:
-        self.c.line(self.x(v), self.y0, self.x(v), self.y0 + self.h, stroke=color, **attrs)
+        self.c.add("polyline", points=" ".join(f"{self.x(a):.1f},{self.y(b):.1f}" for a, b in zip(xs, ys)),
+                   fill="none", stroke=color, stroke_width=1.5, **attrs)
 
 
 MIB = 2**20
@@ -118,13 +109,13 @@ def machine(meta: dict) -> str:
     return f"{meta['device']} x {meta['world_size']} ({meta['backend']}), torch {meta['torch']}"
 
 
-def bars(c: Canvas, box: tuple, title: str, key: str, unit: str, rows: dict, impls: list, batches: list,
-         colors: tuple, ratio_to: str | None = None) -> None:
-    """A bar per (implementation, batch) of rows[(impl, batch)][key], grouped by batch; labelled with the value, or
-    with ratio_to its ratio to that implementation's bar of the same batch."""
+def bars(c: Canvas, box: tuple, title: str, key: str, unit: str, rows: dict, impls: list, groups: list,
+         colors: tuple, ratio_to: str | None = None, label=lambda batch: f"batch {batch} per GPU") -> None:
+    """A bar per (implementation, group) of rows[(impl, group)][key], grouped by group; labelled with the value, or
+    with ratio_to its ratio to that implementation's bar of the same group."""
     x0, y0, w, h = box
     top = max(r[key] for r in rows.values()) * 1.15
-    slot = w / len(batches)
+    slot = w / len(groups)
     bar = slot * 0.8 / len(impls)
     y = lambda v: y0 + h * (1 - v / top)  # noqa: E731
     c.text(x0 + w / 2, y0 - 25, title, text_anchor="middle", font_weight="bold")
@@ -133,15 +124,28 @@ def bars(c: Canvas, box: tuple, title: str, key: str, unit: str, rows: dict, imp
         c.text(x0 - 5, y(top * i / 5) + 4, f"{top * i / 5:.0f}", text_anchor="end", font_size=11)
     mid = y0 + h / 2
     c.text(x0 - 41, mid, unit, text_anchor="middle", transform=f"rotate(-90 {x0 - 41} {mid})")
-    for b, batch in enumerate(batches):
+    for b, group in enumerate(groups):
         left = x0 + b * slot + slot * 0.1
-        c.text(left + slot * 0.4, y0 + h + 18, f"batch {batch} per GPU", text_anchor="middle")
-        base = rows.get((ratio_to, batch))
+        c.text(left + slot * 0.4, y0 + h + 18, label(group), text_anchor="middle")
+        base = rows.get((ratio_to, group))
         for i, impl in enumerate(impls):
-            if (r := rows.get((impl, batch))) is not None:
+            if (r := rows.get((impl, group))) is not None:
                 c.rect(left + i * bar, y(r[key]), bar * 0.9, y0 + h - y(r[key]), colors[i % len(colors)])
-                label = f"{r[key] / base[key]:.2f}" if base else f"{r[key]:.0f}"
-                c.text(left + (i + 0.45) * bar, y(r[key]) - 3, label, text_anchor="middle", font_size=9)
+                text = f"{r[key] / base[key]:.2f}" if base else f"{r[key]:.0f}"
+                c.text(left + (i + 0.45) * bar, y(r[key]) - 3, text, text_anchor="middle", font_size=9)
+
+
+def kernels_svg(data: dict, path) -> None:
+    """bench_kernels.py's effective GB/s per case and implementation, the copy's beside them."""
+    cases, meta = data["cases"], data["meta"]
+    rows = {(r["impl"], c["case"]): r for c in cases for r in c["rows"]}
+    rows.update({("copy", c["case"]): {"gbs": c["copy_gbs"]} for c in cases})
+    impls = list(dict.fromkeys(impl for impl, _ in rows))
+    c = Canvas(120 + 230 * len(cases), 400 + 20 * len(impls))
+    bars(c, (70, 50, c.width - 90, 300), f"shardadam {meta['shardadam']} vs torch {meta['torch']} AdamW", "gbs",
+         "GB/s (28 B/element; copy: read + write)", rows, impls, [c["case"] for c in cases], COLORS, label=str)
+    c.legend(70, 390, [(COLORS[i % len(COLORS)], impl) for i, impl in enumerate(impls)])
+    c.write(path)
 
 
 def distributed_svg(paths: list, path) -> None:
@@ -197,11 +201,12 @@ def soak_svg(data: dict, path) -> None:
         c.text(left + 4, y0 + 14, "warm-up", font_size=10, fill="#666")
         every = meta["config"]["checkpoint_every"]
         for step in range(every, last_step + 1, every):
-            ax.vline(step, "#999", stroke_dasharray="1,3")
+            c.line(ax.x(step), y0, ax.x(step), y0 + panel_h, stroke="#999", stroke_dasharray="1,3")
         for rank, (samples, limit) in enumerate(zip(ranks, limits)):
             ax.plot([s["step"] for s in samples], [s[key] / MIB for s in samples], COLORS[rank % len(COLORS)])
             if limit is not None:
-                ax.hline(limit, COLORS[rank % len(COLORS)], x_from=warm, stroke_dasharray="6,4")
+                c.line(ax.x(warm), ax.y(limit), left + ax.w, ax.y(limit), stroke=COLORS[rank % len(COLORS)],
+                       stroke_dasharray="6,4")
     caption_y = c.legend(left, legend_y, [
         (COLORS[rank % len(COLORS)], f"rank {rank}: RSS {v['rss']['growth'] / MIB:+.2f} MiB after warm-up, slope "
          f"{v['rss']['slope']:+.1f} B/step, limit {v['rss']['limit'] / MIB:.1f} MiB (dashed); "
@@ -279,7 +284,8 @@ def main() -> None:
     elif len(args.results) > 1:
         ap.error("several files: bench_distributed.py's results only")
     else:
-        chart = timeline_svg if "spans" in data else hf_llama_svg if "runs" in data else soak_svg
+        chart = timeline_svg if "spans" in data else hf_llama_svg if "runs" in data else kernels_svg if "cases" in \
+            data else soak_svg
         chart(data, out)
     print(f"wrote {out}")
 

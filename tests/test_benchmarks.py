@@ -196,16 +196,18 @@ def test_kernel_and_step_benchmarks_on_the_cpu():
         {"|".join(line.split("|")[:4]).strip() for line in out.splitlines()}
 
 
-def test_bench_kernels_and_fused_adam_cases_on_small_cpu_tensors():
-    import bench_fused_adam
+def test_bench_kernels_and_fused_adam_cases_on_small_cpu_tensors(tmp_path):
     import bench_kernels
     assert bench_kernels.check("cpu") < 1e-5  # kernels.adam against torch fused AdamW
     cfg = bench_kernels.Cfg(reps=2, warmup=1)
     case = bench_kernels.case_many("cpu", 20, 64, cfg, copy=1.0)
     assert [r["impl"] for r in case["rows"]] == ["torch fused", "shardadam"]
-    case = bench_fused_adam.run_case("small", [(64,)] * 10, "cpu", reps=2, warmup=1)
-    assert [r["impl"] for r in case["rows"]] == list(bench_fused_adam.IMPLS)
-    assert "| small | FusedAdam flat_grads |" in bench_fused_adam.markdown([case])
+    fused = bench_kernels.case_fused_adam("cpu", [(64,)] * 10, "small", cfg, copy=1.0)
+    assert [r["impl"] for r in fused["rows"]] == list(bench_kernels.FUSED_ADAM)
+    assert "| cpu small | FusedAdam flat_grads |" in bench_kernels.markdown([fused])
+    (tmp_path / "k.json").write_text(json.dumps(dict(meta=dict(shardadam="x", torch="y"), cases=[case, fused])))
+    run("svg", str(tmp_path / "k.json"))
+    assert xml.dom.minidom.parse(str(tmp_path / "k.svg")).documentElement.tagName == "svg"
 
 
 def test_bench_hf_llama_tiny(tmp_path):
