@@ -49,20 +49,6 @@ def init_one_rank(dev, bind_device: bool = False) -> None:
                             device_id=torch.device(dev) if cuda and bind_device else None)
 
 
-def error_text(e: BaseException) -> str:
-    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
-
-
-def attempt(fn):
-    """(fn(), None), or (None, the error's first line) with its traceback printed:
-    a failure is recorded and the other cases still run."""
-    try:
-        return fn(), None
-    except Exception as e:
-        traceback.print_exc()
-        return None, error_text(e)
-
-
 def agree_on_error(error: str | None, dev) -> str | None:
     """Every rank skips a case that failed on any rank, so that all ranks go on
     to the same next collective. This covers failures that hit the ranks at the
@@ -81,11 +67,6 @@ def max_over_ranks(values: list[float], dev) -> list[float]:
     return t.tolist()
 
 
-def losses_ok(losses: list[float]) -> bool:
-    """Every loss finite and the last below the first: the run trained."""
-    return all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
-
-
 def memory_figures(opt, cuda: bool) -> dict:
     """Between iterations (gradients freed): the optimizer's bytes, and this
     rank's peak and resident (allocated) GPU memory, for run_case."""
@@ -96,17 +77,22 @@ def memory_figures(opt, cuda: bool) -> dict:
 
 def run_case(result: dict, fn, dev, n_params: int, keep_losses: bool = False) -> dict:
     """`result` with what fn() measured on a freed device: fn returns (figures,
-    losses). A failure on any rank is every rank's ("error"). The figures are
-    maxima over ranks, memory_figures' as opt_bytes_per_param, peak_gib and
-    resident_bytes_per_param (None without CUDA); the losses (rank 0's: each
-    rank has its own batch) give loss_first, loss_last, loss_ok and, with
+    losses). A failure (its traceback printed, its first line kept) on any rank
+    is every rank's ("error"). The figures are maxima over ranks, memory_figures'
+    as opt_bytes_per_param, peak_gib and resident_bytes_per_param (None without
+    CUDA); the losses (rank 0's: each rank has its own batch) give loss_first,
+    loss_last, loss_ok (all finite, the last below the first) and, with
     keep_losses, "losses"."""
     free(dev)
-    out, error = attempt(fn)
+    error = None
+    try:
+        figures, losses = fn()
+    except Exception as e:
+        traceback.print_exc()
+        error = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
     result["error"] = agree_on_error(error, dev)
     if result["error"]:
         return result
-    figures, losses = out
     figures = dict(zip(figures, max_over_ranks(list(figures.values()), dev)))
     cuda = is_cuda(dev)
     for key, name, scale in (("opt_bytes", "opt_bytes_per_param", 1 / n_params), ("peak", "peak_gib", 2**-30),
@@ -117,7 +103,8 @@ def run_case(result: dict, fn, dev, n_params: int, keep_losses: bool = False) ->
     result.update(figures)
     if keep_losses:
         result["losses"] = losses
-    result.update(loss_first=losses[0], loss_last=losses[-1], loss_ok=losses_ok(losses))
+    result.update(loss_first=losses[0], loss_last=losses[-1],
+                  loss_ok=all(math.isfinite(x) for x in losses) and losses[-1] < losses[0])
     return result
 
 

@@ -34,6 +34,7 @@ from svg import soak_svg
 
 MIB = 2**20
 WARMUP_FRACTION = 0.1
+LR = 1e-3
 
 # The CPU model: 9,668 parameters; 0.01 MiB buckets (2,621 fp32 elements)
 # make 4 of them, with parameters split across buckets, so several
@@ -86,10 +87,10 @@ def soak(args, dev: torch.device) -> tuple[list[dict], dict]:
     model = build_model(SimpleNamespace(**SMALL_GPT), dev) if cuda else build_mlp()
     copy_engines = True if args.copy_engines else None  # None: wherever every rank can
     opt = shardadam.DistributedFusedAdam(
-        model.parameters(), lr=args.lr, weight_decay=0.1, bucket_cap_mb=args.bucket_cap_mb,
+        model.parameters(), lr=LR, weight_decay=0.1, bucket_cap_mb=args.bucket_cap_mb,
         overlap_grad_sync=True, overlap_param_sync=True, contiguous_param_buffer=True,
         grad_sync_copy_engine=copy_engines, param_sync_copy_engine=copy_engines)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps, eta_min=args.lr / 10)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps, eta_min=LR / 10)
     data = gpt_batches(dev) if cuda else mlp_batches(dev)
     t0 = time.perf_counter()
     samples = [sample(0, t0, None, cuda)]
@@ -137,13 +138,12 @@ def flatness(samples: list[dict], key: str, limit_of) -> dict | None:
                 ok=limit is None or (growth <= limit and fitted <= limit))
 
 
-def judge(samples: list[dict], args) -> dict:
+def judge(samples: list[dict]) -> dict:
     """Every metric's flatness for one rank. malloc'd bytes and Python
     object counts are reported, not judged: if RSS rises, they tell whether
     the memory is in use (C/C++ or Python objects) or allocator layout."""
-    rss_limit = lambda base: max(base * args.rss_tolerance_pct / 100, args.rss_tolerance_mib * MIB)  # noqa: E731
     result = dict(rss=flatness(samples, "rss", rss_limit),
-                  gpu_allocated=flatness(samples, "gpu_allocated", lambda base: args.gpu_tolerance_mib * MIB),
+                  gpu_allocated=flatness(samples, "gpu_allocated", lambda base: GPU_ALLOCATED_LIMIT),
                   gpu_reserved=flatness(samples, "gpu_reserved", rss_limit),
                   malloc_in_use=flatness(samples, "malloc_in_use", lambda base: None),
                   py_objects=flatness(samples, "py_objects", lambda base: None))
@@ -177,27 +177,25 @@ def report(verdicts: list[dict], everyone: list[list[dict]]) -> str:
     return "\n\n".join(tables + ["\n".join(lines)])
 
 
+# RSS: glibc's heap grows in steps of 0.25-1 MiB now and then, up to ~2 MiB in all after the warm-up of a
+# 200-step run (RESULTS.md); the limit is about four times that. GPU allocated memory is exact bytes of live
+# tensors, sampled at the same point of every step: it has no reason to move at all. Reserved memory takes the
+# RSS rule, since the caching allocator may add a segment (2-20 MiB) for a new size without anything leaking.
+GPU_ALLOCATED_LIMIT = 1 * MIB
+
+
+def rss_limit(base: int) -> float:
+    return max(base * 0.02, 8 * MIB)
+
+
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu: gloo, cuda: NCCL (one GPU per rank)")
     ap.add_argument("--steps", type=int, default=5000)
     ap.add_argument("--sample-every", type=int,
                     help="steps between memory samples (default: steps/100, at most 50: about 100 samples)")
-    ap.add_argument("--checkpoint-every", type=int,
-                    help="steps between state_dict + load_state_dict round trips (default: every 1000 steps, "
-                         "or steps/5 when that is smaller, so that short runs do several)")
     ap.add_argument("--copy-engines", action="store_true",
                     help="CUDA: require the copy-engine reduce-scatter and all-gather (default: used where possible)")
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--bucket-cap-mb", type=float, help="default: 0.01 on the CPU, 8 on CUDA")
-    # RSS: glibc's heap grows in steps of 0.25-1 MiB now and then, up to ~2 MiB in all after the
-    # warm-up of a 200-step run (RESULTS.md); the limit is about four times that.
-    ap.add_argument("--rss-tolerance-pct", type=float, default=2.0, help="allowed RSS growth, %% of its level")
-    ap.add_argument("--rss-tolerance-mib", type=float, default=8.0, help="... or this, whichever is larger")
-    # GPU allocated memory is exact bytes of live tensors, sampled at the same point of every step:
-    # it has no reason to move at all. Reserved memory takes the RSS rule, since the caching
-    # allocator may add a segment (2-20 MiB) for a new size without anything leaking.
-    ap.add_argument("--gpu-tolerance-mib", type=float, default=1.0, help="allowed growth of GPU allocated memory")
     ap.add_argument("--out", help="write every sample and the verdicts here as JSON (and an SVG plot beside it)")
     args = ap.parse_args()
     args.sample_every = args.sample_every or max(1, min(50, args.steps // 100))
@@ -208,9 +206,9 @@ def parse_args():
     if args.device == "cuda" and not (torch.cuda.is_available() and shardadam.build_info()["cuda"]):
         ap.error(f"--device cuda needs a GPU (torch sees {torch.cuda.device_count()}) and a shardadam build "
                  f"with CUDA kernels (build_info cuda={shardadam.build_info()['cuda']})")
-    args.checkpoint_every = args.checkpoint_every or max(1, min(1000, args.steps // 5))
-    if args.bucket_cap_mb is None:
-        args.bucket_cap_mb = (SMALL_GPT if args.device == "cuda" else MLP)["bucket_cap_mb"]
+    # several state_dict + load_state_dict round trips in a short run
+    args.checkpoint_every = max(1, min(1000, args.steps // 5))
+    args.bucket_cap_mb = (SMALL_GPT if args.device == "cuda" else MLP)["bucket_cap_mb"]
     return args
 
 
@@ -224,7 +222,7 @@ def main() -> None:
     gc.collect()  # the optimizer's reference cycles, if any, go before the process group does
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, samples)
-    verdicts = [judge(s, args) for s in everyone]  # the same on every rank: all exit alike
+    verdicts = [judge(s) for s in everyone]  # the same on every rank: all exit alike
     ok = all(v["ok"] for v in verdicts)
     if rank == 0:
         meta = run_meta(dev, model="small GPT " + json.dumps(SMALL_GPT) if args.device == "cuda" else "MLP "
