@@ -115,7 +115,7 @@ def test_svg_ticks_cover_the_range():
 # ------------------------------------------------------------------ the scripts' CPU modes
 
 def test_bytes_per_param_counts_the_layouts_exactly():
-    rows = table_rows(run("bytes_per_param", ranks=1))
+    rows = table_rows(run("bench_memory", "--layouts", ranks=1))
     # One rank holds every byte: fp32 master, exp_avg, exp_avg_sq and an fp32
     # gradient shard (16 B), plus bucket padding; the contiguous buffers hold
     # the model's fp32 parameters and gradients (8 B) and the shards are views.
