@@ -33,7 +33,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 import torch
 import torch.distributed as dist
