@@ -107,7 +107,8 @@ class Phases:
             if show and r["format"] == last["format"] and (
                     " = " in r["phase"] if show == "sums" else r["phase"] == last["phase"]):
                 print(f"  {r['format']:<22} {r['phase']:<45} {r['seconds']:8.3f} s   peak host "
-                      f"{r['peak_host_mib']:9.1f} MiB   peak device {fmt(r['peak_device_mib'], '9.1f')} MiB", flush=True)
+                      f"{r['peak_host_mib']:9.1f} MiB   peak device {fmt(r['peak_device_mib'], '9.1f')} MiB",
+                      flush=True)
         write_json(self.out, meta=dict(self.meta, wall_seconds=time.perf_counter() - self.t0), rows=rows,
                    records=per_rank)
         return rows
@@ -254,7 +255,7 @@ def main() -> None:
     args = parse_gpt_args(ap, FULL, (*SIZE_KEYS, "bucket_cap_mb"))
     formats = choose(ap, args.formats, FORMATS, "--formats")
     dev, cuda = init_distributed()
-    portable, sharded = (os.path.join(args.dir, name) for name in ("bench_checkpoint_portable.pt", "bench_checkpoint_sharded"))
+    portable, sharded = (os.path.join(args.dir, f"bench_checkpoint_{name}") for name in ("portable.pt", "sharded"))
     if dist.get_rank() == 0:  # a previous run's directory may hold more ranks' files
         os.makedirs(args.dir, exist_ok=True)
         shutil.rmtree(sharded, ignore_errors=True)

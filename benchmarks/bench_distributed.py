@@ -8,14 +8,26 @@ compute_only's fwd+bwd - its step / N for sharded steps) / ms. The GPT of
 models.py, rebuilt from the same seed for each implementation and for
 compute_only (one rank, no collective: the baseline of exposed comm).
 
+--capture: DistributedFusedAdam eager and captured in one CUDA graph, per
+storage mode, against DDP + fused AdamW, each with a GradScaler and clipping.
+Goal: every storage mode captures and replays, its losses within
+LOSS_TOLERANCE of its eager run's, with the iteration's host time gone. Judged
+by "vs DDP" (ms / DDP's eager ms), "host vs DDP" and, for a captured run, "vs
+eager" and its loss difference to the eager run. Medians of back-to-back
+iterations (CUDA events) and of the host time from an idle device, maximum over
+ranks. A failed check exits 1.
+
     torchrun --nproc_per_node 2 benchmarks/bench_distributed.py --impls ddp_fused,shardadam --batches 8
-    torchrun --nproc_per_node 2 benchmarks/bench_distributed.py --tiny      # smoke run, CPU (gloo) or GPU
+    torchrun --nproc_per_node 2 benchmarks/bench_distributed.py --capture --batches 4 --out results.json
+    torchrun --nproc_per_node 2 benchmarks/bench_distributed.py --tiny [--capture]  # smoke run, CPU (gloo) or GPU
 """
 from __future__ import annotations
 
 import argparse
 import functools
 import statistics
+import sys
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -28,27 +40,39 @@ import shardadam
 from harness import (add_run_args, choose, finish, fmt, memory_figures, parse_gpt_args, pct, results_table, run_case,
                      say, start_gpt)
 from models import add_size_args, autocast, build_model, make_batch
-from timing import timed_calls
+from timing import capture_graph, timed_calls
 
 IMPLS = ("ddp_fused", "fsdp2", "zero1", "shardadam", "shardadam_contiguous_grads", "shardadam_contiguous_masters",
          "shardadam_nccl_grads", "shardadam_nccl")
-BASELINE = "compute_only"
+BASELINE, REFERENCE = "compute_only", "ddp_fused"
 SHARDED_STEP = {"fsdp2", "zero1", *(i for i in IMPLS if i.startswith("shardadam"))}  # each rank updates 1/N
 WEIGHT_DECAY = 0.1
 WARMUP = 3
+BF16 = dict(param_sync_dtype=torch.bfloat16)
+# --capture: name -> (parameter dtype, DistributedFusedAdam storage options)
+STORAGE = {
+    "fp32": (torch.float32, {}),
+    "bf16": (torch.bfloat16, BF16),
+    "bf16_remainders": (torch.bfloat16, dict(BF16, store_param_remainders=True, store_params=False)),
+    "bf16_scaled_states": (torch.bfloat16, dict(BF16, with_scaled_states=True, dtype=torch.float16)),
+    "bf16_no_master": (torch.bfloat16, dict(BF16, store_params=False)),
+}
+CONFIGS, MODES = (REFERENCE, *STORAGE), ("eager", "captured")
+MAX_NORM = 1.0
+# Eager and captured runs do the same arithmetic, up to the order of atomic
+# additions in a few kernels (different implementations of the same training
+# ended 2e-3 apart without capture). A broken capture (stale parameters, a step
+# not applied) departs by far more.
+LOSS_TOLERANCE = 0.02
 
-
-def fused(cuda: bool) -> dict:
-    # torch's fused AdamW runs on CUDA; the CPU smoke run uses the default one.
-    return dict(fused=True) if cuda else {}
+# GradScaler warns that it will stop passing itself to step(grad_scaler=...),
+# which is how DistributedFusedAdam receives it: once per rank, not actionable here.
+warnings.filterwarnings("ignore", message="GradScaler is going to stop passing itself", category=FutureWarning)
 
 
 def adamw(params, args, cuda: bool):
-    return torch.optim.AdamW(params, lr=args.lr, weight_decay=WEIGHT_DECAY, **fused(cuda))
-
-
-def build_compute_only(model, args, cuda):
-    return model, adamw(model.parameters(), args, cuda)
+    # torch's fused AdamW runs on CUDA; the CPU smoke run uses the default one.
+    return torch.optim.AdamW(params, lr=args.lr, weight_decay=WEIGHT_DECAY, fused=cuda or None)
 
 
 def build_ddp_fused(model, args, cuda):
@@ -67,22 +91,20 @@ def build_fsdp2(model, args, cuda, reshard_after_forward=False):
 
 def build_zero1(model, args, cuda):
     ddp = DistributedDataParallel(model, device_ids=[torch.cuda.current_device()] if cuda else None)
-    opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=args.lr,
-                                  weight_decay=WEIGHT_DECAY, **fused(cuda))
-    return ddp, opt
+    return ddp, ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=args.lr,
+                                        weight_decay=WEIGHT_DECAY, fused=cuda or None)
 
 
 def build_shardadam(model, args, cuda, **options):
     # apex's recommended setup: both directions overlapped, all-gathers landing
     # in the parameters themselves (on the copy engines between GPUs of one host).
-    opt = shardadam.DistributedFusedAdam(model.parameters(), lr=args.lr, weight_decay=WEIGHT_DECAY,
-                                         bucket_cap_mb=args.bucket_cap_mb, overlap_grad_sync=True,
-                                         overlap_param_sync=True, contiguous_param_buffer=True, **options)
-    return model, opt
+    return model, shardadam.DistributedFusedAdam(
+        model.parameters(), lr=args.lr, weight_decay=WEIGHT_DECAY, bucket_cap_mb=args.bucket_cap_mb,
+        overlap_grad_sync=True, overlap_param_sync=True, contiguous_param_buffer=True, **options)
 
 
-BUILDERS = {BASELINE: build_compute_only, "ddp_fused": build_ddp_fused, "fsdp2": build_fsdp2,
-            "zero1": build_zero1, "shardadam": build_shardadam,
+BUILDERS = {BASELINE: lambda model, args, cuda: (model, adamw(model.parameters(), args, cuda)),
+            "ddp_fused": build_ddp_fused, "fsdp2": build_fsdp2, "zero1": build_zero1, "shardadam": build_shardadam,
             "shardadam_contiguous_grads": functools.partial(build_shardadam, contiguous_grad_buffer=True),
             "shardadam_contiguous_masters": functools.partial(build_shardadam, contiguous_grad_buffer=True,
                                                               store_params=True),
@@ -91,32 +113,28 @@ BUILDERS = {BASELINE: build_compute_only, "ddp_fused": build_ddp_fused, "fsdp2":
                                                 param_sync_copy_engine=False)}
 
 
-def make_iteration(module, opt, inputs, targets, cuda: bool):
-    """One training iteration, marked after backward and after the optimizer step."""
-    def iteration(watch) -> torch.Tensor:
-        watch.mark()
-        with autocast(cuda):
-            loss = F.cross_entropy(module(inputs).flatten(0, 1), targets.flatten())
-        loss.backward()
-        watch.mark()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        watch.mark()
-        return loss.detach()
-    return iteration
-
-
-def run_one(name: str, batch: int, args, dev: torch.device, n_params: int) -> dict:
+def run_one(name: str, mode: None, batch: int, args, dev: torch.device, n_params: int) -> dict:
     """Build `name` on a fresh model and train it: WARMUP iterations, then
-    `iters` timed ones: median ms per iteration and per phase (forward+backward,
-    step), the wall-clock mean over the timed loop, memory and losses."""
+    `iters` timed ones, marked after backward and after the step: median ms
+    per iteration and per phase (forward+backward, step), the wall-clock mean
+    over the timed loop, memory and losses."""
     cuda = dev.type == "cuda"
 
     def train():
         module, opt = BUILDERS[name](build_model(args, dev), args, cuda)
         inputs, targets = make_batch(args, batch, dev)
-        laps, wall, losses = timed_calls(make_iteration(module, opt, inputs, targets, cuda), cuda, args.iters,
-                                         WARMUP)
+
+        def iteration(watch) -> torch.Tensor:
+            watch.mark()
+            with autocast(cuda):
+                loss = F.cross_entropy(module(inputs).flatten(0, 1), targets.flatten())
+            loss.backward()
+            watch.mark()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            watch.mark()
+            return loss.detach()
+        laps, wall, losses = timed_calls(iteration, cuda, args.iters, WARMUP)
         if isinstance(opt, shardadam.DistributedFusedAdam):
             opt.param_sync()  # overlap_param_sync leaves the last all-gathers running
         fwd_bwd, step = (statistics.median(col) for col in zip(*laps))
@@ -125,26 +143,84 @@ def run_one(name: str, batch: int, args, dev: torch.device, n_params: int) -> di
     return run_case(dict(impl=name, batch=batch), train, dev, n_params)
 
 
+def run_captured(config: str, mode: str, batch: int, args, dev: torch.device, n_params: int) -> dict:
+    """Build `config` on a fresh model with a GradScaler and clipping, train
+    it in `mode`: WARMUP eager iterations (on a side stream before a capture:
+    the first one learns the bucket order, the scaler creates its tensors),
+    then `iters` calls back to back with the wall clock around them, then
+    `iters` more, each from an idle device, timed on the host until it returns;
+    the medians, memory and every iteration's loss (cloned: a replay
+    overwrites its static loss)."""
+    cuda = dev.type == "cuda"
+
+    def train():
+        scaler, model = torch.amp.GradScaler(dev.type), build_model(args, dev)
+        if config == REFERENCE:
+            module, opt = build_ddp_fused(model, args, cuda)
+
+            def clip() -> None:  # torch's way: unscale the gradients in place, then clip them
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(module.parameters(), MAX_NORM)
+        else:  # applied inside step() to the unscaled norm; nothing is read back to the host
+            dtype, options = STORAGE[config]
+            module, opt = build_shardadam(model.to(dtype), args, cuda, capturable=cuda, **options)
+            clip = functools.partial(opt.clip_grad_norm, MAX_NORM)
+        source = make_batch(args, batch, dev)
+        inputs, targets = static = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in source]
+
+        def load() -> None:
+            for s, t in zip(static, source):
+                s.copy_(t)
+
+        def eager() -> torch.Tensor:
+            load()
+            opt.zero_grad()
+            with autocast(cuda):
+                # fp32 loss: a bf16 model's bf16 loss (CPU run) is too coarse to show a few iterations' fall.
+                loss = F.cross_entropy(module(inputs).flatten(0, 1).float(), targets.flatten())
+            scaler.scale(loss).backward()
+            clip()
+            scaler.step(opt)
+            scaler.update()
+            return loss.detach()
+        if mode == "eager":
+            warm, step = [eager() for _ in range(WARMUP)], eager
+        else:
+            graph, static_loss, warm = capture_graph(eager, WARMUP)
+
+            def step() -> torch.Tensor:
+                load()
+                graph.replay()
+                return static_loss
+
+        def call(watch) -> torch.Tensor:
+            watch.mark()
+            loss = step()
+            watch.mark()
+            return loss.clone()
+        laps, wall, losses = timed_calls(call, cuda, args.iters)
+        host, _, more = timed_calls(call, cuda, args.iters, idle=True, host=True)
+        opt.zero_grad()  # gradients freed, as between iterations (DDP keeps them until then)
+        return dict(ms=statistics.median(lap for lap, in laps), wall_ms=wall,
+                    host_ms=statistics.median(lap for lap, in host), **memory_figures(opt, cuda)), \
+            torch.stack(warm + losses + more).float().tolist()
+    return run_case(dict(config=config, mode=mode, batch=batch, capturable=cuda and config != REFERENCE), train, dev,
+                    n_params, keep_losses=True)
+
+
 def add_ratios(results: list[dict], world: int) -> None:
     """vs DDP, and exposed communication: the share of an iteration beyond its
     compute (compute_only's forward+backward plus its step, 1/N of it for an
     implementation that shards the optimizer)."""
     by = {(r["impl"], r["batch"]): r for r in results if not r["error"]}
     for r in by.values():
-        ddp, base = by.get(("ddp_fused", r["batch"])), by.get((BASELINE, r["batch"]))
+        ddp, base = by.get((REFERENCE, r["batch"])), by.get((BASELINE, r["batch"]))
         r["vs_ddp"] = r["ms"] / ddp["ms"] if ddp else None
         r["exposed_comm"] = None
         if base and r["impl"] != BASELINE:
             compute = base["fwd_bwd_ms"] + base["step_ms"] / (world if r["impl"] in SHARDED_STEP else 1)
             r["compute_only_ms"] = compute
             r["exposed_comm"] = (r["ms"] - compute) / r["ms"]
-
-
-def table(results: list[dict]) -> str:
-    return results_table(results, ["impl", "batch"], [
-        ("ms/iter", "ms", ".1f"), ("vs DDP", "vs_ddp", ".3f"), ("peak GiB", "peak_gib", ".2f"),
-        ("opt B/param", "opt_bytes_per_param", ".2f"), ("resident B/param", "resident_bytes_per_param", ".2f"),
-        ("exposed comm", lambda r: pct(r["exposed_comm"]), None)])
 
 
 def goals(results: list[dict], world: int) -> list[str]:
@@ -162,32 +238,104 @@ def goals(results: list[dict], world: int) -> list[str]:
     return lines
 
 
+def add_capture_ratios(results: list[dict]) -> None:
+    """Time and host time against DDP's eager run and, for a captured run,
+    against its configuration's eager run, whose losses it must reproduce."""
+    by = {(r["config"], r["mode"], r["batch"]): r for r in results if not r["error"]}
+    for r in by.values():
+        ddp, eager = by.get((REFERENCE, "eager", r["batch"])), by.get((r["config"], "eager", r["batch"]))
+        r["vs_ddp"] = r["ms"] / ddp["ms"] if ddp else None
+        r["host_vs_ddp"] = r["host_ms"] / ddp["host_ms"] if ddp else None
+        r["vs_eager"] = r["host_vs_eager"] = r["loss_diff_vs_eager"] = r["loss_matches_eager"] = None
+        if r["mode"] == "captured" and eager:
+            r["vs_eager"] = r["ms"] / eager["ms"]
+            r["host_vs_eager"] = r["host_ms"] / eager["host_ms"]
+            r["loss_diff_vs_eager"] = max(abs(a - b) for a, b in zip(r["losses"], eager["losses"]))
+            r["loss_matches_eager"] = r["loss_diff_vs_eager"] <= LOSS_TOLERANCE
+
+
+def capture_failures(results: list[dict]) -> list[str]:
+    lines = []
+    for r in results:
+        name = f"{r['config']} {r['mode']} batch {r['batch']}"
+        if r["error"]:
+            lines.append(f"{name}: failed: {r['error']}")
+            continue
+        if not r["loss_ok"]:
+            lines.append(f"{name}: loss not finite or not falling ({r['loss_first']:.4f} -> {r['loss_last']:.4f})")
+        if r["loss_matches_eager"] is False:
+            lines.append(f"{name}: losses differ from the eager run's by {r['loss_diff_vs_eager']:.4f} "
+                         f"(tolerance {LOSS_TOLERANCE})")
+    return lines
+
+
+MEMORY_COLUMNS = [("peak GiB", "peak_gib", ".2f"), ("opt B/param", "opt_bytes_per_param", ".2f"),
+                  ("resident B/param", "resident_bytes_per_param", ".2f")]
+
+
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_size_args(ap)
     ap.add_argument("--batches", help="batch sizes per GPU, comma-separated (default 4,8)")
-    ap.add_argument("--iters", type=int, help=f"timed iterations after {WARMUP} warm-up ones (default 10)")
+    ap.add_argument("--iters", type=int, help=f"timed iterations after {WARMUP} warm-up ones (default 10; twice with "
+                                              "--capture: GPU time, then host time)")
     ap.add_argument("--impls", default=",".join(IMPLS), help="comma-separated subset of " + ",".join(IMPLS))
+    ap.add_argument("--capture", action="store_true", help="eager and captured storage modes instead of --impls")
+    ap.add_argument("--configs", default=",".join(CONFIGS),
+                    help="--capture: comma-separated subset of " + ",".join(CONFIGS))
+    ap.add_argument("--modes", default=",".join(MODES),
+                    help="--capture: comma-separated subset of " + ",".join(MODES) + f" ({REFERENCE} runs eager only)")
     add_run_args(ap)
     args = parse_gpt_args(ap)
     args.impls = choose(ap, args.impls, IMPLS, "--impls")
+    args.configs, args.modes = choose(ap, args.configs, CONFIGS, "--configs"), choose(ap, args.modes, MODES, "--modes")
     return args
 
 
 def main() -> None:
     args = parse_args()
     dev, cuda, n_params, meta = start_gpt(args)
+    world = dist.get_world_size()
+    if args.capture:
+        if not cuda and "captured" in args.modes:
+            say("captured mode skipped: CUDA graphs need CUDA (this run is eager only, capturable=False)")
+        # (config, mode) in order: the reference first, each captured run after its eager one
+        modes = [m for m in MODES if m in args.modes and (cuda or m == "eager")]
+        runs = [(c, m) for c in CONFIGS if c in args.configs for m in (["eager"] if c == REFERENCE else modes)]
+    else:
+        runs = [(name, None) for name in [BASELINE] + args.impls]
     results = []
     for batch in args.batches:
-        for name in [BASELINE] + args.impls:
-            r = run_one(name, batch, args, dev, n_params)
+        for name, mode in runs:
+            r = (run_captured if args.capture else run_one)(name, mode, batch, args, dev, n_params)
             results.append(r)
-            say(f"{name} batch {batch}: " + (f"failed: {r['error']}" if r["error"] else
-                f"{r['ms']:.1f} ms/iter, loss {r['loss_first']:.4f} -> {r['loss_last']:.4f}"
-                f"{'' if r['loss_ok'] else '  (loss not finite, or not falling)'}"))
-    add_ratios(results, dist.get_world_size())
-    say("", table(results), *goals(results, dist.get_world_size()))
+            figures = f"failed: {r['error']}" if r["error"] else (
+                f"{r['ms']:.1f} ms/iter" + (f", host {r['host_ms']:.2f} ms/iter" if mode else "")
+                + f", loss {r['loss_first']:.4f} -> {r['loss_last']:.4f}"
+                + ("" if mode or r["loss_ok"] else "  (loss not finite, or not falling)"))
+            say(f"{name}{f' {mode}' if mode else ''} batch {batch}: {figures}")
+    if args.capture:
+        add_capture_ratios(results)
+        failed = capture_failures(results)
+        compared = sum(r.get("loss_matches_eager") is not None for r in results)
+        say("", results_table(results, ["config", "mode", "batch"], [
+            ("ms/iter", "ms", ".1f"), ("vs DDP", "vs_ddp", ".3f"), ("vs eager", "vs_eager", ".3f"),
+            ("host ms/iter", "host_ms", ".2f"), ("host vs DDP", "host_vs_ddp", ".3f"),
+            ("host vs eager", "host_vs_eager", ".3f"), *MEMORY_COLUMNS,
+            ("loss first -> last", lambda r: f"{r['loss_first']:.4f} -> {r['loss_last']:.4f}", None),
+            ("loss diff vs eager", "loss_diff_vs_eager", ".2e")], "llrrrrrrrrrrlr"),
+            "\n".join(failed) or "every loss finite and falling" + (
+                f"; {compared} captured runs within {LOSS_TOLERANCE} of their eager runs' losses" if compared else ""))
+    else:
+        add_ratios(results, world)
+        failed = []
+        say("", results_table(results, ["impl", "batch"], [
+            ("ms/iter", "ms", ".1f"), ("vs DDP", "vs_ddp", ".3f"), *MEMORY_COLUMNS,
+            ("exposed comm", lambda r: pct(r["exposed_comm"]), None)]), *goals(results, world))
+    rank0 = dist.get_rank() == 0  # each rank judges its own losses: rank 0 speaks for the run
     finish(args.out, meta=meta, results=results)
+    if rank0 and failed:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

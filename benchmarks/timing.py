@@ -37,17 +37,12 @@ class Stopwatch:
         self.cuda, self.marks = is_cuda(dev) and not host, []
 
     def mark(self) -> None:
+        self.marks.append(torch.cuda.Event(enable_timing=True) if self.cuda else time.perf_counter())
         if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks.append(event)
-        else:
-            self.marks.append(time.perf_counter())
+            self.marks[-1].record()
 
     def laps_ms(self) -> list[float]:
-        if self.cuda:
-            return [a.elapsed_time(b) for a, b in pairwise(self.marks)]
-        return [(b - a) * 1e3 for a, b in pairwise(self.marks)]
+        return [a.elapsed_time(b) if self.cuda else (b - a) * 1e3 for a, b in pairwise(self.marks)]
 
 
 def timed_calls(fn, dev, calls: int, warmup: int = 0, idle: bool = False, host: bool = False):
@@ -69,19 +64,13 @@ def timed_calls(fn, dev, calls: int, warmup: int = 0, idle: bool = False, host: 
     return [w.laps_ms() for w in watches[warmup:]], (time.perf_counter() - t0) * 1e3 / calls, outputs
 
 
-def marked(fn):
-    """fn as a timed_calls call of one lap: marks around it, fn's result returned."""
-    def call(watch):
-        watch.mark()
-        out = fn()
-        watch.mark()
-        return out
-    return call
-
-
 def time_steps(fn, dev, reps: int, warmup: int) -> list[float]:
     """Milliseconds of each of `reps` back-to-back calls after `warmup` calls."""
-    return [lap for lap, in timed_calls(marked(fn), dev, reps, warmup)[0]]
+    def call(watch):
+        watch.mark()
+        fn()
+        watch.mark()
+    return [lap for lap, in timed_calls(call, dev, reps, warmup)[0]]
 
 
 def clock_ms(fn) -> float:
@@ -101,11 +90,7 @@ def median_ms(fn, dev, reps: int, warmup: int = 0, sync_after: bool = True, setu
         if setup is not None:
             setup()
         sync(dev)
-        t0 = time.perf_counter()
-        fn()
-        if sync_after:
-            sync(dev)
-        times.append((time.perf_counter() - t0) * 1e3)
+        times.append(clock_ms(lambda: (fn(), sync(dev) if sync_after else None)))
     sync(dev)
     return statistics.median(times[warmup:])
 
@@ -119,11 +104,8 @@ def time_wall_and_host(fn, dev, reps: int, warmup: int, setup=None) -> tuple[flo
 
     def wall_ms(call) -> float:
         sync(dev)
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            call()
-        sync(dev)
-        return (time.perf_counter() - t0) * 1e3 / reps
+        ms = clock_ms(lambda: ([call() for _ in range(reps)], sync(dev)))
+        return ms / reps
 
     for _ in range(warmup):
         call()

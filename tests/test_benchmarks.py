@@ -140,7 +140,7 @@ def test_bench_distributed_tiny_trains_every_implementation():
 
 
 def test_bench_capture_tiny(tmp_path):
-    out = run("bench_capture", "--tiny", "--iters", "2", "--configs", "ddp_fused,fp32,bf16_remainders",
+    out = run("bench_distributed", "--capture", "--tiny", "--iters", "2", "--configs", "ddp_fused,fp32,bf16_remainders",
               "--out", str(tmp_path / "c.json"), ranks=1)
     assert "every loss finite and falling" in out
     assert {r["config"] for r in json.loads((tmp_path / "c.json").read_text())["results"]} == \
