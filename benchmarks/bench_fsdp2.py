@@ -15,67 +15,53 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from functools import partial
 
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import shardadam
 from bench_distributed import WARMUP, WEIGHT_DECAY
-from harness import add_run_args, finish, optimizer_bytes, parse_gpt_args, results_table, run_case, say, start_gpt
+from harness import (add_device_arg, add_run_args, finish, optimizer_bytes, parse_gpt_args, results_table, run_case,
+                     say, start_gpt)
 from models import FULL, SIZE_KEYS, TINY, add_size_args, build_model, lm_loss, make_batch
 from timing import interleaved, sync, timed_calls
 
 REFERENCE = "torch_fused"
-OPTIMIZERS = {
-    "shardadam": lambda params, lr: shardadam.FusedAdam(params, lr=lr, weight_decay=WEIGHT_DECAY),
-    "torch_fused": lambda params, lr: torch.optim.AdamW(params, lr=lr, weight_decay=WEIGHT_DECAY, fused=True),
-    "torch_foreach": lambda params, lr: torch.optim.AdamW(params, lr=lr, weight_decay=WEIGHT_DECAY, foreach=True),
-}
+OPTIMIZERS = {"shardadam": shardadam.FusedAdam, "torch_fused": partial(torch.optim.AdamW, fused=True),
+              "torch_foreach": partial(torch.optim.AdamW, foreach=True)}
 STEP_GOAL = 0.6  # shardadam's step time over torch fused's, at most
 
 
-def build(name: str, args, dev: torch.device, cuda: bool):
-    model = build_model(args, dev)
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda else \
-        MixedPrecisionPolicy()
-    for block in model.blocks:
-        fully_shard(block, reshard_after_forward=False, mp_policy=policy)
-    fully_shard(model, reshard_after_forward=False, mp_policy=policy)
-    return model, OPTIMIZERS[name](model.parameters(), args.lr)
-
-
-def forward_backward(model, inputs, targets) -> torch.Tensor:
-    loss = lm_loss(model, inputs, targets, cuda=False)  # the policy casts: no autocast
-    loss.backward()
-    return loss.detach()
-
-
 def run_one(name: str, args, dev: torch.device, cuda: bool, n_params: int) -> dict:
-    """WARMUP iterations, then `iters` with the step timed alone (host clock,
-    synchronised before and after it; step_host: until step() returned), then
-    `iters` back to back. Returns ms figures and the losses."""
+    """A fresh model sharded per block and at the root, WARMUP iterations,
+    then `iters` with the step timed alone (host clock, synchronised before
+    and after it; step_host: until step() returned), then `iters` back to back.
+    Returns ms figures and the losses."""
     def run():
-        model, opt = build(name, args, dev, cuda)
+        model = build_model(args, dev)
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda else \
+            MixedPrecisionPolicy()
+        for module in [*model.blocks, model]:
+            fully_shard(module, reshard_after_forward=False, mp_policy=policy)
+        opt = OPTIMIZERS[name](model.parameters(), lr=args.lr, weight_decay=WEIGHT_DECAY)
         inputs, targets = make_batch(args, args.batch, dev)
 
-        def timed_step(watch) -> torch.Tensor:
-            loss = forward_backward(model, inputs, targets)
-            sync(cuda)  # backward's reduce-scatters are done: the clock sees the step only
-            watch.mark()
+        def iteration(watch=None) -> torch.Tensor:
+            loss = lm_loss(model, inputs, targets, cuda=False)  # the policy casts: no autocast
+            loss.backward()
+            if watch:  # the step timed alone: backward's reduce-scatters are done, the clock sees the step only
+                sync(cuda)
+                watch.mark()
             opt.step()
-            watch.mark()
-            sync(cuda)
-            watch.mark()
+            if watch:
+                watch.mark()
+                sync(cuda)
+                watch.mark()
             opt.zero_grad(set_to_none=True)
-            return loss
-
-        def iteration(watch) -> torch.Tensor:
-            loss = forward_backward(model, inputs, targets)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss
-        laps, _, losses = timed_calls(timed_step, cuda, args.iters, WARMUP, host=True)
-        _, wall, more = timed_calls(iteration, cuda, args.iters)
+            return loss.detach()
+        laps, _, losses = timed_calls(iteration, cuda, args.iters, WARMUP, host=True)
+        _, wall, more = timed_calls(lambda _: iteration(), cuda, args.iters)
         return dict(step_ms=statistics.median(a + b for a, b in laps),
                     step_host_ms=statistics.median(a for a, _ in laps), iter_ms=wall,
                     opt_bytes=optimizer_bytes(opt)), torch.stack(losses + more).float().tolist()
@@ -104,13 +90,6 @@ def summarize(rounds: dict[str, list[dict]]) -> list[dict]:
     return summary
 
 
-def table(summary: list[dict]) -> str:
-    return results_table(summary, ["impl"], [
-        ("step ms", "step_ms", ".2f"), ("step host ms", "step_host_ms", ".2f"), ("iteration ms", "iter_ms", ".1f"),
-        ("step vs fused", "step_vs_torch_fused", ".3f"), ("iteration vs fused", "iter_vs_torch_fused", ".3f"),
-        ("opt B/param", "opt_bytes_per_param", ".2f")])
-
-
 def goals(summary: list[dict]) -> str:
     mine = next((s for s in summary if s["impl"] == "shardadam"), None)
     if mine is None or mine["error"] or "step_vs_torch_fused" not in mine:
@@ -120,10 +99,10 @@ def goals(summary: list[dict]) -> str:
             f"(target < 1): {mine['iter_vs_torch_fused'] < 1}; losses finite and falling: {mine['loss_ok']}")
 
 
-def parse_args():
+def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_size_args(ap)
-    ap.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda where available (NCCL), else cpu (gloo)")
+    add_device_arg(ap)
     ap.add_argument("--batch", type=int, help="sequences per GPU (default 4; --tiny 2)")
     ap.add_argument("--iters", type=int, help="timed iterations per phase after the warm-up (default 10; --tiny 3)")
     ap.add_argument("--rounds", type=int, help="interleaved rounds of every implementation (default 2; --tiny 1)")
@@ -131,12 +110,6 @@ def parse_args():
                  out="write the results here as JSON (e.g. benchmarks/results/bench_fsdp2_2xh200.json)")
     args = parse_gpt_args(ap, dict(FULL, batch=4, iters=10, rounds=2), [*SIZE_KEYS, "batch", "iters", "rounds"],
                           dict(TINY, batch=2, iters=3, rounds=1))
-    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return args
-
-
-def main() -> None:
-    args = parse_args()
     dev, cuda, n_params, meta = start_gpt(args, args.device, f"; FSDP2, batch {args.batch}")
 
     def one(name):
@@ -147,7 +120,10 @@ def main() -> None:
         return r
     rounds = interleaved({name: (lambda name=name: one(name)) for name in OPTIMIZERS}, args.rounds)
     summary = summarize(rounds)
-    say("", table(summary), goals(summary))
+    say("", results_table(summary, ["impl"], [
+        ("step ms", "step_ms", ".2f"), ("step host ms", "step_host_ms", ".2f"), ("iteration ms", "iter_ms", ".1f"),
+        ("step vs fused", "step_vs_torch_fused", ".3f"), ("iteration vs fused", "iter_vs_torch_fused", ".3f"),
+        ("opt B/param", "opt_bytes_per_param", ".2f")]), goals(summary))
     finish(args.out, meta=meta, summary=summary, rounds=[[rounds[n][k] for n in rounds] for k in range(args.rounds)])
 
 

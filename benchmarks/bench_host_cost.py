@@ -33,6 +33,7 @@ import os
 import statistics
 import subprocess
 import sys
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -48,17 +49,9 @@ from timing import clock_ms, interleaved, median_ms, time_wall_and_host, timed_c
 SMALL = [(4,)] * 20_000
 
 
-def fused_adam(shapes, **options):
-    """FusedAdam.step and its per-step setup, as bench_kernels.py --fused-adam times them."""
-    def make(dev):
-        step = shard_fp32(shapes, dev, **options)
-        return step, step.setup
-    return make
-
-
 def kernel_plan(dev):
     plan = kernels.AdamPlan(*([torch.zeros(s, device=dev) for s in SMALL] for _ in range(4)))
-    return (lambda: kernels.adam(plan, lr=LR, step=1, weight_decay=WD)), None
+    return lambda: kernels.adam(plan, lr=LR, step=1, weight_decay=WD)
 
 
 def distributed_step(dev):
@@ -67,14 +60,19 @@ def distributed_step(dev):
     params = [torch.nn.Parameter(torch.randn(64, 64, device=dev) * 0.02) for _ in range(290)]
     opt = shardadam.DistributedFusedAdam(params, lr=LR, weight_decay=WD, overlap_grad_sync=False)
     grads = [torch.randn_like(p) * 1e-3 for p in params]
-    return opt.step, lambda: [setattr(p, "grad", g) for p, g in zip(params, grads)]
+
+    def step():
+        opt.step()
+    step.setup = lambda: [setattr(p, "grad", g) for p, g in zip(params, grads)]
+    return step
 
 
+# name -> make(dev) -> the call timed (its .setup, if any, untimed before each): FusedAdam as bench_kernels times it
 AB_CASES = {
-    "FusedAdam 20k params, grads kept": fused_adam(SMALL),
-    "FusedAdam 20k params, new grads each step": fused_adam(SMALL, new_grads_each_step=True),
-    "FusedAdam 20k params, flat_grads": fused_adam(SMALL, flat_grads=True),
-    "FusedAdam GPT-2 medium shapes": fused_adam(gpt2_medium_shapes()),
+    "FusedAdam 20k params, grads kept": partial(shard_fp32, SMALL),
+    "FusedAdam 20k params, new grads each step": partial(shard_fp32, SMALL, new_grads_each_step=True),
+    "FusedAdam 20k params, flat_grads": partial(shard_fp32, SMALL, flat_grads=True),
+    "FusedAdam GPT-2 medium shapes": partial(shard_fp32, gpt2_medium_shapes()),
     "kernels.adam plan of 20k tensors": kernel_plan,
     "DistributedFusedAdam 1 rank, 290 params": distributed_step,
 }
@@ -85,19 +83,18 @@ def ab_child(args, path: str | None) -> dict:
     env = dict(os.environ)
     if path is not None:
         env["PYTHONPATH"] = os.path.abspath(path) + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, os.path.abspath(__file__), "ab", "--device", args.device, "--reps", str(args.reps), "--json"]
+    cmd = [sys.executable, os.path.abspath(__file__), "ab", "--device", args.device, "--reps", str(args.reps)]
     return json.loads(subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
 
 
 def ab(args) -> None:
-    if not args.against:
+    if not args.against:  # this package's medians, as one JSON line
         figures = {}
         for name, make in AB_CASES.items():
-            fn, setup = make(args.device)
-            wall, host = time_wall_and_host(fn, args.device, args.reps, warmup=5, setup=setup)
+            fn = make(args.device)
+            wall, host = time_wall_and_host(fn, args.device, args.reps, warmup=5, setup=getattr(fn, "setup", None))
             figures[name] = {"host_ms": host, "wall_ms": wall}
-        print(json.dumps(figures) if args.json else "\n".join(
-            f"{name}: {f['host_ms']:.3f} ms host, {f['wall_ms']:.3f} ms wall" for name, f in figures.items()))
+        print(json.dumps(figures))
         return
     runs = interleaved({"against": lambda: ab_child(args, args.against), "this": lambda: ab_child(args, None)},
                        args.rounds)
@@ -271,7 +268,6 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--against", help="PYTHONPATH of the other package: measure both, alternating")
     p.add_argument("--rounds", type=int, default=3, help="with --against: child processes per package")
-    p.add_argument("--json", action="store_true", help="print this package's medians as one JSON line")
     p.add_argument("--out", help="with --against: write the table's figures here")
     p = cases.add_parser("plan-checks", help="a plan launch's address check and version bumps")
     add_device_arg(p)

@@ -26,9 +26,8 @@ from timing import free, is_cuda, sync
 
 
 def init_distributed(device: str | None = None) -> tuple[torch.device, bool]:
-    """The process group of a torchrun process: NCCL with one GPU per process
-    (cuda:LOCAL_RANK) when CUDA is available (or `device` says cuda), gloo on
-    the CPU otherwise."""
+    """A torchrun process's group: NCCL on cuda:LOCAL_RANK where CUDA is
+    available (or `device` says cuda), gloo on the CPU otherwise."""
     cuda = torch.cuda.is_available() if device is None else device == "cuda"
     if cuda:
         dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
@@ -41,20 +40,18 @@ def init_distributed(device: str | None = None) -> tuple[torch.device, bool]:
 
 
 def init_one_rank(dev, bind_device: bool = False) -> None:
-    """A one-rank process group of this process (NCCL on a GPU, gloo on the
-    CPU), for the optimizers that need one outside torchrun; bind_device gives
-    NCCL the device at once (device_id)."""
+    """A one-rank group (NCCL on a GPU, gloo on the CPU) outside torchrun;
+    bind_device gives NCCL the device at once (device_id)."""
     cuda = torch.device(dev).type == "cuda"
     dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1,
                             device_id=torch.device(dev) if cuda and bind_device else None)
 
 
 def agree_on_error(error: str | None, dev) -> str | None:
-    """Every rank skips a case that failed on any rank, so that all ranks go on
-    to the same next collective. This covers failures that hit the ranks at the
-    same point (an unsupported option, out of memory); a rank that fails while
-    the others wait inside a collective leaves them waiting until the process
-    group's timeout."""
+    """Every rank skips a case that failed on any rank, so that all go on to the
+    same next collective: failures that hit the ranks at the same point (an
+    unsupported option, out of memory); a rank that fails while the others wait
+    in a collective leaves them waiting until the group's timeout."""
     failed = torch.tensor([error is not None], dtype=torch.int32, device=dev)
     dist.all_reduce(failed, op=dist.ReduceOp.MAX)
     return error or ("failed on another rank" if failed.item() else None)
@@ -78,11 +75,10 @@ def memory_figures(opt, cuda: bool) -> dict:
 def run_case(result: dict, fn, dev, n_params: int, keep_losses: bool = False) -> dict:
     """`result` with what fn() measured on a freed device: fn returns (figures,
     losses). A failure (its traceback printed, its first line kept) on any rank
-    is every rank's ("error"). The figures are maxima over ranks, memory_figures'
-    as opt_bytes_per_param, peak_gib and resident_bytes_per_param (None without
-    CUDA); the losses (rank 0's: each rank has its own batch) give loss_first,
-    loss_last, loss_ok (all finite, the last below the first) and, with
-    keep_losses, "losses"."""
+    is every rank's ("error"). Figures: maxima over ranks, memory_figures' as
+    opt_bytes_per_param, peak_gib and resident_bytes_per_param (None without
+    CUDA); rank 0's losses give loss_first, loss_last, loss_ok (all finite, the
+    last below the first) and, with keep_losses, "losses"."""
     free(dev)
     error = None
     try:
@@ -134,8 +130,7 @@ def add_run_args(ap, lr: float | None = 1e-4, buckets: str | None = "Distributed
 
 
 def parse_gpt_args(ap, full: dict = FULL, keys=None, tiny: dict = TINY):
-    """ap's arguments with the GPT's sizes filled in (fill_defaults), --batches
-    as a list of ints and --iters / --rounds checked, where ap has them."""
+    """ap's arguments, the GPT's sizes filled in (fill_defaults), --batches a list of ints, --iters / --rounds >= 1."""
     args = ap.parse_args()
     fill_defaults(args, full, keys, tiny)
     if isinstance(getattr(args, "batches", None), str):
@@ -147,8 +142,7 @@ def parse_gpt_args(ap, full: dict = FULL, keys=None, tiny: dict = TINY):
 
 
 def start_gpt(args, device: str | None = None, note: str = "") -> tuple[torch.device, bool, int, dict]:
-    """init_distributed, the GPT's parameter count and gpt_meta; rank 0 prints
-    the machine and the model (describe), then `note`."""
+    """init_distributed, the GPT's parameter count and gpt_meta; rank 0 prints describe() and `note`."""
     dev, cuda = init_distributed(device)
     n_params = count_params(args)
     meta = gpt_meta(args, dev, n_params)
@@ -208,17 +202,15 @@ def pct(x) -> str:
 
 
 def md_table(header: list[str], rows: list[list], align: str | None = None) -> str:
-    """A markdown table; `align` one character per column ("l" or "r"), default
-    the first left and the rest right."""
+    """A markdown table; `align` "l" or "r" per column, default the first left and the rest right."""
     align = align or "l" + "r" * (len(header) - 1)
     rule = "|" + "|".join("---" if a == "l" else "---:" for a in align) + "|"
     return "\n".join(["| " + " | ".join(header) + " |", rule] + ["| " + " | ".join(map(str, r)) + " |" for r in rows])
 
 
 def results_table(results: list[dict], names: list[str], columns, align: str | None = None) -> str:
-    """A row per result: its `names` keys, then a cell per (header, key,
-    format) column: fmt(result[key], format), or key(result) where key is a
-    function; a result with an "error" says so in its first cell."""
+    """A row per result: its `names` keys, then per (header, key, format) column
+    fmt(result[key], format) or key(result); an "error" fills the first cell."""
     def cells(r):
         if r.get("error"):
             return [f"failed: {r['error']}"] + [""] * (len(columns) - 1)
@@ -231,15 +223,14 @@ _LIBC = ctypes.CDLL(None)
 
 
 def rss_bytes() -> int:
-    """Current resident set size: field 2 of /proc/self/statm, in pages
-    (resource.getrusage's ru_maxrss is the peak, which can never fall)."""
+    """Current resident set size (ru_maxrss is the peak, which can never fall)."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * PAGE
 
 
 def release_host_memory() -> None:
-    """Hand freed heap memory back to the kernel, so that what one phase freed
-    neither raises the next phase's starting RSS nor hides its growth."""
+    """Hand freed heap memory back to the kernel: what one phase freed neither
+    raises the next phase's starting RSS nor hides its growth."""
     gc.collect()
     trim = getattr(_LIBC, "malloc_trim", None)  # glibc only
     if trim is not None:
@@ -257,10 +248,9 @@ if _MALLINFO2 is not None:
 
 
 def malloc_in_use() -> int | None:
-    """Bytes that malloc has handed out and not had back, over all arenas and
-    mmapped chunks (torch's CPU tensors included). RSS also moves when the
-    allocator first touches pages of heap it already holds; this does not, so it
-    tells a leak from allocator layout. None where malloc is not glibc's."""
+    """Bytes malloc has handed out and not had back (torch's CPU tensors
+    included): unlike RSS, it does not move when the allocator first touches
+    heap it holds, so it tells a leak from layout. None without glibc's malloc."""
     if _MALLINFO2 is None:
         return None
     info = _MALLINFO2()
@@ -269,11 +259,9 @@ def malloc_in_use() -> int | None:
 
 def held_tensors(opt) -> list[torch.Tensor]:
     """The tensors an optimizer keeps between steps: torch optimizers' `state`
-    (ZeroRedundancyOptimizer's partition is in `opt.optim`; FSDP2's states are
-    DTensors), FusedAdam's and FusedLion's flat buckets (with state on the
-    host, their segments' buckets), and DistributedFusedAdam's attributes:
-    its `state` is empty and its state_dict() gathers the full states on every
-    rank, so there is no public per-rank view to read."""
+    (ZeroRedundancyOptimizer's in `opt.optim`, FSDP2's as DTensors), FusedAdam's
+    and FusedLion's buckets (with host state, their segments'), and
+    DistributedFusedAdam's attributes (it has no public per-rank view)."""
     inner = getattr(opt, "optim", opt)
     tensors = [v for s in inner.state.values() for v in s.values() if torch.is_tensor(v)]
     for b in getattr(opt, "_buckets", None) or []:
@@ -291,16 +279,14 @@ def held_tensors(opt) -> list[torch.Tensor]:
 
 
 def model_buffer_storages(opt) -> dict[int, int]:
-    """{storage address: bytes} of DistributedFusedAdam's param_buffer and
-    grad_buffer: they hold the model's own parameters and gradients, and the
-    shards may be views of them ([Note: reduced shards in the gradient buffer])."""
+    """{storage address: bytes} of DistributedFusedAdam's param_buffer and grad_buffer: the model's own
+    parameters and gradients, of which shards may be views ([Note: reduced shards in the gradient buffer])."""
     return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for name in ("param_buffer", "grad_buffer")
             if isinstance(getattr(opt, name, None), BucketRows) for t in getattr(opt, name).tensors}
 
 
 def optimizer_bytes(opt) -> int:
-    """Bytes of the tensors the optimizer keeps on this rank between steps
-    (held_tensors), each storage once, leaving out the model's buffers."""
+    """Bytes of held_tensors on this rank, each storage once, the model's buffers left out."""
     model = model_buffer_storages(opt)
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held_tensors(opt) if t.numel()}
     return sum(size for ptr, size in storages.items() if ptr not in model)
