@@ -41,26 +41,6 @@ FORMATS = ("portable", "every-rank", "sharded")  # --formats names of the three
 MIB = 2**20
 
 
-class PeakRss:
-    """The process's peak resident set while a phase runs, sampled by a thread
-    (ru_maxrss only ever grows, so it cannot tell one phase's peak)."""
-
-    def __init__(self):
-        self.start = self.peak = rss_bytes()
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-
-    def _sample(self) -> None:
-        while not self._done.wait(0.005):
-            self.peak = max(self.peak, rss_bytes())
-
-    def stop(self) -> int:
-        self._done.set()
-        self._thread.join()
-        return max(self.peak, rss_bytes())
-
-
 class Phases:
     """Each phase timed on every rank between barriers, its records kept; rank
     0 prints each phase's row (maximum over ranks) as soon as it ends, and
@@ -71,21 +51,32 @@ class Phases:
 
     def run(self, fmt_name: str, name: str, part: str | None, fn, nbytes=None):
         """fn() on every rank; returns fn's result and records its wall seconds
-        and host and device memory at the start and at the peak. `part` ("save"
-        or "load") groups phases into the totals; nbytes (a number, or a
-        function called after the phase: a file's size) are the bytes it moved."""
+        and host and device memory at the start and at the peak (host: sampled
+        by a thread, as ru_maxrss only ever grows). `part` ("save" or "load")
+        groups phases into the totals; nbytes (a number, or a function called
+        after the phase: a file's size) are the bytes it moved."""
         release_host_memory()
         sync(self.cuda)
         dist.barrier()
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
-        device_start = torch.cuda.memory_allocated() if self.cuda else None
-        host = PeakRss()
+        record = dict(format=fmt_name, phase=name, part=part, bytes=nbytes, file_bytes=None,
+                      device_start=torch.cuda.memory_allocated() if self.cuda else None,
+                      host_start=rss_bytes(), host_peak=rss_bytes())
+        done = threading.Event()
+
+        def sample() -> None:
+            while not done.wait(0.005):
+                record["host_peak"] = max(record["host_peak"], rss_bytes())
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
         t0 = time.perf_counter()
         result = fn()
         sync(self.cuda)
-        record = dict(format=fmt_name, phase=name, part=part, seconds=time.perf_counter() - t0, host_start=host.start,
-                      host_peak=host.stop(), device_start=device_start, bytes=nbytes, file_bytes=None,
+        record["seconds"] = time.perf_counter() - t0
+        done.set()
+        sampler.join()
+        record.update(host_peak=max(record["host_peak"], rss_bytes()),
                       device_peak=torch.cuda.max_memory_allocated() if self.cuda else None)
         self.records.append(record)
         dist.barrier()  # after the record: a rank's time is its own work, not its wait for the others
@@ -94,19 +85,18 @@ class Phases:
         self.report()
         return result
 
-    def report(self, show: str | None = "phase") -> list[dict] | None:
+    def report(self, show: bool = True) -> list[dict] | None:
         """Every rank's records so far (one collective, outside the timed
-        phases); rank 0 prints the last phase's row (show="phase") or its
-        format's sums ("sums"), rewrites --out and returns the rows."""
+        phases); rank 0 prints the last phase's row (with show), rewrites --out
+        and returns the rows."""
         per_rank = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, self.records)
         if dist.get_rank() != 0:
             return None
         rows, last = summarise(per_rank), self.records[-1]
         for r in rows:
-            if show and r["format"] == last["format"] and (
-                    " = " in r["phase"] if show == "sums" else r["phase"] == last["phase"]):
-                print(f"  {r['format']:<22} {r['phase']:<45} {r['seconds']:8.3f} s   peak host "
+            if show and (r["format"], r["phase"]) == (last["format"], last["phase"]):
+                print(f"  {r['format']:<22} {r['phase']:<25} {r['seconds']:8.3f} s   peak host "
                       f"{r['peak_host_mib']:9.1f} MiB   peak device {fmt(r['peak_device_mib'], '9.1f')} MiB",
                       flush=True)
         write_json(self.out, meta=dict(self.meta, wall_seconds=time.perf_counter() - self.t0), rows=rows,
@@ -209,7 +199,6 @@ def round_trip(fmt_name: str, path: str, save, write, read, load, state_bytes=No
                            "saved one")
     if dist.get_rank() == 0:
         shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-    phases.report("sums")
 
 
 def row(fmt_name: str, name: str, per_rank: list[list[dict]]) -> dict:
@@ -288,7 +277,7 @@ def main() -> None:
              ("dcp.save", lambda state: dcp.save({"optimizer": state}, checkpoint_id=sharded)),
              ("dcp.load", partial(dcp_read, opt, sharded)),
              ("load_sharded_state_dict", lambda state: opt.load_sharded_state_dict(state["optimizer"])))
-    rows = phases.report(None)
+    rows = phases.report(show=False)
     if rows is not None:
         restored = [name for name, key in ((PORTABLE, "portable"), (SHARDED, "sharded")) if key in formats]
         print("", md_table(["format", "phase", "seconds", "GB/s", "peak host MiB", "peak device MiB", "file MiB"],

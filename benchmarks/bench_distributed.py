@@ -114,10 +114,8 @@ BUILDERS = {BASELINE: lambda model, args, cuda: (model, adamw(model.parameters()
 
 
 def run_one(name: str, mode: None, batch: int, args, dev: torch.device, n_params: int) -> dict:
-    """Build `name` on a fresh model and train it: WARMUP iterations, then
-    `iters` timed ones, marked after backward and after the step: median ms
-    per iteration and per phase (forward+backward, step), the wall-clock mean
-    over the timed loop, memory and losses."""
+    """`name` on a fresh model: WARMUP iterations, then `iters` timed ones: median ms per iteration and per
+    phase (forward+backward, step), the wall-clock mean over the timed loop, memory and losses."""
     cuda = dev.type == "cuda"
 
     def train():
@@ -144,13 +142,9 @@ def run_one(name: str, mode: None, batch: int, args, dev: torch.device, n_params
 
 
 def run_captured(config: str, mode: str, batch: int, args, dev: torch.device, n_params: int) -> dict:
-    """Build `config` on a fresh model with a GradScaler and clipping, train
-    it in `mode`: WARMUP eager iterations (on a side stream before a capture:
-    the first one learns the bucket order, the scaler creates its tensors),
-    then `iters` calls back to back with the wall clock around them, then
-    `iters` more, each from an idle device, timed on the host until it returns;
-    the medians, memory and every iteration's loss (cloned: a replay
-    overwrites its static loss)."""
+    """`config` on a fresh model with a GradScaler and clipping, in `mode`: WARMUP eager iterations (on a side
+    stream before a capture: the first learns the bucket order, the scaler makes its tensors), `iters` back to
+    back, `iters` more each from an idle device timed on the host; the medians, memory and every loss."""
     cuda = dev.type == "cuda"
 
     def train():
@@ -197,7 +191,7 @@ def run_captured(config: str, mode: str, batch: int, args, dev: torch.device, n_
             watch.mark()
             loss = step()
             watch.mark()
-            return loss.clone()
+            return loss.clone()  # a replay overwrites its static loss
         laps, wall, losses = timed_calls(call, cuda, args.iters)
         host, _, more = timed_calls(call, cuda, args.iters, idle=True, host=True)
         opt.zero_grad()  # gradients freed, as between iterations (DDP keeps them until then)
@@ -209,9 +203,8 @@ def run_captured(config: str, mode: str, batch: int, args, dev: torch.device, n_
 
 
 def add_ratios(results: list[dict], world: int) -> None:
-    """vs DDP, and exposed communication: the share of an iteration beyond its
-    compute (compute_only's forward+backward plus its step, 1/N of it for an
-    implementation that shards the optimizer)."""
+    """vs DDP, and exposed communication: the share of an iteration beyond compute_only's forward+backward
+    plus its step (1/N of it for an implementation that shards the optimizer)."""
     by = {(r["impl"], r["batch"]): r for r in results if not r["error"]}
     for r in by.values():
         ddp, base = by.get((REFERENCE, r["batch"])), by.get((BASELINE, r["batch"]))
@@ -239,8 +232,7 @@ def goals(results: list[dict], world: int) -> list[str]:
 
 
 def add_capture_ratios(results: list[dict]) -> None:
-    """Time and host time against DDP's eager run and, for a captured run,
-    against its configuration's eager run, whose losses it must reproduce."""
+    """Time and host time against DDP's eager run and, captured, against its own eager run's (and losses)."""
     by = {(r["config"], r["mode"], r["batch"]): r for r in results if not r["error"]}
     for r in by.values():
         ddp, eager = by.get((REFERENCE, "eager", r["batch"])), by.get((r["config"], "eager", r["batch"]))

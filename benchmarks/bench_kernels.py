@@ -6,21 +6,18 @@ The kernel (issue 2): on the GPU at least 90% of a device copy's bandwidth
 tensors; on the CPU at least as fast as torch fused. Judged by "% of copy" and
 "speedup vs torch" (torch fused's time over this one's). Bandwidth counts 28 B
 per element for every implementation (fp32 p, g, m, v in and p, m, v out; mixed
-precision: a bf16 grad in and bf16 params_out out instead), so its ratios are
-time ratios.
+precision: a bf16 grad in and bf16 params_out out), so its ratios are time ratios.
 
---fused-adam: FusedAdam.step() (issue 3): host time at 20,000 parameters >= 30x
-below torch fused AdamW's (under 100 us with flat_grads), and GPU time within
+--fused-adam (issue 3): FusedAdam.step()'s host time at 20,000 parameters >= 30x
+below torch fused AdamW's (under 100 us with flat_grads), its GPU time within
 1.15x of the bandwidth floor. Judged by "speedup vs torch" on the wall time
-(steps back to back, synchronised around them) and on the host time (median
-time for step() to return from an idle device). Parameter sets: 20,000 of
-12,800 elements (--quick: 2,000 of 1,280; --overhead: 20,000 of 4, the host
-cost alone), and GPT-2 medium's shapes.
+(steps back to back) and the host time (median time for step() to return from
+an idle device); 20,000 parameters of 12,800 elements (--quick: 2,000 of 1,280;
+--overhead: 20,000 of 4, the host cost alone) and GPT-2 medium's shapes.
 
---interleaved: the CPU steps taken in turn with torch fused's, as in a training
-loop, where torch's OpenMP workers keep spinning for a while after each of its
-ops (libgomp's wait policy) on the same cores. Judged by the speedup: torch
-fused's median ms over shardadam's. svg.py draws the JSON's bandwidths.
+--interleaved: the CPU steps in turn with torch fused's, as in a training loop,
+where torch's OpenMP workers keep spinning after each of its ops on the same
+cores. Judged by the speedup. svg.py draws the JSON's bandwidths.
 
     python benchmarks/bench_kernels.py --device cuda --out bench.json
     python benchmarks/bench_kernels.py --device all --quick      # smoke run
@@ -52,10 +49,6 @@ Cfg = SimpleNamespace  # a case's timing: reps and warmup
 def split(total: int, n: int) -> list[int]:
     """n tensor sizes adding up to total exactly."""
     return [total // n + (i < total % n) for i in range(n)]
-
-
-def pow2(n: int) -> str:
-    return f"2^{n.bit_length() - 1}" if n & (n - 1) == 0 else str(n)
 
 
 def rand(sizes, dev, dtype=torch.float32, positive=False) -> list[torch.Tensor]:
@@ -95,6 +88,7 @@ def shard_step(params, grads, params_out=None):
 
 
 def with_grads(shapes, dev, dtype=torch.float32) -> list[torch.nn.Parameter]:
+    """Parameters of these shapes, each with a gradient."""
     params = [torch.nn.Parameter(torch.randn(s, device=dev, dtype=dtype) * 0.02) for s in shapes]
     for p in params:
         p.grad = torch.randn_like(p) * 1e-3
@@ -199,7 +193,7 @@ def case_fp32(dev, n_tensors, elems, cfg, copy, foreach=True):
     if foreach:
         impls["torch foreach"] = lambda: torch_step(params, grads, foreach=True)
     impls[SHARD] = lambda: shard_step(params, grads)
-    return compare(f"{dev} fp32, {pow2(elems)} el in {n_tensors} t", dev, impls, elems, cfg, copy)
+    return compare(f"{dev} fp32, 2^{elems.bit_length() - 1} el in {n_tensors} t", dev, impls, elems, cfg, copy)
 
 
 def case_mixed(dev, n_tensors, elems, cfg, copy):
@@ -208,7 +202,8 @@ def case_mixed(dev, n_tensors, elems, cfg, copy):
     grads_bf16, params_out = [g.to(torch.bfloat16) for g in grads], [p.to(torch.bfloat16) for p in params]
     impls = {"torch fused + copy": lambda: torch_step_then_copy(params, grads, params_out),
              SHARD: lambda: shard_step(params, grads_bf16, params_out)}
-    return compare(f"{dev} fp32 master + bf16, {pow2(elems)} el in {n_tensors} t", dev, impls, elems, cfg, copy)
+    return compare(f"{dev} fp32 master + bf16, 2^{elems.bit_length() - 1} el in {n_tensors} t", dev, impls, elems, cfg,
+                   copy)
 
 
 def case_many(dev, n_tensors, numel, cfg, copy):
