@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 import shardadam
-from bench_distributed import build_ddp_fused, build_fsdp2, build_shardadam
+from bench_distributed import build_ddp, build_fsdp2, build_shardadam
 from harness import agree_on_error, choose, fmt, init_distributed, max_over_ranks, md_table, rss_bytes
 from models import BLOCKWISE8, KINDS as STORAGE_KINDS, STOCHASTIC, build_model, lm_loss
 
@@ -48,7 +48,7 @@ def build(candidate: str, model, args, cuda: bool):
     """(module to call, optimizer) for one candidate on a fresh model:
     bench_distributed.py's builders, or an optimizer with its state on the host."""
     if candidate == "ddp":
-        return build_ddp_fused(model, args, cuda)
+        return build_ddp(model, args, cuda)
     if candidate == "fsdp2":
         return build_fsdp2(model, args, cuda, reshard_after_forward=True)
     if candidate == "torchao":

@@ -24,14 +24,13 @@ ranks. A failed check exits 1.
 from __future__ import annotations
 
 import argparse
-import functools
 import statistics
 import sys
 import warnings
+from functools import partial
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
@@ -39,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 import shardadam
 from harness import (add_run_args, choose, finish, fmt, memory_figures, parse_gpt_args, pct, results_table, run_case,
                      say, start_gpt)
-from models import add_size_args, autocast, build_model, make_batch
+from models import add_size_args, build_model, lm_loss, make_batch
 from timing import capture_graph, timed_calls
 
 IMPLS = ("ddp_fused", "fsdp2", "zero1", "shardadam", "shardadam_contiguous_grads", "shardadam_contiguous_masters",
@@ -75,8 +74,12 @@ def adamw(params, args, cuda: bool):
     return torch.optim.AdamW(params, lr=args.lr, weight_decay=WEIGHT_DECAY, fused=cuda or None)
 
 
-def build_ddp_fused(model, args, cuda):
+def build_ddp(model, args, cuda, zero1=False):
+    """DDP with torch's AdamW, or (zero1) with ZeroRedundancyOptimizer's partition of it."""
     ddp = DistributedDataParallel(model, device_ids=[torch.cuda.current_device()] if cuda else None)
+    if zero1:
+        return ddp, ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=args.lr,
+                                            weight_decay=WEIGHT_DECAY, fused=cuda or None)
     return ddp, adamw(ddp.parameters(), args, cuda)
 
 
@@ -89,12 +92,6 @@ def build_fsdp2(model, args, cuda, reshard_after_forward=False):
     return model, adamw(model.parameters(), args, cuda)
 
 
-def build_zero1(model, args, cuda):
-    ddp = DistributedDataParallel(model, device_ids=[torch.cuda.current_device()] if cuda else None)
-    return ddp, ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=args.lr,
-                                        weight_decay=WEIGHT_DECAY, fused=cuda or None)
-
-
 def build_shardadam(model, args, cuda, **options):
     # apex's recommended setup: both directions overlapped, all-gathers landing
     # in the parameters themselves (on the copy engines between GPUs of one host).
@@ -104,13 +101,12 @@ def build_shardadam(model, args, cuda, **options):
 
 
 BUILDERS = {BASELINE: lambda model, args, cuda: (model, adamw(model.parameters(), args, cuda)),
-            "ddp_fused": build_ddp_fused, "fsdp2": build_fsdp2, "zero1": build_zero1, "shardadam": build_shardadam,
-            "shardadam_contiguous_grads": functools.partial(build_shardadam, contiguous_grad_buffer=True),
-            "shardadam_contiguous_masters": functools.partial(build_shardadam, contiguous_grad_buffer=True,
-                                                              store_params=True),
-            "shardadam_nccl_grads": functools.partial(build_shardadam, grad_sync_copy_engine=False),
-            "shardadam_nccl": functools.partial(build_shardadam, grad_sync_copy_engine=False,
-                                                param_sync_copy_engine=False)}
+            "ddp_fused": build_ddp, "fsdp2": build_fsdp2, "zero1": partial(build_ddp, zero1=True),
+            "shardadam": build_shardadam,
+            "shardadam_contiguous_grads": partial(build_shardadam, contiguous_grad_buffer=True),
+            "shardadam_contiguous_masters": partial(build_shardadam, contiguous_grad_buffer=True, store_params=True),
+            "shardadam_nccl_grads": partial(build_shardadam, grad_sync_copy_engine=False),
+            "shardadam_nccl": partial(build_shardadam, grad_sync_copy_engine=False, param_sync_copy_engine=False)}
 
 
 def run_one(name: str, mode: None, batch: int, args, dev: torch.device, n_params: int) -> dict:
@@ -124,8 +120,7 @@ def run_one(name: str, mode: None, batch: int, args, dev: torch.device, n_params
 
         def iteration(watch) -> torch.Tensor:
             watch.mark()
-            with autocast(cuda):
-                loss = F.cross_entropy(module(inputs).flatten(0, 1), targets.flatten())
+            loss = lm_loss(module, inputs, targets, cuda)
             loss.backward()
             watch.mark()
             opt.step()
@@ -150,7 +145,7 @@ def run_captured(config: str, mode: str, batch: int, args, dev: torch.device, n_
     def train():
         scaler, model = torch.amp.GradScaler(dev.type), build_model(args, dev)
         if config == REFERENCE:
-            module, opt = build_ddp_fused(model, args, cuda)
+            module, opt = build_ddp(model, args, cuda)
 
             def clip() -> None:  # torch's way: unscale the gradients in place, then clip them
                 scaler.unscale_(opt)
@@ -158,20 +153,15 @@ def run_captured(config: str, mode: str, batch: int, args, dev: torch.device, n_
         else:  # applied inside step() to the unscaled norm; nothing is read back to the host
             dtype, options = STORAGE[config]
             module, opt = build_shardadam(model.to(dtype), args, cuda, capturable=cuda, **options)
-            clip = functools.partial(opt.clip_grad_norm, MAX_NORM)
+            clip = partial(opt.clip_grad_norm, MAX_NORM)
         source = make_batch(args, batch, dev)
-        inputs, targets = static = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in source]
-
-        def load() -> None:
-            for s, t in zip(static, source):
-                s.copy_(t)
+        static = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in source]
+        load = partial(torch._foreach_copy_, static, source)
 
         def eager() -> torch.Tensor:
             load()
             opt.zero_grad()
-            with autocast(cuda):
-                # fp32 loss: a bf16 model's bf16 loss (CPU run) is too coarse to show a few iterations' fall.
-                loss = F.cross_entropy(module(inputs).flatten(0, 1).float(), targets.flatten())
+            loss = lm_loss(module, *static, cuda)  # fp32: a bf16 loss is too coarse to show a few iterations' fall
             scaler.scale(loss).backward()
             clip()
             scaler.step(opt)
