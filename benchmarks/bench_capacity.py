@@ -14,7 +14,7 @@ host resident memory and seconds per iteration.
     python benchmarks/bench_capacity.py --nproc 2 --out results/capacity_2xh200.jsonl
     python benchmarks/bench_capacity.py --candidates "host:8-bit blockwise states" --batch 1 --d-model 4096 \
         --layers 48                                               # one size, state in host memory
-    python benchmarks/bench_capacity.py --nproc 2 --tiny          # smoke run, CPU (gloo) or GPU
+    python benchmarks/bench_capacity.py --d-model 64 --heads 4 --vocab 256 --seq 32 --layers 1,2 --start 1  # CPU
 """
 from __future__ import annotations
 
@@ -40,7 +40,6 @@ KINDS = {name: STORAGE_KINDS[name] for name in ("fp32", "FP8 states", "8-bit blo
 KINDS["bf16 stochastic rounding + 8-bit states"] = (torch.bfloat16, {**STOCHASTIC, **BLOCKWISE8})
 CANDIDATES = ("ddp", "fsdp2", *(f"shardadam:{kind}" for kind in KINDS))  # the default: state on the GPUs
 HOST_CANDIDATES = (*(f"host:{kind}" for kind in KINDS), "torchao")
-TINY = dict(d_model=64, heads=4, vocab=256, seq=32, layers="1,2,3", start=2)
 GIB = 2**30
 
 
@@ -164,15 +163,11 @@ def main() -> None:
     ap.add_argument("--start", type=int, default=36, help="the depth each search starts from")
     ap.add_argument("--bucket-cap-mb", type=float, default=100, help="DistributedFusedAdam's bucket size in MiB")
     ap.add_argument("--timeout", type=float, default=900, help="seconds one attempt may take")
-    ap.add_argument("--tiny", action="store_true", help=f"smoke run: {TINY}")
     ap.add_argument("--out", help="append every attempt here as a JSON line")
     ap.add_argument("--attempt", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--candidate", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.lr = 1e-4  # what the builders train with: two steps only, any small rate does
-    if args.tiny:
-        for key, value in TINY.items():
-            setattr(args, key, value)
     if args.attempt:
         args.layers = int(args.layers)
         attempt(args)
