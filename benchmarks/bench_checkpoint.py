@@ -147,58 +147,10 @@ def same(a, b) -> bool:
     return a == b
 
 
-class Trainee:
-    """The model and optimizer whose state the checkpoints save, and the
-    reference snapshot a load must restore."""
-
-    def __init__(self, model, opt, batch, dev: torch.device, cuda: bool, portable: bool):
-        self.model, self.opt, self.batch, self.dev, self.cuda = model, opt, batch, dev, cuda
-        self.reference = snapshot(model, opt, portable)
-
-    def restored(self) -> bool:
-        """Whether the state equals the reference snapshot on every rank."""
-        now = snapshot(self.model, self.opt, self.reference["portable"] is not None)
-        ok = torch.tensor([same(now, self.reference)], dtype=torch.int32, device=self.dev)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-        return bool(ok.item())
-
-    def train_past(self) -> None:
-        """One more iteration after the save, so that the load has something to
-        restore (loading over an unchanged state would prove nothing)."""
-        train_step(self.model, self.opt, *self.batch, self.cuda)
-        if self.restored():
-            raise RuntimeError("a training iteration left the optimizer state unchanged: the restore check would "
-                               "prove nothing")
-
-
 def dcp_read(opt, directory: str) -> dict:
     state = {"optimizer": opt.sharded_state_dict()}  # the template dcp.load fills, in place where it can
     dcp.load(state, checkpoint_id=directory)
     return state
-
-
-def round_trip(fmt_name: str, path: str, save, write, read, load, state_bytes=None, *, phases: Phases,
-               trainee: Trainee) -> None:
-    """A format's save phases (save: (name, fn) making the state, write: (name,
-    fn(state)) writing it to path), one more iteration, then its load phases
-    (read: (name, fn) reading path, load: (name, fn(read's result))), from
-    files out of the page cache; the restore is checked and path removed
-    (--dir needs room for one at a time)."""
-    size = lambda: sum(map(os.path.getsize, files(path)))  # noqa: E731
-    state = phases.run(fmt_name, save[0], "save", save[1], state_bytes)
-    phases.run(fmt_name, write[0], "save", partial(write[1], state), size)
-    del state
-    trainee.train_past()
-    if dist.get_rank() == 0:
-        evict_page_cache(path)
-    state = phases.run(fmt_name, read[0], "load", read[1], size)
-    phases.run(fmt_name, load[0], "load", partial(load[1], state))
-    del state
-    if not trainee.restored():
-        raise RuntimeError(f"{fmt_name}: the loaded optimizer state (or the model's parameters) differs from the "
-                           "saved one")
-    if dist.get_rank() == 0:
-        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
 
 
 def row(fmt_name: str, name: str, per_rank: list[list[dict]]) -> dict:
@@ -259,12 +211,41 @@ def main() -> None:
     fs = subprocess.run(["stat", "-f", "-c", "%T", args.dir], capture_output=True, text=True).stdout.strip()
     meta = gpt_meta(args, dev, n_params, dir=os.path.abspath(args.dir), filesystem=fs)
     say(f"{describe(meta, args)}; checkpoints in {meta['dir']} ({fs})")
-    trainee = Trainee(model, opt, batch, dev, cuda, portable=args.tiny)
+    reference = snapshot(model, opt, portable=args.tiny)
     say(f"set up in {time.perf_counter() - start:.1f} s (process group, model, optimizer, first iteration, "
         f"reference copy of the state)")
     phases = Phases(args.out, meta, cuda)
     state_bytes = STATE_BYTES_PER_PARAM * n_params
-    trip = partial(round_trip, phases=phases, trainee=trainee)
+
+    def restored() -> bool:
+        """Whether the state equals the reference snapshot on every rank."""
+        ok = torch.tensor([same(snapshot(model, opt, args.tiny), reference)], dtype=torch.int32, device=dev)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        return bool(ok.item())
+
+    def trip(fmt_name: str, path: str, save, write, read, load, state_bytes=None) -> None:
+        """A format's save phases (save: (name, fn) making the state, write: (name, fn(state)) writing it to
+        path), one more iteration (loading over an unchanged state would prove nothing), its load phases (read:
+        (name, fn) reading path out of the page cache, load: (name, fn(read's result))); the restore is checked
+        and path removed (--dir needs room for one at a time)."""
+        size = lambda: sum(map(os.path.getsize, files(path)))  # noqa: E731
+        state = phases.run(fmt_name, save[0], "save", save[1], state_bytes)
+        phases.run(fmt_name, write[0], "save", partial(write[1], state), size)
+        del state
+        train_step(model, opt, *batch, cuda)
+        if restored():
+            raise RuntimeError("a training iteration left the optimizer state unchanged: the restore check would "
+                               "prove nothing")
+        if dist.get_rank() == 0:
+            evict_page_cache(path)
+        state = phases.run(fmt_name, read[0], "load", read[1], size)
+        phases.run(fmt_name, load[0], "load", partial(load[1], state))
+        del state
+        if not restored():
+            raise RuntimeError(f"{fmt_name}: the loaded optimizer state (or the model's parameters) differs from "
+                               "the saved one")
+        if dist.get_rank() == 0:
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
     if "portable" in formats:
         trip(PORTABLE, portable, ("gather", partial(opt.state_dict, gather_on_root=True)),
              ("write", lambda sd: dist.get_rank() == 0 and shardadam.checkpoint.save({"optimizer": sd}, portable)),
@@ -279,15 +260,15 @@ def main() -> None:
              ("load_sharded_state_dict", lambda state: opt.load_sharded_state_dict(state["optimizer"])))
     rows = phases.report(show=False)
     if rows is not None:
-        restored = [name for name, key in ((PORTABLE, "portable"), (SHARDED, "sharded")) if key in formats]
+        checked = [name for name, key in ((PORTABLE, "portable"), (SHARDED, "sharded")) if key in formats]
         print("", md_table(["format", "phase", "seconds", "GB/s", "peak host MiB", "peak device MiB", "file MiB"],
                            [[r["format"], r["phase"], f"{r['seconds']:.3f}", fmt(r["gb_per_s"], ".2f"),
                              f"{r['peak_host_mib']:.1f}", fmt(r["peak_device_mib"], ".1f"), fmt(r["file_mib"], ".1f")]
                             for r in rows], "llrrrrr"), sep="\n")
-        if restored:
-            print(f"restored bit for bit after a further training iteration: {', '.join(restored)}")
+        if checked:
+            print(f"restored bit for bit after a further training iteration: {', '.join(checked)}")
         print(f"whole run {time.perf_counter() - start:.1f} s (from main(): imports excluded)", flush=True)
-    del opt, trainee  # before the process group goes (gloo can abort at exit otherwise: README)
+    del opt, reference  # before the process group goes (gloo can abort at exit otherwise: README)
     dist.destroy_process_group()
 
 
