@@ -42,19 +42,17 @@ MIB = 2**20
 
 
 class Phases:
-    """Each phase timed on every rank between barriers, its records kept; rank
-    0 prints each phase's row (maximum over ranks) as soon as it ends, and
-    rewrites --out with everything so far."""
+    """Each phase timed on every rank between barriers, its records kept; rank 0 prints each phase's row (maximum over
+    ranks) as soon as it ends, and rewrites --out with everything so far."""
 
     def __init__(self, out: str | None, meta: dict, cuda: bool):
         self.out, self.meta, self.cuda, self.t0, self.records = out, meta, cuda, time.perf_counter(), []
 
     def run(self, fmt_name: str, name: str, part: str | None, fn, nbytes=None):
-        """fn() on every rank; returns fn's result and records its wall seconds
-        and host and device memory at the start and at the peak (host: sampled
-        by a thread, as ru_maxrss only ever grows). `part` ("save" or "load")
-        groups phases into the totals; nbytes (a number, or a function called
-        after the phase: a file's size) are the bytes it moved."""
+        """fn() on every rank; returns fn's result and records its wall seconds and host and device memory at the start
+        and at the peak (host: sampled by a thread, as ru_maxrss only ever grows). `part` ("save" or "load") groups
+        phases into the totals; nbytes (a number, or a function called after the phase: a file's size) are the bytes it
+        moved."""
         release_host_memory()
         sync(self.cuda)
         dist.barrier()
@@ -86,9 +84,8 @@ class Phases:
         return result
 
     def report(self, show: bool = True) -> list[dict] | None:
-        """Every rank's records so far (one collective, outside the timed
-        phases); rank 0 prints the last phase's row (with show), rewrites --out
-        and returns the rows."""
+        """Every rank's records so far (one collective, outside the timed phases); rank 0 prints the last phase's row
+        (with show), rewrites --out and returns the rows."""
         per_rank = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, self.records)
         if dist.get_rank() != 0:
@@ -123,11 +120,9 @@ def train_step(model, opt, inputs, targets, cuda: bool) -> None:
 
 
 def snapshot(model, opt, portable: bool) -> dict:
-    """Copies of what a checkpoint must bring back, on this rank: its pieces of
-    every state (together the ranks' pieces are the whole state), the groups'
-    steps and hyperparameters, and the model's parameters (load makes them the
-    loaded masters); with portable, the whole portable state_dict() as well.
-    Every rank must call it."""
+    """Copies of what a checkpoint must bring back, on this rank: its pieces of every state (together the ranks' pieces
+    are the whole state), the groups' steps and hyperparameters, and the model's parameters (load makes them the loaded
+    masters); with portable, the whole portable state_dict() as well. Every rank must call it."""
     pieces = [piece.clone() for state in opt.sharded_state_dict()["state"].values()
               for _, piece in local_pieces(state)]
     return dict(pieces=pieces, groups=[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
@@ -154,9 +149,8 @@ def dcp_read(opt, directory: str) -> dict:
 
 
 def row(fmt_name: str, name: str, per_rank: list[list[dict]]) -> dict:
-    """One table row from each rank's records of it (one phase, or a part's
-    phases in order): the maximum over ranks, and every rank's values; peaks
-    above the first record's start, in MiB (None without a device)."""
+    """One table row from each rank's records of it (one phase, or a part's phases in order): the maximum over ranks,
+    and every rank's values; peaks above the first record's start, in MiB (None without a device)."""
     def increase(recs, key):
         start = recs[0][f"{key}_start"]
         return None if start is None else (max(r[f"{key}_peak"] for r in recs) - start) / MIB
@@ -171,8 +165,7 @@ def row(fmt_name: str, name: str, per_rank: list[list[dict]]) -> dict:
 
 
 def summarise(per_rank: list[list[dict]]) -> list[dict]:
-    """Each phase's row, and after each format a row per part of several
-    phases ("save", "load") that adds them up."""
+    """Each phase's row, and after each format a row per part of several phases ("save", "load") that adds them up."""
     rows, first = [], per_rank[0]
     for fmt_name in dict.fromkeys(r["format"] for r in first):
         index = [i for i, r in enumerate(first) if r["format"] == fmt_name]

@@ -34,10 +34,9 @@ STEP_GOAL = 0.6  # shardadam's step time over torch fused's, at most
 
 
 def run_one(name: str, args, dev: torch.device, cuda: bool, n_params: int) -> dict:
-    """A fresh model sharded per block and at the root, WARMUP iterations,
-    then `iters` with the step timed alone (host clock, synchronised before
-    and after it; step_host: until step() returned), then `iters` back to back.
-    Returns ms figures and the losses."""
+    """A fresh model sharded per block and at the root, WARMUP iterations, then `iters` with the step timed alone (host
+    clock, synchronised before and after it; step_host: until step() returned), then `iters` back to back. Returns ms
+    figures and the losses."""
     def run():
         model = build_model(args, dev)
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda else \

@@ -63,11 +63,9 @@ class Transfers:
 
 
 def record_timeline(run, distributed: bool) -> dict:
-    """Spans (start, end) in ms from the start of one call of run(note,
-    event): "compute" on the current stream, "down" and "up" on the copy
-    streams (CUDA events), "cpu" on the host clock (the CPU engine's launches,
-    from any thread). distributed: DistributedFusedAdam's host shards, else
-    FusedAdam's segments."""
+    """Spans (start, end) in ms from the start of one call of run(note, event): "compute" on the current stream, "down"
+    and "up" on the copy streams (CUDA events), "cpu" on the host clock (the CPU engine's launches, from any thread).
+    distributed: DistributedFusedAdam's host shards, else FusedAdam's segments."""
     spans, events = {"compute": [], "down": [], "cpu": [], "up": []}, []
 
     def event(stream=None):

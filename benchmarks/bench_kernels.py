@@ -96,9 +96,8 @@ def with_grads(shapes, dev, dtype=torch.float32) -> list[torch.nn.Parameter]:
 
 
 def shard_fp32(shapes, dev, new_grads_each_step=False, flat_grads=False):
-    """FusedAdam.step, and with new_grads_each_step a setup (not timed) that
-    hands every parameter another gradient tensor, as autograd does after
-    zero_grad(set_to_none=True)."""
+    """FusedAdam.step, and with new_grads_each_step a setup (not timed) that hands every parameter another gradient
+    tensor, as autograd does after zero_grad(set_to_none=True)."""
     params = with_grads(shapes, dev)
     grads = [[p.grad for p in params], [torch.randn_like(p) * 1e-3 for p in params]]
     opt = shardadam.FusedAdam(params, lr=LR, weight_decay=WD, flat_grads=flat_grads)

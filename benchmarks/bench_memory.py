@@ -110,9 +110,8 @@ def layouts() -> None:
 
 
 def run_case(name: str, args, device: torch.device) -> dict:
-    """Memory after and within each phase of every iteration, the accounted
-    bytes (the distinct storages on `device` that the parameters and the
-    optimizer hold between steps) and what is left once both are gone."""
+    """Memory after and within each phase of every iteration, the accounted bytes (the distinct storages on `device`
+    that the parameters and the optimizer hold between steps) and what is left once both are gone."""
     dtype, build, _ = CASES[name]
     cuda = device.type == "cuda"
     model = build_model(args, device).to(dtype)

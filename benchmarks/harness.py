@@ -48,10 +48,9 @@ def init_one_rank(dev, bind_device: bool = False) -> None:
 
 
 def agree_on_error(error: str | None, dev) -> str | None:
-    """Every rank skips a case that failed on any rank, so that all go on to the
-    same next collective: failures that hit the ranks at the same point (an
-    unsupported option, out of memory); a rank that fails while the others wait
-    in a collective leaves them waiting until the group's timeout."""
+    """Every rank skips a case that failed on any rank, so that all go on to the same next collective: failures that hit
+    the ranks at the same point (an unsupported option, out of memory); a rank that fails while the others wait in a
+    collective leaves them waiting until the group's timeout."""
     failed = torch.tensor([error is not None], dtype=torch.int32, device=dev)
     dist.all_reduce(failed, op=dist.ReduceOp.MAX)
     return error or ("failed on another rank" if failed.item() else None)
@@ -73,12 +72,10 @@ def memory_figures(opt, cuda: bool) -> dict:
 
 
 def run_case(result: dict, fn, dev, n_params: int, keep_losses: bool = False) -> dict:
-    """`result` with what fn() measured on a freed device: fn returns (figures,
-    losses). A failure (its traceback printed, its first line kept) on any rank
-    is every rank's ("error"). Figures: maxima over ranks, memory_figures' as
-    opt_bytes_per_param, peak_gib and resident_bytes_per_param (None without
-    CUDA); rank 0's losses give loss_first, loss_last, loss_ok (all finite, the
-    last below the first) and, with keep_losses, "losses"."""
+    """`result` with what fn() measured on a freed device: fn returns (figures, losses). A failure (its traceback
+    printed, its first line kept) on any rank is every rank's ("error"). Figures: maxima over ranks, memory_figures' as
+    opt_bytes_per_param, peak_gib and resident_bytes_per_param (None without CUDA); rank 0's losses give loss_first,
+    loss_last, loss_ok (all finite, the last below the first) and, with keep_losses, "losses"."""
     free(dev)
     error = None
     try:
@@ -248,9 +245,8 @@ if _MALLINFO2 is not None:
 
 
 def malloc_in_use() -> int | None:
-    """Bytes malloc has handed out and not had back (torch's CPU tensors
-    included): unlike RSS, it does not move when the allocator first touches
-    heap it holds, so it tells a leak from layout. None without glibc's malloc."""
+    """Bytes malloc has handed out and not had back (torch's CPU tensors included): unlike RSS, it does not move when
+    the allocator first touches heap it holds, so it tells a leak from layout. None without glibc's malloc."""
     if _MALLINFO2 is None:
         return None
     info = _MALLINFO2()
@@ -258,9 +254,8 @@ def malloc_in_use() -> int | None:
 
 
 def held_tensors(opt) -> list[torch.Tensor]:
-    """The tensors an optimizer keeps between steps: torch optimizers' `state`
-    (ZeroRedundancyOptimizer's in `opt.optim`, FSDP2's as DTensors), FusedAdam's
-    and FusedLion's buckets (with host state, their segments'), and
+    """The tensors an optimizer keeps between steps: torch optimizers' `state` (ZeroRedundancyOptimizer's in
+    `opt.optim`, FSDP2's as DTensors), FusedAdam's and FusedLion's buckets (with host state, their segments'), and
     DistributedFusedAdam's attributes (it has no public per-rank view)."""
     inner = getattr(opt, "optim", opt)
     tensors = [v for s in inner.state.values() for v in s.values() if torch.is_tensor(v)]

@@ -83,9 +83,8 @@ def gpt2_medium_shapes() -> list[tuple[int, ...]]:
 
 
 def build_model(args, dev, dtype: torch.dtype | None = None) -> GPT:
-    """args' GPT from args.seed (0 without one), built on `dev` in `dtype`. The
-    same seed on every rank: FSDP2 shards each rank's own copy, so the copies
-    must be equal; DDP and DistributedFusedAdam broadcast rank 0's anyway."""
+    """args' GPT from args.seed (0 without one), built on `dev` in `dtype`. The same seed on every rank: FSDP2 shards
+    each rank's own copy, so the copies must be equal; DDP and DistributedFusedAdam broadcast rank 0's anyway."""
     torch.manual_seed(getattr(args, "seed", 0))
     if dtype is not None:
         torch.set_default_dtype(dtype)  # built in its dtype: no fp32 copy first
@@ -101,9 +100,8 @@ def count_params(args) -> int:
 
 
 def make_batch(args, batch: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
-    """One fixed batch of random tokens per rank, reused every iteration: the
-    model memorises it, so the loss falls within a few iterations (on fresh
-    uniform tokens it would start at its minimum, ln(vocab), and stay there)."""
+    """One fixed batch of random tokens per rank, reused every iteration: the model memorises it, so the loss falls
+    within a few iterations (on fresh uniform tokens it would start at its minimum, ln(vocab), and stay there)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     g = torch.Generator(device=dev).manual_seed(getattr(args, "seed", 0) + 1 + rank)
     tokens = torch.randint(args.vocab, (batch, args.seq + 1), generator=g, device=dev)
@@ -123,8 +121,7 @@ def lm_loss(module, inputs: torch.Tensor, targets: torch.Tensor, cuda: bool) -> 
 
 
 def add_size_args(ap, tiny: dict | None = TINY, full: dict = FULL) -> None:
-    """The GPT's size options, and --tiny unless tiny is None (the defaults
-    then full's)."""
+    """The GPT's size options, and --tiny unless tiny is None (the defaults then full's)."""
     def default(key, what):
         if tiny is None:
             return dict(default=full[key], help=what)

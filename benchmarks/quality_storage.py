@@ -36,9 +36,8 @@ def kinds_arg(ap, value: str, known) -> list[str]:
 
 
 def report(curves: dict, steps: int, where: str, columns: dict | None = None) -> dict:
-    """Prints each kind's final loss (mean of the last tenth of the steps) and
-    its ratio to fp32's, then `columns` (header: a cell per kind); returns the
-    final losses."""
+    """Prints each kind's final loss (mean of the last tenth of the steps) and its ratio to fp32's, then `columns`
+    (header: a cell per kind); returns the final losses."""
     tail = max(1, steps // 10)
     final = {name: sum(c[-tail:]) / tail for name, c in curves.items()}
     columns = columns or {}

@@ -123,9 +123,8 @@ def fit_slope(steps: list[int], values: list[int]) -> float:
 
 
 def flatness(samples: list[dict], key: str, limit_of) -> dict | None:
-    """Growth of samples[key] after the warm-up: end to end (last minus first
-    kept sample) and along the fitted line (slope times the steps spanned);
-    failed if either exceeds limit_of(base level)."""
+    """Growth of samples[key] after the warm-up: end to end (last minus first kept sample) and along the fitted line
+    (slope times the steps spanned); failed if either exceeds limit_of(base level)."""
     if samples[0][key] is None:
         return None
     kept = samples[int(len(samples) * WARMUP_FRACTION):]
@@ -139,9 +138,8 @@ def flatness(samples: list[dict], key: str, limit_of) -> dict | None:
 
 
 def judge(samples: list[dict]) -> dict:
-    """Every metric's flatness for one rank. malloc'd bytes and Python
-    object counts are reported, not judged: if RSS rises, they tell whether
-    the memory is in use (C/C++ or Python objects) or allocator layout."""
+    """Every metric's flatness for one rank. malloc'd bytes and Python object counts are reported, not judged: if RSS
+    rises, they tell whether the memory is in use (C/C++ or Python objects) or allocator layout."""
     result = dict(rss=flatness(samples, "rss", rss_limit),
                   gpu_allocated=flatness(samples, "gpu_allocated", lambda base: GPU_ALLOCATED_LIMIT),
                   gpu_reserved=flatness(samples, "gpu_reserved", rss_limit),

@@ -37,8 +37,7 @@ def _attrs(attrs: dict) -> str:
 
 
 class Canvas:
-    """An SVG document built element by element; attribute names take
-    underscores for dashes (stroke_dasharray)."""
+    """An SVG document built element by element; attribute names take underscores for dashes (stroke_dasharray)."""
 
     def __init__(self, width: float, height: float, font_size: int = 12):
         self.width, self.height = width, height

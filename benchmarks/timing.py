@@ -29,9 +29,8 @@ def free(dev) -> None:
 
 
 class Stopwatch:
-    """Marks within one call: CUDA events on the GPU (read after the loop, so
-    timing adds no host sync between calls), the host clock on the CPU (or
-    with host=True: the time the host spends, whatever the device does)."""
+    """Marks within one call: CUDA events on the GPU (read after the loop: no host sync between calls), the
+    host clock on the CPU or with host=True (the time the host spends, whatever the device does)."""
 
     def __init__(self, dev, host: bool = False):
         self.cuda, self.marks = is_cuda(dev) and not host, []
@@ -46,11 +45,9 @@ class Stopwatch:
 
 
 def timed_calls(fn, dev, calls: int, warmup: int = 0, idle: bool = False, host: bool = False):
-    """`warmup` calls, then `calls` timed ones, back to back or (idle) each
-    from an idle device: fn(watch) marks its own phases on the Stopwatch it is
-    given (host: on the host clock). Returns each timed call's laps in ms, the
-    wall ms per call over the timed loop (synchronised around it) and every
-    call's result, warm-up ones included."""
+    """`warmup` calls, then `calls` timed ones, back to back or (idle) each from an idle device; fn(watch) marks
+    its phases on the Stopwatch it is given. Returns each timed call's laps in ms, the wall ms per call over the
+    timed loop (synchronised around it) and every call's result, warm-up ones included."""
     outputs, watches = [], []
     for i in range(warmup + calls):
         if i == warmup:
@@ -81,10 +78,8 @@ def clock_ms(fn) -> float:
 
 
 def median_ms(fn, dev, reps: int, warmup: int = 0, sync_after: bool = True, setup=None) -> float:
-    """Median milliseconds of one call from an idle device, after `warmup`
-    untimed calls: synchronised before each call and, with sync_after, inside
-    the clock after it (host plus device time); without, the time for the call
-    to return (its host cost). `setup`, if given, runs untimed before every call."""
+    """Median ms of one call from an idle device after `warmup` untimed calls: host plus device time (sync_after),
+    or the time for the call to return (its host cost). `setup`, if given, runs untimed before every call."""
     times = []
     for _ in range(warmup + reps):
         if setup is not None:
@@ -96,16 +91,13 @@ def median_ms(fn, dev, reps: int, warmup: int = 0, sync_after: bool = True, setu
 
 
 def time_wall_and_host(fn, dev, reps: int, warmup: int, setup=None) -> tuple[float, float]:
-    """(wall ms per call over `reps` back-to-back calls with a sync around them,
-    median ms for the call to return from an idle device). `setup`, if given,
-    runs before every call untimed: its own back-to-back time is subtracted
-    from the wall figure."""
+    """(wall ms per call of `reps` back-to-back calls, median ms for the call to return from an idle device);
+    `setup`, if given, runs before every call, its own back-to-back time subtracted from the wall figure."""
     call = fn if setup is None else lambda: (setup(), fn())
 
     def wall_ms(call) -> float:
         sync(dev)
-        ms = clock_ms(lambda: ([call() for _ in range(reps)], sync(dev)))
-        return ms / reps
+        return clock_ms(lambda: ([call() for _ in range(reps)], sync(dev))) / reps
 
     for _ in range(warmup):
         call()
@@ -114,9 +106,8 @@ def time_wall_and_host(fn, dev, reps: int, warmup: int, setup=None) -> tuple[flo
 
 
 def capture_graph(fn, warmup: int):
-    """CUDA graphs' recipe: `warmup` calls on a side stream, then one call
-    captured. Returns the graph, the captured call's (static) result and the
-    warm-up calls' results."""
+    """CUDA graphs' recipe: `warmup` calls on a side stream, then one captured; returns the graph, the captured
+    call's (static) result and the warm-up calls' results."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -129,9 +120,8 @@ def capture_graph(fn, warmup: int):
 
 
 def interleaved(cases: dict, rounds: int) -> dict[str, list]:
-    """Each case's result per round, the cases called in turn (A B C A B C):
-    drift of a shared machine hits every case alike and shows as a spread
-    between rounds rather than as a difference between cases."""
+    """Each case's result per round, the cases in turn (A B C A B C): a shared machine's drift hits every case
+    alike and shows as a spread between rounds, not as a difference between cases."""
     out = {name: [] for name in cases}
     for _ in range(rounds):
         for name, fn in cases.items():
