@@ -185,31 +185,22 @@ def compare(case: str, dev: str, impls: dict, elems: int, cfg, copy: float, host
             "copy_gbs": copy, "floor_ms": floor_ms, "shardadam_over_floor": shard["ms"] / floor_ms, "rows": rows}
 
 
-def case_fp32(dev, n_tensors, elems, cfg, copy, foreach=True):
-    sizes = split(elems, n_tensors)
+def case(dev: str, kind: str, n_tensors: int, numel: int, cfg, copy: float) -> dict:
+    """numel elements split over n_tensors ("fp32"; "mixed": fp32 masters, bf16 grads and params_out), or
+    n_tensors of numel elements each ("many": wall and host time on the GPU, where it is host-bound)."""
+    sizes = [numel] * n_tensors if kind == "many" else split(numel, n_tensors)
     params, grads = rand(sizes, dev), rand(sizes, dev)
     impls = {"torch fused": lambda: torch_step(params, grads, fused=True)}
-    if foreach:
+    if kind == "fp32" and dev == "cuda":
         impls["torch foreach"] = lambda: torch_step(params, grads, foreach=True)
     impls[SHARD] = lambda: shard_step(params, grads)
-    return compare(f"{dev} fp32, 2^{elems.bit_length() - 1} el in {n_tensors} t", dev, impls, elems, cfg, copy)
-
-
-def case_mixed(dev, n_tensors, elems, cfg, copy):
-    sizes = split(elems, n_tensors)
-    params, grads = rand(sizes, dev), rand(sizes, dev)
-    grads_bf16, params_out = [g.to(torch.bfloat16) for g in grads], [p.to(torch.bfloat16) for p in params]
-    impls = {"torch fused + copy": lambda: torch_step_then_copy(params, grads, params_out),
-             SHARD: lambda: shard_step(params, grads_bf16, params_out)}
-    return compare(f"{dev} fp32 master + bf16, 2^{elems.bit_length() - 1} el in {n_tensors} t", dev, impls, elems, cfg,
-                   copy)
-
-
-def case_many(dev, n_tensors, numel, cfg, copy):
-    params, grads = rand([numel] * n_tensors, dev), rand([numel] * n_tensors, dev)
-    impls = {"torch fused": lambda: torch_step(params, grads, fused=True), SHARD: lambda: shard_step(params, grads)}
-    return compare(f"{dev} fp32, {n_tensors} x {numel} el", dev, impls, n_tensors * numel, cfg, copy,
-                   host=dev == "cuda")
+    if kind == "mixed":
+        grads_bf16, out = [g.to(torch.bfloat16) for g in grads], [p.to(torch.bfloat16) for p in params]
+        impls = {"torch fused + copy": lambda: torch_step_then_copy(params, grads, out),
+                 SHARD: lambda: shard_step(params, grads_bf16, out)}
+    shape = f"{n_tensors} x {numel} el" if kind == "many" else f"2^{numel.bit_length() - 1} el in {n_tensors} t"
+    return compare(f"{dev} {'fp32 master + bf16' if kind == 'mixed' else 'fp32'}, {shape}", dev, impls, sum(sizes),
+                   cfg, copy, host=kind == "many" and dev == "cuda")
 
 
 def case_fused_adam(dev, shapes, name, cfg, copy):
@@ -229,11 +220,11 @@ def run_device(dev: str, args) -> list[dict]:
     if cuda:
         big, many = (1 << 22, 2000) if args.quick else (1 << 30, 20000)
         cfg = Cfg(reps=10 if args.quick else 20, warmup=3)
-        return [case_fp32(dev, 200, big, cfg, copy), case_mixed(dev, 200, big, cfg, copy),
-                case_many(dev, many, 12800, cfg, copy)]
+        return [case(dev, "fp32", 200, big, cfg, copy), case(dev, "mixed", 200, big, cfg, copy),
+                case(dev, "many", many, 12800, cfg, copy)]
     big, many = (1 << 22, 2000) if args.quick else (1 << 25, 20000)
     cfg = Cfg(reps=10, warmup=2)
-    return [case_fp32(dev, 64, big, cfg, copy, foreach=False), case_many(dev, many, 1000, cfg, copy)]
+    return [case(dev, "fp32", 64, big, cfg, copy), case(dev, "many", many, 1000, cfg, copy)]
 
 
 def run_interleaved(quick: bool, reps: int) -> str:

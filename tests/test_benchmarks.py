@@ -200,7 +200,7 @@ def test_bench_kernels_and_fused_adam_cases_on_small_cpu_tensors(tmp_path):
     import bench_kernels
     assert bench_kernels.check("cpu") < 1e-5  # kernels.adam against torch fused AdamW
     cfg = bench_kernels.Cfg(reps=2, warmup=1)
-    case = bench_kernels.case_many("cpu", 20, 64, cfg, copy=1.0)
+    case = bench_kernels.case("cpu", "many", 20, 64, cfg, copy=1.0)
     assert [r["impl"] for r in case["rows"]] == ["torch fused", "shardadam"]
     fused = bench_kernels.case_fused_adam("cpu", [(64,)] * 10, "small", cfg, copy=1.0)
     assert [r["impl"] for r in fused["rows"]] == list(bench_kernels.FUSED_ADAM)
