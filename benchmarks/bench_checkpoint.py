@@ -29,8 +29,8 @@ import torch.distributed.checkpoint as dcp
 
 import shardadam
 from bench_distributed import WEIGHT_DECAY
-from harness import (add_run_args, choose, describe, fmt, gpt_meta, init_distributed, md_table, parse_gpt_args,
-                     release_host_memory, rss_bytes, say, write_json)
+from harness import (add_run_args, choose, fmt, md_table, parse_gpt_args, release_host_memory, rss_bytes, say,
+                     start_gpt, write_json)
 from models import FULL, SIZE_KEYS, add_size_args, build_model, lm_loss, make_batch
 from shardadam.distributed.sharded_checkpoint import local_pieces
 from timing import sync
@@ -188,22 +188,20 @@ def main() -> None:
     add_run_args(ap, lr=None, out="write the results here as JSON (rewritten after every phase)")
     args = parse_gpt_args(ap, FULL, (*SIZE_KEYS, "bucket_cap_mb"))
     formats = choose(ap, args.formats, FORMATS, "--formats")
-    dev, cuda = init_distributed()
+    # tmpfs would hold the files in host memory
+    fs = subprocess.run(["stat", "-f", "-c", "%T", args.dir], capture_output=True, text=True).stdout.strip()
+    dev, cuda, n_params, meta = start_gpt(args, note=f"; checkpoints in {os.path.abspath(args.dir)} ({fs})")
+    meta.update(dir=os.path.abspath(args.dir), filesystem=fs)
     portable, sharded = (os.path.join(args.dir, f"bench_checkpoint_{name}") for name in ("portable.pt", "sharded"))
     if dist.get_rank() == 0:  # a previous run's directory may hold more ranks' files
         os.makedirs(args.dir, exist_ok=True)
         shutil.rmtree(sharded, ignore_errors=True)
     model = build_model(args, dev)
-    n_params = sum(p.numel() for p in model.parameters())
     opt = shardadam.DistributedFusedAdam(model.parameters(), lr=1e-4, weight_decay=WEIGHT_DECAY,
                                          bucket_cap_mb=args.bucket_cap_mb, overlap_param_sync=False,
                                          contiguous_param_buffer=True)
     batch = make_batch(args, 1, dev)
     train_step(model, opt, *batch, cuda)
-    # tmpfs would hold the files in host memory
-    fs = subprocess.run(["stat", "-f", "-c", "%T", args.dir], capture_output=True, text=True).stdout.strip()
-    meta = gpt_meta(args, dev, n_params, dir=os.path.abspath(args.dir), filesystem=fs)
-    say(f"{describe(meta, args)}; checkpoints in {meta['dir']} ({fs})")
     reference = snapshot(model, opt, portable=args.tiny)
     say(f"set up in {time.perf_counter() - start:.1f} s (process group, model, optimizer, first iteration, "
         f"reference copy of the state)")

@@ -139,11 +139,14 @@ def parse_gpt_args(ap, full: dict = FULL, keys=None, tiny: dict = TINY):
 
 
 def start_gpt(args, device: str | None = None, note: str = "") -> tuple[torch.device, bool, int, dict]:
-    """init_distributed, the GPT's parameter count and gpt_meta; rank 0 prints describe() and `note`."""
+    """init_distributed, the GPT's parameter count and run_meta with the options; rank 0 prints the machine, the
+    model and `note`."""
     dev, cuda = init_distributed(device)
     n_params = count_params(args)
-    meta = gpt_meta(args, dev, n_params)
-    say(describe(meta, args) + note)
+    meta = run_meta(dev, params=n_params, config={k: v for k, v in vars(args).items() if k != "out"})
+    say(f"{meta['device']} x {meta['world_size']} ({meta['backend']}), torch {meta['torch']}, shardadam "
+        f"{meta['shardadam']}: GPT d_model {args.d_model}, {args.layers} layers, {args.heads} heads, vocab "
+        f"{args.vocab}, seq {args.seq}: {n_params:,} parameters{note}")
     return dev, cuda, n_params, meta
 
 
@@ -158,18 +161,6 @@ def run_meta(dev=None, **extra) -> dict:
                 device=torch.cuda.get_device_name(dev) if cuda else platform.processor() or "cpu",
                 cpu_threads=torch.get_num_threads(), backend=dist.get_backend() if grouped else None,
                 world_size=dist.get_world_size() if grouped else 1, **extra)
-
-
-def gpt_meta(args, dev, n_params: int, **extra) -> dict:
-    """run_meta of a benchmark of the GPT, its options included."""
-    return run_meta(dev, params=n_params, config={k: v for k, v in vars(args).items() if k != "out"}, **extra)
-
-
-def describe(meta: dict, args) -> str:
-    """The first line rank 0 prints: the machine and the model."""
-    return (f"{meta['device']} x {meta['world_size']} ({meta['backend']}), torch {meta['torch']}, shardadam "
-            f"{meta['shardadam']}: GPT d_model {args.d_model}, {args.layers} layers, {args.heads} heads, "
-            f"vocab {args.vocab}, seq {args.seq}: {meta['params']:,} parameters")
 
 
 def say(*lines) -> None:
