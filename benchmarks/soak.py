@@ -51,23 +51,19 @@ def build_mlp() -> nn.Module:
                          nn.Linear(m["width"], m["width"]), nn.Tanh(), nn.Linear(m["width"], m["d_out"]))
 
 
-def mlp_batches(dev: torch.device):
-    """Fresh inputs every step (so the data path allocates as a real loader's
-    would), targets from a fixed random teacher, so the loss falls."""
-    g = torch.Generator().manual_seed(1 + dist.get_rank())
+def batches(dev: torch.device, cuda: bool):
+    """Fresh data every step (allocated as a real loader's would): random tokens on the GPU (the loss stays near
+    ln(vocab): the soak is about memory), on the CPU inputs with targets from a fixed random teacher."""
+    g = torch.Generator(device=dev).manual_seed(1 + dist.get_rank())
     teacher = torch.randn(MLP["d_in"], MLP["d_out"], generator=torch.Generator().manual_seed(123))
     while True:
-        x = torch.randn(MLP["batch"], MLP["d_in"], generator=g)
-        yield x.to(dev), torch.tanh(x @ teacher).to(dev)
-
-
-def gpt_batches(dev: torch.device):
-    """Fresh random tokens every step: the loss stays near ln(vocab), which is
-    fine here (the soak is about memory; bench_distributed.py checks learning)."""
-    g = torch.Generator(device=dev).manual_seed(1 + dist.get_rank())
-    while True:
-        tokens = torch.randint(SMALL_GPT["vocab"], (SMALL_GPT["batch"], SMALL_GPT["seq"] + 1), generator=g, device=dev)
-        yield tokens[:, :-1], tokens[:, 1:]
+        if cuda:
+            tokens = torch.randint(SMALL_GPT["vocab"], (SMALL_GPT["batch"], SMALL_GPT["seq"] + 1), generator=g,
+                                   device=dev)
+            yield tokens[:, :-1], tokens[:, 1:]
+        else:
+            x = torch.randn(MLP["batch"], MLP["d_in"], generator=g)
+            yield x, torch.tanh(x @ teacher)
 
 
 def sample(step: int, t0: float, loss: float | None, cuda: bool) -> dict:
@@ -91,7 +87,7 @@ def soak(args, dev: torch.device) -> tuple[list[dict], dict]:
         overlap_grad_sync=True, overlap_param_sync=True, contiguous_param_buffer=True,
         grad_sync_copy_engine=copy_engines, param_sync_copy_engine=copy_engines)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps, eta_min=LR / 10)
-    data = gpt_batches(dev) if cuda else mlp_batches(dev)
+    data = batches(dev, cuda)
     t0 = time.perf_counter()
     samples = [sample(0, t0, None, cuda)]
     for step in range(1, args.steps + 1):
