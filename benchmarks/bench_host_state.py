@@ -73,37 +73,30 @@ def record_timeline(run, distributed: bool) -> dict:
         e.record(stream)
         return e
 
-    def around_copy(name, original, stream_index):
-        def wrapped(seg):
-            start = event(seg.streams[stream_index])
-            original(seg)
-            events.append((name, start, event(seg.streams[stream_index])))
-        return wrapped
-
-    def around_launch(original):
+    def spanned(original, lane):
+        """original with its span recorded: lane(*args) gives its lane and stream (None: on the host clock)."""
         def wrapped(*a, **k):
-            t = time.perf_counter()
-            original(*a, **k)
-            spans["cpu"].append(((t - t0) * 1e3, (time.perf_counter() - t0) * 1e3))
+            name, stream = lane(*a)
+            start = event(stream) if stream is not None else time.perf_counter()
+            out = original(*a, **k)
+            if stream is not None:
+                events.append((name, start, event(stream)))
+            else:
+                spans[name].append(((start - t0) * 1e3, (time.perf_counter() - t0) * 1e3))
+            return out
         return wrapped
 
-    def around_shard_copy(original):
-        def wrapped(shards, stream, *a, **k):
-            start = event(stream)
-            done = original(shards, stream, *a, **k)
-            events.append(("down" if stream is shards._down else "up", start, event(stream)))
-            return done
-        return wrapped
-
+    def on_host(*a):
+        return "cpu", None
     seg = _host_state._Segment
-    patches = [(_host_shards.HostShards, "_copy", around_shard_copy(_host_shards.HostShards._copy)),
-               (AdamRule, "launch", around_launch(AdamRule.launch))] if distributed else [
-        (seg, "send_grads_down", around_copy("down", seg.send_grads_down, 0)),
-        (seg, "send_params_up", around_copy("up", seg.send_params_up, 1)),
-        (_fused_buckets.Bucket, "launch", around_launch(_fused_buckets.Bucket.launch))]
+    patches = [(_host_shards.HostShards, "_copy", lambda shards, stream, *a: (
+                    "down" if stream is shards._down else "up", stream)), (AdamRule, "launch", on_host)] \
+        if distributed else [(seg, "send_grads_down", lambda s: ("down", s.streams[0])),
+                             (seg, "send_params_up", lambda s: ("up", s.streams[1])),
+                             (_fused_buckets.Bucket, "launch", on_host)]
     with contextlib.ExitStack() as stack:
-        for owner, name, fn in patches:
-            stack.enter_context(mock.patch.object(owner, name, fn))
+        for owner, name, lane in patches:
+            stack.enter_context(mock.patch.object(owner, name, spanned(getattr(owner, name), lane)))
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         origin = event()
