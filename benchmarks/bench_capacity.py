@@ -1,15 +1,12 @@
 #!/usr/bin/env python
 """Capacity: the largest GPT that trains on these GPUs, per optimizer and storage kind.
 
-Goal: DistributedFusedAdam's low-bit kinds train larger models than DDP and
-FSDP2 with fp32 AdamW on the same GPUs, and FusedAdam with its state in host
-memory (host:KIND; torchao: its CPUOffloadOptimizer) several times the size.
-Judged by the largest depth (and parameters) that trains per candidate, against
-DDP's. The GPT of models.py at a fixed width grown in depth, two iterations
-with finite losses; each attempt a fresh torchrun (an out-of-memory error
-leaves torch and NCCL in no state to go on), walking up from --start while the
-model trains and down while it does not. Each attempt's line has its GPU peak,
-host resident memory and seconds per iteration.
+Goal: DistributedFusedAdam's low-bit kinds train larger models than DDP and FSDP2 with fp32 AdamW on the same GPUs,
+and FusedAdam with its state in host memory (host:KIND; torchao: its CPUOffloadOptimizer) several times the size.
+Judged by the largest depth (and parameters) that trains per candidate, against DDP's. The GPT of models.py at a
+fixed width grown in depth, two iterations with finite losses; each attempt a fresh torchrun (an out-of-memory error
+leaves torch and NCCL in no state to go on), walking up from --start while the model trains and down while it does
+not. Each attempt's line has its GPU peak, host resident memory and seconds per iteration.
 
     python benchmarks/bench_capacity.py --nproc 2 --out results/capacity_2xh200.jsonl
     python benchmarks/bench_capacity.py --candidates "host:8-bit blockwise states" --batch 1 --d-model 4096 \

@@ -1,21 +1,16 @@
 #!/usr/bin/env python
 """DistributedFusedAdam against DDP + fused AdamW, FSDP2 and ZeroRedundancyOptimizer, in one run.
 
-Goal (issue 4): an iteration faster than each of them, at most 0.9x DDP's time,
-exposed communication under 10%, optimizer memory 12/N bytes per parameter plus
-buffers. Judged by "vs DDP" (ms / ddp_fused's ms) and exposed comm = (ms -
-compute_only's fwd+bwd - its step / N for sharded steps) / ms. The GPT of
-models.py, rebuilt from the same seed for each implementation and for
-compute_only (one rank, no collective: the baseline of exposed comm).
+Goal (issue 4): an iteration faster than each of them, at most 0.9x DDP's time, exposed communication under 10%,
+optimizer memory 12/N bytes per parameter plus buffers. Judged by "vs DDP" (ms / ddp_fused's ms) and exposed comm =
+(ms - compute_only's fwd+bwd - its step / N for sharded steps) / ms. The GPT of models.py, rebuilt from the same
+seed for each implementation and for compute_only (one rank, no collective: the baseline of exposed comm).
 
---capture: DistributedFusedAdam eager and captured in one CUDA graph, per
-storage mode, against DDP + fused AdamW, each with a GradScaler and clipping.
-Goal: every storage mode captures and replays, its losses within
-LOSS_TOLERANCE of its eager run's, with the iteration's host time gone. Judged
-by "vs DDP" (ms / DDP's eager ms), "host vs DDP" and, for a captured run, "vs
-eager" and its loss difference to the eager run. Medians of back-to-back
-iterations (CUDA events) and of the host time from an idle device, maximum over
-ranks. A failed check exits 1.
+--capture: DistributedFusedAdam eager and captured in one CUDA graph, per storage mode, against DDP + fused AdamW,
+each with a GradScaler and clipping. Goal: every storage mode captures and replays, its losses within LOSS_TOLERANCE
+of its eager run's, with the iteration's host time gone. Judged by "vs DDP" (ms / DDP's eager ms), "host vs DDP"
+and, for a captured run, "vs eager" and its loss difference to the eager run. Medians of back-to-back iterations
+(CUDA events) and of the host time from an idle device, maximum over ranks. A failed check exits 1.
 
     torchrun --nproc_per_node 2 benchmarks/bench_distributed.py --impls ddp_fused,shardadam --batches 8
     torchrun --nproc_per_node 2 benchmarks/bench_distributed.py --capture --batches 4 --out results.json

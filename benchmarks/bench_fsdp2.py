@@ -1,12 +1,10 @@
 #!/usr/bin/env python
 """shardadam.FusedAdam against torch.optim.AdamW on an FSDP2 model, in one run.
 
-Goal: FusedAdam's step at most 0.6x torch fused AdamW's on the same FSDP2
-shards, and a faster iteration. Judged by "step vs fused" and "iteration vs
-fused" (medians over --rounds interleaved rounds). The GPT of models.py sharded
-per block and at the root (reshard_after_forward=False, bf16 parameters and
-fp32 reduction on the GPU), stepped by FusedAdam, AdamW(fused=True) and
-AdamW(foreach=True), each on a fresh model from the same seed.
+Goal: FusedAdam's step at most 0.6x torch fused AdamW's on the same FSDP2 shards, and a faster iteration. Judged by
+"step vs fused" and "iteration vs fused" (medians over --rounds interleaved rounds). The GPT of models.py sharded
+per block and at the root (reshard_after_forward=False, bf16 parameters and fp32 reduction on the GPU), stepped by
+FusedAdam, AdamW(fused=True) and AdamW(foreach=True), each on a fresh model from the same seed.
 
     torchrun --nproc_per_node 2 benchmarks/bench_fsdp2.py --out benchmarks/results/bench_fsdp2_2xh200.json
     torchrun --nproc_per_node 2 benchmarks/bench_fsdp2.py --tiny --device cpu      # smoke run (gloo)

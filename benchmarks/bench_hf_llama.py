@@ -1,10 +1,9 @@
 #!/usr/bin/env python
 """Hugging Face LlamaForCausalLM trained with DistributedFusedAdam, DDP and FSDP2, in one torchrun job.
 
-Goal: DistributedFusedAdam trains a Hugging Face model as fast as DDP and FSDP2
-with torch's fused AdamW, to the same loss. Judged by tokens/s against DDP's,
-and the loss curves (svg.py draws them). A 1B Llama from its config, trained
-from the same seed on the same batches of Python source bytes.
+Goal: DistributedFusedAdam trains a Hugging Face model as fast as DDP and FSDP2 with torch's fused AdamW, to the
+same loss. Judged by tokens/s against DDP's, and the loss curves (svg.py draws them). A 1B Llama from its config,
+trained from the same seed on the same batches of Python source bytes.
 
     torchrun --standalone --nproc_per_node 2 benchmarks/bench_hf_llama.py \\
         --out benchmarks/results/bench_hf_llama_2xh200.json

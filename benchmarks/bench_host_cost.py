@@ -1,24 +1,20 @@
 #!/usr/bin/env python
 """Host cost of what the optimizers check and hand over around a step, one case per subcommand.
 
-- ab: the trust checks (README "Guarantees") cost real models nothing
-  measurable. Judged by "this / against": each case's median host time per call
-  (from an idle device) for this package over another version's (--against:
-  its PYTHONPATH), in alternating child processes (A B A B ...).
-- plan-checks: the address check and version bumps of a kernels.adam launch
-  cost little per tensor (the 20,000 x 12,800 plan within 1.5x of its GPU
-  floor). Judged by the checked launch's wall time per call over the baseline's
-  (no address check, no version bump), and the ns per tensor of each part. On
-  the CPU the call runs the update too: tensors are tiny there.
-- grad-handover: DistributedFusedAdam's gradient hand-over adds little host
-  time to backward. Judged by the host us per parameter and per extra bucket of
-  what the post-accumulate-grad hook runs for every parameter (GradSync.pack),
+- ab: the trust checks (README "Guarantees") cost real models nothing measurable. Judged by "this / against": each
+  case's median host time per call (from an idle device) for this package over another version's (--against: its
+  PYTHONPATH), in alternating child processes (A B A B ...).
+- plan-checks: the address check and version bumps of a kernels.adam launch cost little per tensor (the 20,000 x
+  12,800 plan within 1.5x of its GPU floor). Judged by the checked launch's wall time per call over the baseline's
+  (no address check, no version bump), and the ns per tensor of each part. On the CPU the call runs the update too:
+  tensors are tiny there.
+- grad-handover: DistributedFusedAdam's gradient hand-over adds little host time to backward. Judged by the host us
+  per parameter and per extra bucket of what the post-accumulate-grad hook runs for every parameter (GradSync.pack),
   then GradSync.finish, in a world of 1, one bucket against --buckets.
-- first-use: overlap_param_sync's guard ([Note: first-use guard]) costs nothing
-  measurable where the forward hooks already wait. Judged by the forward's host
-  ms with the guard over without it, and the guard's own costs per parameter
-  (best of 30 rounds over 300 CPU parameters). Variants: no overlap, hooks
-  only, hooks and guard (as shipped), guard only.
+- first-use: overlap_param_sync's guard ([Note: first-use guard]) costs nothing measurable where the forward hooks
+  already wait. Judged by the forward's host ms with the guard over without it, and the guard's own costs per
+  parameter (best of 30 rounds over 300 CPU parameters). Variants: no overlap, hooks only, hooks and guard (as
+  shipped), guard only.
 
     python benchmarks/bench_host_cost.py ab --device cuda --against old/python   # without --against: this one
     python benchmarks/bench_host_cost.py plan-checks --device cuda --tensors 20000 --numel 12800 [--views]

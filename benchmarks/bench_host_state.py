@@ -1,14 +1,12 @@
 #!/usr/bin/env python
 """An optimizer with its state in host memory against its state on the GPU, with the iteration's floors.
 
-Goal (issue): an iteration with state on the host within 1.2x of its largest
-floor. Judged by the iteration over the largest floor (forward and backward;
-the PCIe copies of gradients down and parameters up, both at once; the CPU step
-alone), taken within each of --rounds interleaved rounds as the host's speed
-drifts, and over the CPU step while both copies run. Per storage kind: state on
-the GPU, state_device="cpu" and, with --optimizer distributed, stepped during
-backward; --torchao adds torchao's CPUOffloadOptimizer, --timeline records one
-host-state iteration for svg.py. GPU only.
+Goal (issue): an iteration with state on the host within 1.2x of its largest floor. Judged by the iteration over the
+largest floor (forward and backward; the PCIe copies of gradients down and parameters up, both at once; the CPU step
+alone), taken within each of --rounds interleaved rounds as the host's speed drifts, and over the CPU step while
+both copies run. Per storage kind: state on the GPU, state_device="cpu" and, with --optimizer distributed, stepped
+during backward; --torchao adds torchao's CPUOffloadOptimizer, --timeline records one host-state iteration for
+svg.py. GPU only.
 
     python benchmarks/bench_host_state.py --d-model 2048 --layers 24 --out host.json --timeline tl.json
     python benchmarks/bench_host_state.py --optimizer distributed --kinds fp32 --out host_dist.json

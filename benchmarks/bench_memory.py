@@ -1,19 +1,15 @@
 #!/usr/bin/env python
 """Memory per phase, measured on the allocator, side by side with torch.optim.AdamW.
 
-Goal: FusedAdam's steady and peak memory equal torch fused AdamW's at equal
-precision; each low-bit kind's peak is below torch's by its state saving;
-steady memory equals the accounting. Judged by steady / accounted (1.00) and
-steady and peak over torch's case of the same parameter dtype. Each case trains
-the same GPT for 3 iterations (DistributedFusedAdam on a one-rank group); on
-the CPU: the accounting only.
+Goal: FusedAdam's steady and peak memory equal torch fused AdamW's at equal precision; each low-bit kind's peak is
+below torch's by its state saving; steady memory equals the accounting. Judged by steady / accounted (1.00) and
+steady and peak over torch's case of the same parameter dtype. Each case trains the same GPT for 3 iterations
+(DistributedFusedAdam on a one-rank group); on the CPU: the accounting only.
 
---layouts (under torchrun): each DistributedFusedAdam storage mode keeps what
-its layout promises, 12/N bytes per parameter for fp32 states and less for the
-low-bit ones (README, "Memory"). Judged by the bytes per parameter on one rank
-of the storages the optimizer owns between steps, each once; the contiguous
-buffers, which hold the model's own parameters and gradients, apart. Exact
-counts: runs on the CPU with gloo.
+--layouts (under torchrun): each DistributedFusedAdam storage mode keeps what its layout promises, 12/N bytes per
+parameter for fp32 states and less for the low-bit ones (README, "Memory"). Judged by the bytes per parameter on one
+rank of the storages the optimizer owns between steps, each once; the contiguous buffers, which hold the model's own
+parameters and gradients, apart. Exact counts: runs on the CPU with gloo.
 
     python benchmarks/bench_memory.py --out $OUT/bench_memory.json        # one GPU; d_model 2048, 24 layers
     python benchmarks/bench_memory.py --device cpu --tiny                  # the accounting alone, on the CPU

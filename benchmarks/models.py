@@ -1,6 +1,5 @@
 """The models and data the benchmarks train: the GPT (default 1.4B
-parameters), GPT-2 medium's parameter shapes, the size options, and the
-optimizers' storage kinds."""
+parameters), GPT-2 medium's parameter shapes, the size options, and the optimizers' storage kinds."""
 from __future__ import annotations
 
 import contextlib

@@ -1,9 +1,8 @@
 #!/usr/bin/env python
 """Training quality of FusedAdam's storage kinds, side by side in one run.
 
-Goal: each low-bit kind ends within 1% of fp32's final loss. Judged by "vs
-fp32": the final loss (mean of the last tenth of the steps) over fp32's. The
-example GPT (examples/train.py) from the same seed on the same batches in each
+Goal: each low-bit kind ends within 1% of fp32's final loss. Judged by "vs fp32": the final loss (mean of the last
+tenth of the steps) over fp32's. The example GPT (examples/train.py) from the same seed on the same batches in each
 kind of models.KINDS; curves as CSV and SVG.
 
     python benchmarks/quality_storage.py --kinds "fp32,FP8 states,FP8 exp_avg" --out results/quality_storage_cpu

@@ -1,11 +1,9 @@
 #!/usr/bin/env python
 """Plots for the benchmarks as self-contained SVG files (standard library only:
-the benchmark machines need no plotting package), a chart per result picked by
-what the JSON holds: bench_distributed.py's ms per iteration (labelled with the
-ratio to DDP + fused AdamW) and peak memory, from one file or several (a bar
-from the last file that has it, its file named); bench_kernels.py's GB/s;
-soak.py's memory against step per rank; bench_host_state.py --timeline's
-lanes; bench_hf_llama.py's losses.
+the benchmark machines need no plotting package), a chart per result picked by what the JSON holds:
+bench_distributed.py's ms per iteration (labelled with the ratio to DDP + fused AdamW) and peak memory, from one
+file or several (a bar from the last file that has it, its file named); bench_kernels.py's GB/s; soak.py's memory
+against step per rank; bench_host_state.py --timeline's lanes; bench_hf_llama.py's losses.
 
     python benchmarks/svg.py results/run3.json results/run4.json --out plot.svg
     python benchmarks/svg.py benchmarks/results/bench_hf_llama_2xh200.json   # writes the .svg beside it

@@ -1,8 +1,7 @@
 """Timing shared by the benchmarks: CUDA events on the GPU, the host clock on
 the CPU (where a call returns when its work is done), and interleaved rounds.
 
-`dev` is anything that names a device: "cuda" / "cpu", a torch.device, or a
-bool that says whether it is CUDA."""
+`dev` is anything that names a device: "cuda" / "cpu", a torch.device, or a bool that says whether it is CUDA."""
 from __future__ import annotations
 
 import gc
