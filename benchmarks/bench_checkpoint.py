@@ -103,14 +103,6 @@ def files(path: str) -> list[str]:
     return [path] if os.path.isfile(path) else [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
 
 
-def evict_page_cache(path: str) -> None:
-    """Drop a file's (or a directory's files') clean pages from the page cache."""
-    for name in files(path):
-        fd = os.open(name, os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
-
-
 def train_step(model, opt, inputs, targets, cuda: bool) -> None:
     lm_loss(model, inputs, targets, cuda).backward()
     opt.step()  # overlap_param_sync=False: step() ends with the parameter all-gather
@@ -225,8 +217,10 @@ def main() -> None:
         if restored():
             raise RuntimeError("a training iteration left the optimizer state unchanged: the restore check would "
                                "prove nothing")
-        if dist.get_rank() == 0:
-            evict_page_cache(path)
+        for name in files(path) if dist.get_rank() == 0 else []:  # out of the page cache
+            fd = os.open(name, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
         state = phases.run(fmt_name, read[0], "load", read[1], size)
         phases.run(fmt_name, load[0], "load", partial(load[1], state))
         del state

@@ -106,19 +106,14 @@ def ab(args) -> None:
     write_json(args.out, device=args.device, rounds=args.rounds, cases=result)
 
 
-def plan_lists(n: int, numel: int, dev: str, views: bool) -> list[list[torch.Tensor]]:
-    """Parameters, gradients, exp_avg and exp_avg_sq: n tensors each, or n views of one flat buffer each."""
-    fills = (torch.randn, torch.randn, torch.zeros, lambda *size, **kw: torch.full(size, 1e-4, **kw))
-    if views:
-        return [list(fill(n * numel, device=dev).view(n, numel).unbind(0)) for fill in fills]
-    return [[fill(numel, device=dev) for _ in range(n)] for fill in fills]
-
-
 def plan_checks(args) -> None:
     dev, n = args.device, args.tensors
     numel = args.numel or (12800 if dev == "cuda" else 16)
     reps = args.reps or (40 if dev == "cuda" else 20)
-    lists = plan_lists(n, numel, dev, args.views)
+    # parameters, gradients, exp_avg and exp_avg_sq: n tensors each, or n views of one flat buffer each
+    fills = (torch.randn, torch.randn, torch.zeros, lambda *size, **kw: torch.full(size, 1e-4, **kw))
+    lists = [list(fill(n * numel, device=dev).view(n, numel).unbind(0)) if args.views else
+             [fill(numel, device=dev) for _ in range(n)] for fill in fills]
     base = kernels.AdamPlan(*lists, check_addresses=False)
     base._roots = []  # no version bump: the launch as it was before
     checked = kernels.AdamPlan(*lists)

@@ -43,13 +43,6 @@ MLP = dict(d_in=16, width=64, d_out=4, batch=32, bucket_cap_mb=0.01)
 SMALL_GPT = dict(d_model=512, layers=4, heads=8, vocab=8192, seq=256, batch=8, bucket_cap_mb=8)
 
 
-def build_mlp() -> nn.Module:
-    torch.manual_seed(0)
-    m = MLP
-    return nn.Sequential(nn.Linear(m["d_in"], m["width"]), nn.Tanh(), nn.Linear(m["width"], m["width"]), nn.Tanh(),
-                         nn.Linear(m["width"], m["width"]), nn.Tanh(), nn.Linear(m["width"], m["d_out"]))
-
-
 def batches(dev: torch.device, cuda: bool):
     """Fresh data every step (allocated as a real loader's would): random tokens on the GPU (the loss stays near
     ln(vocab): the soak is about memory), on the CPU inputs with targets from a fixed random teacher."""
@@ -79,7 +72,11 @@ def soak(args, dev: torch.device) -> tuple[list[dict], dict]:
     """Train for args.steps steps; this rank's samples and what ran. The model
     and optimizer are local, so they are gone (hooks removed) on return."""
     cuda = dev.type == "cuda"
-    model = build_model(SimpleNamespace(**SMALL_GPT), dev) if cuda else build_mlp()
+    torch.manual_seed(0)
+    w = MLP["width"]
+    model = build_model(SimpleNamespace(**SMALL_GPT), dev) if cuda else nn.Sequential(
+        nn.Linear(MLP["d_in"], w), nn.Tanh(), nn.Linear(w, w), nn.Tanh(), nn.Linear(w, w), nn.Tanh(),
+        nn.Linear(w, MLP["d_out"]))
     copy_engines = True if args.copy_engines else None  # None: wherever every rank can
     opt = shardadam.DistributedFusedAdam(
         model.parameters(), lr=LR, weight_decay=0.1, bucket_cap_mb=args.bucket_cap_mb,
@@ -110,13 +107,6 @@ def soak(args, dev: torch.device) -> tuple[list[dict], dict]:
     return samples, info
 
 
-def fit_slope(steps: list[int], values: list[int]) -> float:
-    """Least-squares slope of values against steps (bytes per step)."""
-    ms, mv = sum(steps) / len(steps), sum(values) / len(values)
-    var = sum((s - ms) ** 2 for s in steps)
-    return sum((s - ms) * (v - mv) for s, v in zip(steps, values)) / var if var else 0.0
-
-
 def flatness(samples: list[dict], key: str, limit_of) -> dict | None:
     """Growth of samples[key] after the warm-up: end to end (last minus first kept sample) and along the fitted line
     (slope times the steps spanned); failed if either exceeds limit_of(base level)."""
@@ -124,7 +114,9 @@ def flatness(samples: list[dict], key: str, limit_of) -> dict | None:
         return None
     kept = samples[int(len(samples) * WARMUP_FRACTION):]
     steps, values = [s["step"] for s in kept], [s[key] for s in kept]
-    slope = fit_slope(steps, values)
+    ms, mv = sum(steps) / len(steps), sum(values) / len(values)
+    var = sum((s - ms) ** 2 for s in steps)  # least squares: bytes per step
+    slope = sum((s - ms) * (v - mv) for s, v in zip(steps, values)) / var if var else 0.0
     growth, fitted = values[-1] - values[0], slope * (steps[-1] - steps[0])
     limit = limit_of(values[0])  # None: reported only
     return dict(base_step=steps[0], base=values[0], last=values[-1], min=min(values), max=max(values),
