@@ -12,21 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import pathlib
+import sys
 from xml.sax.saxutils import escape
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+from report import nice_ticks, write_loss_svg  # noqa: E402  (the example's loss curves, drawn the same way)
+
 COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
-
-
-def nice_ticks(lo: float, hi: float, count: int = 5) -> list[float]:
-    """About `count` round values (1, 2 or 5 times a power of ten apart) from below lo to above hi."""
-    raw = (hi - lo) / count or 1.0
-    power = 10 ** math.floor(math.log10(raw))
-    step = next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
-    first = math.floor(lo / step)
-    last = max(math.ceil(hi / step), first + 1)  # two ticks at least: a flat line still has a scale
-    return [i * step for i in range(first, last + 1)]
 
 
 def _attrs(attrs: dict) -> str:
@@ -245,28 +238,15 @@ def timeline_svg(data: dict, path) -> None:
     c.write(path)
 
 
-LLAMA_COLORS = {"shardadam": "#d62728", "ddp": "#1f77b4", "fsdp2": "#2ca02c"}
-
-
 def hf_llama_svg(data: dict, path) -> None:
-    """bench_hf_llama.py's loss curves, with their tokens/s and peak memory."""
-    runs, meta = data["runs"], data["meta"]
-    left, top, plot_w, plot_h = 80, 50, 640, 300
-    steps = max(len(r["losses"]) for r in runs.values())
-    size = f"{meta['parameters'] / 1e9:.2f}B" if meta["parameters"] >= 1e8 else f"{meta['parameters'] / 1e6:.2f}M"
-    c = Canvas(760, top + plot_h + 60 + 20 * len(runs))
-    c.text(left, 24, f"LlamaForCausalLM {size}, {meta['world']} x {meta['device']}, "
-           f"{'bf16 autocast, ' if meta['bf16'] else ''}{meta['global_batch']} x {meta['seq']} tokens/step",
-           font_size=14)
-    ax = Axes(c, (left, top, plot_w, plot_h), (0, steps - 1), [v for r in runs.values() for v in r["losses"]],
-              xlabel="step", ylabel="loss")
-    for k, (name, r) in enumerate(runs.items()):
-        color = LLAMA_COLORS.get(name, "black")
-        ax.plot(range(len(r["losses"])), r["losses"], color, opacity=0.8)
-        memory = f", peak {r['peak_memory_gib']:.1f} GiB" if r.get("peak_memory_gib") is not None else ""
-        c.text(left, top + plot_h + 54 + 20 * k, f"{name}: {r['tokens_per_s']:,.0f} tokens/s ({r['step_ms']:.1f} "
-               f"ms/step){memory}, final loss {r['losses'][-1]:.4f}", fill=color)
-    c.write(path)
+    """bench_hf_llama.py's loss curves, labelled with their tokens/s and peak memory."""
+    meta, n = data["meta"], data["meta"]["parameters"]
+    title = (f"LlamaForCausalLM {f'{n / 1e9:.2f}B' if n >= 1e8 else f'{n / 1e6:.2f}M'}, {meta['world']} x "
+             f"{meta['device']}, {'bf16 autocast, ' if meta['bf16'] else ''}{meta['global_batch']} x {meta['seq']} "
+             "tokens/step")
+    write_loss_svg(pathlib.Path(path), title, {f"{name}: {r['tokens_per_s']:,.0f} tokens/s" + (
+        "" if r.get("peak_memory_gib") is None else f", peak {r['peak_memory_gib']:.1f} GiB"): r["losses"]
+        for name, r in data["runs"].items()})
 
 
 def main() -> None:
