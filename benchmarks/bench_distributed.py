@@ -12,8 +12,14 @@ of its eager run's, with the iteration's host time gone. Judged by "vs DDP" (ms 
 and, for a captured run, "vs eager" and its loss difference to the eager run. Medians of back-to-back iterations
 (CUDA events) and of the host time from an idle device, maximum over ranks. A failed check exits 1.
 
+--fsdp2-step: shardadam.FusedAdam against AdamW(fused=True) and AdamW(foreach=True) on the same FSDP2 shards (per
+block and at the root, reshard_after_forward=False, bf16 parameters and fp32 reduction on the GPU). Goal: FusedAdam's
+step at most 0.6x torch fused AdamW's, and a faster iteration. Judged by "step vs fused" and "iteration vs fused",
+medians over --rounds interleaved rounds.
+
     torchrun --nproc_per_node 2 benchmarks/bench_distributed.py --impls ddp_fused,shardadam --batches 8
     torchrun --nproc_per_node 2 benchmarks/bench_distributed.py --capture --batches 4 --out results.json
+    torchrun --nproc_per_node 2 benchmarks/bench_distributed.py --fsdp2-step --batches 4 --out results.json
     torchrun --nproc_per_node 2 benchmarks/bench_distributed.py --tiny [--capture]  # smoke run, CPU (gloo) or GPU
 """
 from __future__ import annotations
@@ -26,15 +32,15 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 import shardadam
-from harness import (add_run_args, choose, finish, fmt, memory_figures, parse_gpt_args, pct, results_table, run_case,
-                     say, start_gpt)
+from harness import (add_run_args, choose, finish, fmt, memory_figures, optimizer_bytes, parse_gpt_args, pct,
+                     results_table, run_case, say, start_gpt)
 from models import add_size_args, build_model, lm_loss, make_batch
-from timing import capture_graph, timed_calls
+from timing import capture_graph, interleaved, sync, timed_calls
 
 IMPLS = ("ddp_fused", "fsdp2", "zero1", "shardadam", "shardadam_contiguous_grads", "shardadam_contiguous_masters",
          "shardadam_nccl_grads", "shardadam_nccl")
@@ -58,6 +64,9 @@ MAX_NORM = 1.0
 # ended 2e-3 apart without capture). A broken capture (stale parameters, a step
 # not applied) departs by far more.
 LOSS_TOLERANCE = 0.02
+FSDP2_OPTIMIZERS = {"shardadam": shardadam.FusedAdam, "torch_fused": partial(torch.optim.AdamW, fused=True),
+                    "torch_foreach": partial(torch.optim.AdamW, foreach=True)}
+STEP_GOAL = 0.6  # --fsdp2-step: shardadam's step time over torch fused's, at most
 
 # GradScaler warns that it will stop passing itself to step(grad_scaler=...),
 # which is how DistributedFusedAdam receives it: once per rank, not actionable here.
@@ -187,6 +196,81 @@ def run_captured(config: str, mode: str, batch: int, args, dev: torch.device, n_
                     n_params, keep_losses=True)
 
 
+def run_fsdp2_step(name: str, batch: int, args, dev: torch.device, n_params: int) -> dict:
+    """A fresh model sharded per block and at the root, WARMUP iterations, then `iters` with the step timed alone (host
+    clock, synchronised before and after it; step_host: until step() returned), then `iters` back to back."""
+    cuda = dev.type == "cuda"
+
+    def run():
+        model = build_model(args, dev)
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda else \
+            MixedPrecisionPolicy()
+        for module in [*model.blocks, model]:
+            fully_shard(module, reshard_after_forward=False, mp_policy=policy)
+        opt = FSDP2_OPTIMIZERS[name](model.parameters(), lr=args.lr, weight_decay=WEIGHT_DECAY)
+        inputs, targets = make_batch(args, batch, dev)
+
+        def iteration(watch=None) -> torch.Tensor:
+            loss = lm_loss(model, inputs, targets, cuda=False)  # the policy casts: no autocast
+            loss.backward()
+            if watch:  # the step timed alone: backward's reduce-scatters are done, the clock sees the step only
+                sync(cuda)
+                watch.mark()
+            opt.step()
+            if watch:
+                watch.mark()
+                sync(cuda)
+                watch.mark()
+            opt.zero_grad(set_to_none=True)
+            return loss.detach()
+        laps, _, losses = timed_calls(iteration, cuda, args.iters, WARMUP, host=True)
+        _, wall, more = timed_calls(lambda _: iteration(), cuda, args.iters)
+        return dict(step_ms=statistics.median(a + b for a, b in laps),
+                    step_host_ms=statistics.median(a for a, _ in laps), iter_ms=wall,
+                    opt_bytes=optimizer_bytes(opt)), torch.stack(losses + more).float().tolist()
+    return run_case(dict(impl=name, batch=batch), run, dev, n_params)
+
+
+def fsdp2_step(args, dev: torch.device, n_params: int, meta: dict) -> None:
+    """--fsdp2-step: per batch size, FSDP2_OPTIMIZERS in interleaved rounds; the medians over rounds, every round's
+    values, the ratios to torch fused AdamW and the goals."""
+    summary, per_round, goals = [], [], []
+    for batch in args.batches:
+        def one(name):
+            r = run_fsdp2_step(name, batch, args, dev, n_params)
+            say(f"{name} batch {batch}: " + (f"failed: {r['error']}" if r["error"] else
+                f"step {r['step_ms']:.2f} ms (host {r['step_host_ms']:.2f}), iteration {r['iter_ms']:.1f} ms, "
+                f"loss {r['loss_first']:.4f} -> {r['loss_last']:.4f}"))
+            return r
+        rounds = interleaved({name: partial(one, name) for name in FSDP2_OPTIMIZERS}, args.rounds)
+        per_round += [[rounds[n][k] for n in rounds] for k in range(args.rounds)]
+        rows = {}
+        for name, runs in rounds.items():
+            failed = [r["error"] for r in runs if r["error"]]
+            out = rows[name] = dict(impl=name, batch=batch, error=failed[0] if failed else None)
+            if not failed:
+                out.update(loss_ok=all(r["loss_ok"] for r in runs), opt_bytes_per_param=runs[0]["opt_bytes_per_param"])
+                for key in ("step_ms", "step_host_ms", "iter_ms"):
+                    out[key] = statistics.median(r[key] for r in runs)
+                    out[key.replace("_ms", "_rounds_ms")] = [r[key] for r in runs]
+        ref, mine = rows["torch_fused"], rows["shardadam"]
+        for out in rows.values():
+            if not (out["error"] or ref["error"]):
+                out.update(step_vs_torch_fused=out["step_ms"] / ref["step_ms"],
+                           iter_vs_torch_fused=out["iter_ms"] / ref["iter_ms"])
+        goals.append(f"goals, batch {batch}: " + (
+            f"shardadam step {mine['step_vs_torch_fused']:.3f}x torch fused's (target <= {STEP_GOAL}): "
+            f"{mine['step_vs_torch_fused'] <= STEP_GOAL}; iteration {mine['iter_vs_torch_fused']:.3f}x (target < 1): "
+            f"{mine['iter_vs_torch_fused'] < 1}; losses finite and falling: {mine['loss_ok']}"
+            if "step_vs_torch_fused" in mine else "not measured (shardadam or torch_fused failed)"))
+        summary += rows.values()
+    say("", results_table(summary, ["impl", "batch"], [
+        ("step ms", "step_ms", ".2f"), ("step host ms", "step_host_ms", ".2f"), ("iteration ms", "iter_ms", ".1f"),
+        ("step vs fused", "step_vs_torch_fused", ".3f"), ("iteration vs fused", "iter_vs_torch_fused", ".3f"),
+        ("opt B/param", "opt_bytes_per_param", ".2f")]), *goals)
+    finish(args.out, meta=meta, summary=summary, rounds=per_round)
+
+
 def add_ratios(results: list[dict], world: int) -> None:
     """vs DDP, and exposed communication: the share of an iteration beyond compute_only's forward+backward
     plus its step (1/N of it for an implementation that shards the optimizer)."""
@@ -258,6 +342,8 @@ def parse_args():
                                               "--capture: GPU time, then host time)")
     ap.add_argument("--impls", default=",".join(IMPLS), help="comma-separated subset of " + ",".join(IMPLS))
     ap.add_argument("--capture", action="store_true", help="eager and captured storage modes instead of --impls")
+    ap.add_argument("--fsdp2-step", action="store_true", help="FusedAdam against torch's AdamW on FSDP2 instead")
+    ap.add_argument("--rounds", type=int, help="--fsdp2-step: interleaved rounds of each optimizer (default 2)")
     ap.add_argument("--configs", default=",".join(CONFIGS),
                     help="--capture: comma-separated subset of " + ",".join(CONFIGS))
     ap.add_argument("--modes", default=",".join(MODES),
@@ -273,6 +359,8 @@ def main() -> None:
     args = parse_args()
     dev, cuda, n_params, meta = start_gpt(args)
     world = dist.get_world_size()
+    if args.fsdp2_step:
+        return fsdp2_step(args, dev, n_params, meta)
     if args.capture:
         if not cuda and "captured" in args.modes:
             say("captured mode skipped: CUDA graphs need CUDA (this run is eager only, capturable=False)")

@@ -13,8 +13,9 @@ import shardadam
 
 # The tiny model's 135k parameters fill several 0.1 MiB buckets, some parameters
 # split across two, as the full model fills 100 MiB ones.
-FULL = dict(d_model=2048, layers=24, heads=16, vocab=50304, seq=1024, batches="4,8", iters=10, bucket_cap_mb=100)
-TINY = dict(d_model=64, layers=2, heads=4, vocab=256, seq=32, batches="2", iters=5, bucket_cap_mb=0.1)
+FULL = dict(d_model=2048, layers=24, heads=16, vocab=50304, seq=1024, batches="4,8", iters=10, rounds=2,
+            bucket_cap_mb=100)
+TINY = dict(d_model=64, layers=2, heads=4, vocab=256, seq=32, batches="2", iters=5, rounds=1, bucket_cap_mb=0.1)
 SIZE_KEYS = ("d_model", "layers", "heads", "vocab", "seq")
 
 # Storage kinds: name -> (parameter dtype, FusedAdam / DistributedFusedAdam options)

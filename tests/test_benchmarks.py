@@ -155,8 +155,8 @@ def test_bench_checkpoint_tiny_restores_both_formats(tmp_path):
 def test_bench_first_use_and_fsdp2_tiny():
     out = run("bench_host_cost", "first-use", "--tiny", "--iters", "2", ranks=1)
     assert set(table_rows(out)) >= {"no_overlap", "hooks_only", "hooks_and_guard", "guard_only"}
-    out = run("bench_fsdp2", "--tiny", "--device", "cpu", ranks=1)
-    assert table_rows(out)["torch_fused"][3] == "1.000" and "losses finite and falling: True" in out
+    out = run("bench_distributed", "--fsdp2-step", "--tiny", ranks=1)
+    assert table_rows(out)["torch_fused"][5] == "1.000" and "losses finite and falling: True" in out
 
 
 def test_soak_short_run_and_its_plot(tmp_path):
