@@ -1,11 +1,10 @@
 #!/usr/bin/env python
-"""Plots for the benchmarks as self-contained SVG files (standard library only:
-the benchmark machines need no plotting package), a chart per result picked by what the JSON holds:
-bench_distributed.py's ms per iteration (labelled with the ratio to DDP + fused AdamW) and peak memory, from one
-file or several (a bar from the last file that has it, its file named); bench_kernels.py's GB/s; soak.py's memory
-against step per rank; bench_host_state.py --timeline's lanes; bench_hf_llama.py's losses.
+"""Plots for the benchmarks as self-contained SVG files (standard library only: the benchmark machines need no
+plotting package), a chart per result picked by what the JSON holds: bench_distributed.py's ms per iteration
+(labelled with the ratio to DDP + fused AdamW) and peak memory; bench_kernels.py's GB/s; soak.py's memory against
+step per rank; bench_host_state.py --timeline's lanes; bench_hf_llama.py's losses (as examples/report.py draws them).
 
-    python benchmarks/svg.py results/run3.json results/run4.json --out plot.svg
+    python benchmarks/svg.py results/run3.json --out plot.svg
     python benchmarks/svg.py benchmarks/results/bench_hf_llama_2xh200.json   # writes the .svg beside it
 """
 from __future__ import annotations
@@ -138,32 +137,22 @@ def kernels_svg(data: dict, path) -> None:
     c.write(path)
 
 
-def distributed_svg(paths: list, path) -> None:
+def distributed_svg(data: dict, path) -> None:
     """bench_distributed.py's results: ms per iteration and peak GPU memory."""
-    rows, source, meta = {}, {}, None
-    for p in map(pathlib.Path, paths):
-        data = json.loads(p.read_text())
-        meta = meta or data["meta"]
-        for r in data["results"]:
-            if r.get("error") is None:
-                rows[(r["impl"], r["batch"])], source[(r["impl"], r["batch"])] = r, p.name
-    first = pathlib.Path(paths[0]).name
+    rows = {(r["impl"], r["batch"]): r for r in data["results"] if r.get("error") is None}
     impls, batches = list(dict.fromkeys(impl for impl, _ in rows)), sorted({batch for _, batch in rows})
-    later = sorted({f"{impl} (batch {batch}): {name}" for (impl, batch), name in source.items() if name != first})
     panel_w, panel_h, top, left = 430, 300, 50, 55
     legend_y = top + panel_h + 40
-    c = Canvas(2 * panel_w + 50, legend_y + 20 * len(impls) + 18 * (len(later) + 2) + 10)
+    c = Canvas(2 * panel_w + 50, legend_y + 20 * len(impls) + 18 * 2 + 10)
     colors = ("#7f7f7f",) + COLORS
     bars(c, (left, top, panel_w - left, panel_h), "ms per iteration (label: ratio to ddp_fused)", "ms", "ms", rows,
          impls, batches, colors, ratio_to="ddp_fused")
     bars(c, (panel_w + 30 + left, top, panel_w - left, panel_h), "peak GPU memory", "peak_gib", "GiB", rows, impls,
          batches, colors)
     caption_y = c.legend(left, legend_y, [(colors[i % len(colors)], impl) for i, impl in enumerate(impls)]) + 15
-    config = meta["config"]
+    meta, config = data["meta"], data["meta"]["config"]
     c.text(left, caption_y, f"{machine(meta)}, GPT of {meta['params']:,} parameters (d_model {config['d_model']}, "
-           f"{config['layers']} layers, seq {config['seq']}); {first}", font_size=11)
-    for i, line in enumerate(later):
-        c.text(left, caption_y + 18 * (i + 1), f"from {line} (its ratio compares two runs)", font_size=11)
+           f"{config['layers']} layers, seq {config['seq']}); {pathlib.Path(data['path']).name}", font_size=11)
     c.write(path)
 
 
@@ -251,19 +240,14 @@ def hf_llama_svg(data: dict, path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("results", nargs="+", help="JSON files a benchmark wrote (several: bench_distributed.py's only)")
-    ap.add_argument("--out", help="the SVG file to write (default: the first JSON file's name, .svg)")
+    ap.add_argument("result", help="the JSON file a benchmark wrote")
+    ap.add_argument("--out", help="the SVG file to write (default: the JSON file's name, .svg)")
     args = ap.parse_args()
-    out = args.out or pathlib.Path(args.results[0]).with_suffix(".svg")
-    data = json.loads(pathlib.Path(args.results[0]).read_text())
-    if "results" in data:
-        distributed_svg(args.results, out)
-    elif len(args.results) > 1:
-        ap.error("several files: bench_distributed.py's results only")
-    else:
-        chart = timeline_svg if "spans" in data else hf_llama_svg if "runs" in data else kernels_svg if "cases" in \
-            data else soak_svg
-        chart(data, out)
+    out = args.out or pathlib.Path(args.result).with_suffix(".svg")
+    data = dict(json.loads(pathlib.Path(args.result).read_text()), path=args.result)
+    chart = distributed_svg if "results" in data else timeline_svg if "spans" in data else hf_llama_svg if "runs" in \
+        data else kernels_svg if "cases" in data else soak_svg
+    chart(data, out)
     print(f"wrote {out}")
 
 
