@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from train import corpus  # noqa: E402
 
 import shardadam  # noqa: E402
-from harness import add_device_arg, choose, init_distributed, say, write_json  # noqa: E402
+from harness import add_device_arg, choose, finish, init_distributed, run_meta, say  # noqa: E402
 from models import fill_defaults  # noqa: E402
 from timing import timed_calls  # noqa: E402
 
@@ -130,7 +130,7 @@ def main() -> None:
     runs = choose(parser, args.runs, RUNS, "--runs")
     if args.device == "cpu":
         torch.set_num_threads(1)
-    device, cuda = init_distributed(args.device)
+    device, _ = init_distributed(args.device)
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.global_batch % world:
         parser.error(f"--global-batch {args.global_batch} must be a multiple of the {world} ranks")
@@ -146,16 +146,11 @@ def main() -> None:
     if "ddp" in results:
         say("tokens/s vs DDP: " + ", ".join(f"{run} {r['tokens_per_s'] / results['ddp']['tokens_per_s']:.3f}x"
                                             for run, r in results.items()))
-    if rank == 0:
-        params = sum(p.numel() for p in build_model(config, torch.device("meta")).parameters())
-        meta = dict(world=world, device=torch.cuda.get_device_name(device) if cuda else "cpu",
-                    torch=torch.__version__, parameters=params, bf16=args.bf16, steps=args.steps,
-                    warmup=args.warmup, global_batch=args.global_batch, seq=args.seq,
-                    bucket_cap_mb=args.bucket_cap_mb, optimizer=OPTIM, tiny=args.tiny)
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        write_json(args.out, meta=meta, runs=results)
-        print(f"wrote {args.out}")
-    dist.destroy_process_group()
+    params = sum(p.numel() for p in build_model(config, torch.device("meta")).parameters())
+    meta = run_meta(device, world=world, parameters=params, optimizer=OPTIM,
+                    **{k: v for k, v in vars(args).items() if k not in ("device", "out")})
+    say(f"wrote {args.out}")
+    finish(args.out, meta=meta, runs=results)
 
 
 if __name__ == "__main__":
