@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 import shardadam
 from harness import init_distributed, init_one_rank, run_meta, write_json
-from models import BLOCKWISE8, FULL, add_size_args, build_model, lm_loss
+from models import BLOCKWISE8, FULL, SIZE_KEYS, add_size_args, build_model, fill_defaults, lm_loss
 from shardadam import _fused_buckets, _host_state
 from shardadam._rules import AdamRule
 from shardadam.distributed import _host_shards
@@ -108,7 +108,7 @@ def record_timeline(run, distributed: bool) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_size_args(ap, None, FULL)
+    add_size_args(ap)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--kinds", default="fp32,8-bit")
     ap.add_argument("--optimizer", choices=("fused", "distributed"), default="fused")
@@ -119,6 +119,7 @@ def main() -> None:
     ap.add_argument("--out")
     ap.add_argument("--timeline", help="write one host-state iteration's timeline here (JSON)")
     args = ap.parse_args()
+    fill_defaults(args, FULL, SIZE_KEYS)
     distributed = args.optimizer == "distributed"
     if distributed:  # torchrun: one rank per GPU
         init_distributed("cuda") if "WORLD_SIZE" in os.environ else init_one_rank("cuda")

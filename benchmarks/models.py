@@ -120,19 +120,14 @@ def lm_loss(module, inputs: torch.Tensor, targets: torch.Tensor, cuda: bool) -> 
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
-def add_size_args(ap, tiny: dict | None = TINY, full: dict = FULL) -> None:
-    """The GPT's size options, and --tiny unless tiny is None (the defaults then full's)."""
-    def default(key, what):
-        if tiny is None:
-            return dict(default=full[key], help=what)
-        return dict(help=f"{what} (default {full[key]}; --tiny {tiny[key]})")
-    if tiny is not None:
-        ap.add_argument("--tiny", action="store_true", help=f"smoke run, CPU or GPU: {tiny}")
-    ap.add_argument("--d-model", type=int, **default("d_model", "model width"))
-    ap.add_argument("--layers", type=int, **default("layers", "transformer blocks"))
-    ap.add_argument("--heads", type=int, **default("heads", "attention heads"))
-    ap.add_argument("--vocab", type=int, **default("vocab", "vocabulary"))
-    ap.add_argument("--seq", type=int, **default("seq", "sequence length"))
+def add_size_args(ap, tiny: dict = TINY, full: dict = FULL) -> None:
+    """The GPT's size options and --tiny; fill_defaults gives them their values."""
+    ap.add_argument("--tiny", action="store_true", help=f"smoke run, CPU or GPU: {tiny}")
+    ap.add_argument("--d-model", type=int, help=f"model width (default {full['d_model']}; --tiny {tiny['d_model']})")
+    ap.add_argument("--layers", type=int, help=f"blocks (default {full['layers']}; --tiny {tiny['layers']})")
+    ap.add_argument("--heads", type=int, help=f"attention heads (default {full['heads']}; --tiny {tiny['heads']})")
+    ap.add_argument("--vocab", type=int, help=f"vocabulary (default {full['vocab']}; --tiny {tiny['vocab']})")
+    ap.add_argument("--seq", type=int, help=f"sequence length (default {full['seq']}; --tiny {tiny['seq']})")
 
 
 def fill_defaults(args, full: dict = FULL, keys=None, tiny: dict = TINY) -> None:
