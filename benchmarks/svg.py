@@ -58,39 +58,6 @@ class Canvas:
         pathlib.Path(path).write_text("\n".join(self.parts + ["</svg>"]) + "\n")
 
 
-class Axes:
-    """A plot area on a canvas with data coordinates: ticks and grid on both
-    axes, lines through data points. The y range is rounded out to ticks."""
-
-    def __init__(self, canvas: Canvas, box: tuple, x_range: tuple, y_values: list[float], xlabel: str = "",
-                 ylabel: str = ""):
-        self.c, (self.x0, self.y0, self.w, self.h) = canvas, box
-        self.xlo, self.xhi = x_range
-        self.yticks = nice_ticks(min(y_values), max(y_values))
-        self.ylo, self.yhi = self.yticks[0], self.yticks[-1]
-        for v in self.yticks:
-            canvas.line(self.x0, self.y(v), self.x0 + self.w, self.y(v), stroke="#ddd")
-            canvas.text(self.x0 - 5, self.y(v) + 4, f"{v:g}", text_anchor="end", font_size=11)
-        for v in nice_ticks(self.xlo, self.xhi, 8):
-            if self.xlo <= v <= self.xhi:
-                canvas.text(self.x(v), self.y0 + self.h + 15, f"{v:g}", text_anchor="middle", font_size=11)
-        canvas.add("path", d=f"M{self.x0},{self.y0} V{self.y0 + self.h} H{self.x0 + self.w}", fill="none",
-                   stroke="black")
-        canvas.text(self.x0 + self.w / 2, self.y0 + self.h + 32, xlabel, text_anchor="middle")
-        mid = self.y0 + self.h / 2
-        canvas.text(self.x0 - 50, mid, ylabel, text_anchor="middle", transform=f"rotate(-90 {self.x0 - 50} {mid})")
-
-    def x(self, v: float) -> float:
-        return self.x0 + self.w * (v - self.xlo) / ((self.xhi - self.xlo) or 1)
-
-    def y(self, v: float) -> float:
-        return self.y0 + self.h * (1 - (v - self.ylo) / ((self.yhi - self.ylo) or 1))
-
-    def plot(self, xs, ys, color: str, **attrs) -> None:
-        self.c.add("polyline", points=" ".join(f"{self.x(a):.1f},{self.y(b):.1f}" for a, b in zip(xs, ys)),
-                   fill="none", stroke=color, stroke_width=1.5, **attrs)
-
-
 MIB = 2**20
 
 
@@ -167,25 +134,38 @@ def soak_svg(data: dict, path) -> None:
     keys = [(k, t) for k, t in SOAK_METRICS if verdicts[0].get(k) is not None]
     last_step = max(s["step"] for samples in ranks for s in samples)
     legend_y = top + len(keys) * (panel_h + gap)
-    c = Canvas(width, legend_y + 20 * len(verdicts) + 50)
+    c, w = Canvas(width, legend_y + 20 * len(verdicts) + 50), width - left - 20
+
+    def x(step: float) -> float:
+        return left + w * step / (last_step or 1)
     for i, (key, title) in enumerate(keys):
         y0 = top + i * (panel_h + gap)
         # a judged metric's limit line per rank (None: reported only, no line)
         limits = [None if v[key]["limit"] is None else (v[key]["base"] + v[key]["limit"]) / MIB for v in verdicts]
         values = [s[key] / MIB for samples in ranks for s in samples] + [m for m in limits if m is not None]
         c.text(left, y0 - 10, f"{title} per rank (MiB)", font_weight="bold")
-        ax = Axes(c, (left, y0, width - left - 20, panel_h), (0, last_step), values, xlabel="step")
+        yticks = nice_ticks(min(values), max(values))  # the y range rounded out to ticks
+
+        def y(v: float) -> float:
+            return y0 + panel_h * (1 - (v - yticks[0]) / ((yticks[-1] - yticks[0]) or 1))
+        for v in yticks:
+            c.line(left, y(v), left + w, y(v), stroke="#ddd")
+            c.text(left - 5, y(v) + 4, f"{v:g}", text_anchor="end", font_size=11)
+        for v in (v for v in nice_ticks(0, last_step, 8) if v <= last_step):
+            c.text(x(v), y0 + panel_h + 15, f"{v:g}", text_anchor="middle", font_size=11)
+        c.add("path", d=f"M{left},{y0} V{y0 + panel_h} H{left + w}", fill="none", stroke="black")
+        c.text(left + w / 2, y0 + panel_h + 32, "step", text_anchor="middle")
         warm = verdicts[0][key]["base_step"]
-        c.rect(left, y0, ax.x(warm) - left, panel_h, "#eeeeee", fill_opacity=0.6)
+        c.rect(left, y0, x(warm) - left, panel_h, "#eeeeee", fill_opacity=0.6)
         c.text(left + 4, y0 + 14, "warm-up", font_size=10, fill="#666")
         every = meta["config"]["checkpoint_every"]
         for step in range(every, last_step + 1, every):
-            c.line(ax.x(step), y0, ax.x(step), y0 + panel_h, stroke="#999", stroke_dasharray="1,3")
+            c.line(x(step), y0, x(step), y0 + panel_h, stroke="#999", stroke_dasharray="1,3")
         for rank, (samples, limit) in enumerate(zip(ranks, limits)):
-            ax.plot([s["step"] for s in samples], [s[key] / MIB for s in samples], COLORS[rank % len(COLORS)])
+            c.add("polyline", points=" ".join(f"{x(s['step']):.1f},{y(s[key] / MIB):.1f}" for s in samples),
+                  fill="none", stroke=COLORS[rank % len(COLORS)], stroke_width=1.5)
             if limit is not None:
-                c.line(ax.x(warm), ax.y(limit), left + ax.w, ax.y(limit), stroke=COLORS[rank % len(COLORS)],
-                       stroke_dasharray="6,4")
+                c.line(x(warm), y(limit), left + w, y(limit), stroke=COLORS[rank % len(COLORS)], stroke_dasharray="6,4")
     caption_y = c.legend(left, legend_y, [
         (COLORS[rank % len(COLORS)], f"rank {rank}: RSS {v['rss']['growth'] / MIB:+.2f} MiB after warm-up, slope "
          f"{v['rss']['slope']:+.1f} B/step, limit {v['rss']['limit'] / MIB:.1f} MiB (dashed); "
