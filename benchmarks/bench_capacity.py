@@ -110,8 +110,7 @@ def attempt(args) -> None:
 
 
 def run_attempt(args, candidate: str, layers: int) -> dict:
-    """A fresh torchrun for one size; a run that ends without a result (killed,
-    hung past --timeout) counts as not training."""
+    """A fresh torchrun for one size; one that ends without a result (killed, hung past --timeout) does not train."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc),
            os.path.abspath(__file__), "--attempt", "--candidate", candidate, "--layers", str(layers),
            "--d-model", str(args.d_model), "--heads", str(args.heads), "--vocab", str(args.vocab),
@@ -129,8 +128,7 @@ def run_attempt(args, candidate: str, layers: int) -> dict:
 
 
 def search(args, candidate: str, record) -> dict | None:
-    """The largest depth of args.layers that trains, walking from --start:
-    the attempt that trains with the most layers, or None."""
+    """The attempt that trains with the most layers of args.layers, walking from --start, or None."""
     depths = args.layers
     i = min(range(len(depths)), key=lambda j: abs(depths[j] - args.start))
     best, tried = None, {}

@@ -179,8 +179,7 @@ VARIANTS = ("no_overlap", "hooks_only", "hooks_and_guard", "guard_only")
 
 
 def first_use_run(variant: str, args, dev: torch.device, cuda: bool) -> dict:
-    """Host ms of zero_grad(), the forward and step() (medians), each
-    iteration from an idle device, and the last loss."""
+    """Host ms of zero_grad(), the forward and step() (medians, from an idle device), and the last loss."""
     model = build_model(args, dev)
     opt = shardadam.DistributedFusedAdam(model.parameters(), lr=1e-4, weight_decay=0.1,
                                          bucket_cap_mb=args.bucket_cap_mb, overlap_param_sync=variant != "no_overlap")

@@ -38,8 +38,7 @@ timed = partial(median_ms, dev="cuda")  # wall milliseconds, synchronised around
 
 
 class Transfers:
-    """Page-locked copies of nbytes each way: the gradients down, the
-    parameters up (the pipeline's bytes, as one large copy each)."""
+    """Page-locked copies of nbytes each way: the gradients down, the parameters up (one large copy each)."""
 
     def __init__(self, nbytes: int):
         self.host = [torch.empty(nbytes, dtype=torch.uint8).pin_memory() for _ in range(2)]

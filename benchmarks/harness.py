@@ -26,8 +26,7 @@ from timing import free, is_cuda, sync
 
 
 def init_distributed(device: str | None = None) -> tuple[torch.device, bool]:
-    """A torchrun process's group: NCCL on cuda:LOCAL_RANK where CUDA is
-    available (or `device` says cuda), gloo on the CPU otherwise."""
+    """A torchrun process's group: NCCL on cuda:LOCAL_RANK where CUDA is available (or asked for), else gloo."""
     cuda = torch.cuda.is_available() if device is None else device == "cuda"
     if cuda:
         dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
@@ -40,8 +39,7 @@ def init_distributed(device: str | None = None) -> tuple[torch.device, bool]:
 
 
 def init_one_rank(dev, bind_device: bool = False) -> None:
-    """A one-rank group (NCCL on a GPU, gloo on the CPU) outside torchrun;
-    bind_device gives NCCL the device at once (device_id)."""
+    """A one-rank group (NCCL on a GPU, gloo on the CPU) outside torchrun; bind_device: NCCL's device_id."""
     cuda = torch.device(dev).type == "cuda"
     dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1,
                             device_id=torch.device(dev) if cuda and bind_device else None)
@@ -139,8 +137,7 @@ def parse_gpt_args(ap, full: dict = FULL, keys=None, tiny: dict = TINY):
 
 
 def start_gpt(args, device: str | None = None, note: str = "") -> tuple[torch.device, bool, int, dict]:
-    """init_distributed, the GPT's parameter count and run_meta with the options; rank 0 prints the machine, the
-    model and `note`."""
+    """init_distributed, the GPT's size and run_meta with the options; rank 0 prints the machine, model, `note`."""
     dev, cuda = init_distributed(device)
     n_params = count_params(args)
     meta = run_meta(dev, params=n_params, config={k: v for k, v in vars(args).items() if k != "out"})

@@ -131,8 +131,7 @@ def add_size_args(ap, tiny: dict = TINY, full: dict = FULL) -> None:
 
 
 def fill_defaults(args, full: dict = FULL, keys=None, tiny: dict = TINY) -> None:
-    """Whatever was not given (of `keys`, default all), from `tiny` with --tiny,
-    else from `full`: explicit arguments win."""
+    """Whatever was not given (of `keys`, default all) from `tiny` with --tiny, else `full`."""
     defaults = tiny if args.tiny else full
     for key in keys or defaults:
         if getattr(args, key, None) is None:
