@@ -249,11 +249,9 @@ def main() -> None:
         devices.remove("cuda")
         print("no CUDA device: running the CPU cases only", file=sys.stderr)
     torch.manual_seed(0)
-    meta = dict(run_meta("cuda" if "cuda" in devices else None), quick=args.quick, fused_adam=args.fused_adam,
-                gpu=torch.cuda.get_device_name() if "cuda" in devices else None)
+    meta = dict(run_meta("cuda" if "cuda" in devices else None), quick=args.quick, fused_adam=args.fused_adam)
     cases = [case for dev in devices for case in run_device(dev, args)]
-    print(f"torch {meta['torch']}, shardadam {meta['shardadam']}, {meta['cpu_threads']} CPU threads"
-          + (f", {meta['gpu']}\n" if meta["gpu"] else "\n"))
+    print(f"{meta['device']}, torch {meta['torch']}, shardadam {meta['shardadam']}, {meta['cpu_threads']} threads\n")
     print(markdown(cases))
     write_json(args.out, indent=2, meta=meta, cases=cases)
 

@@ -185,12 +185,10 @@ def main() -> None:
     for name in names:
         if "host state" in name and not cuda:
             continue  # the CPU's state is host state already
-        records.append(run_case(name, args, device))
-        r = records[-1]
+        records.append(r := run_case(name, args, device))
         print(f"{name}: steady {r['steady'] / GIB:.3f} GiB, accounted {r['accounted'] / GIB:.3f} GiB, "
               f"peak {r['peak'] / GIB:.3f} GiB, loss {r['final_loss']:.4f}", flush=True)
-    meta = run_meta(device, model=dict(d_model=args.d_model, layers=args.layers, heads=args.heads, vocab=args.vocab,
-                                       seq=args.seq, batch=args.batch), iters=args.iters)
+    meta = run_meta(device, config={k: v for k, v in vars(args).items() if k != "out"})
     dist.destroy_process_group()
     print(table(records, cuda))
     write_json(args.out, meta=meta, records=records)

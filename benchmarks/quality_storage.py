@@ -20,8 +20,7 @@ import shardadam
 from harness import choose, md_table, run_meta, write_json
 from models import KINDS
 
-EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
-sys.path.insert(0, str(EXAMPLES))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 from report import write_loss_csv, write_loss_svg  # noqa: E402
 from train import corpus, train  # noqa: E402
 
