@@ -300,8 +300,9 @@ def goals(results: list[dict], world: int) -> list[str]:
     return lines
 
 
-def add_capture_ratios(results: list[dict]) -> None:
-    """Time and host time against DDP's eager run and, captured, against its own eager run's (and losses)."""
+def judge_capture(results: list[dict]) -> list[str]:
+    """Time and host time against DDP's eager run and, captured, against its own eager run's (and losses); the
+    failed checks."""
     by = {(r["config"], r["mode"], r["batch"]): r for r in results if not r["error"]}
     for r in by.values():
         ddp, eager = by.get((REFERENCE, "eager", r["batch"])), by.get((r["config"], "eager", r["batch"]))
@@ -313,9 +314,6 @@ def add_capture_ratios(results: list[dict]) -> None:
             r["host_vs_eager"] = r["host_ms"] / eager["host_ms"]
             r["loss_diff_vs_eager"] = max(abs(a - b) for a, b in zip(r["losses"], eager["losses"]))
             r["loss_matches_eager"] = r["loss_diff_vs_eager"] <= LOSS_TOLERANCE
-
-
-def capture_failures(results: list[dict]) -> list[str]:
     lines = []
     for r in results:
         name = f"{r['config']} {r['mode']} batch {r['batch']}"
@@ -380,8 +378,7 @@ def main() -> None:
                 + ("" if mode or r["loss_ok"] else "  (loss not finite, or not falling)"))
             say(f"{name}{f' {mode}' if mode else ''} batch {batch}: {figures}")
     if args.capture:
-        add_capture_ratios(results)
-        failed = capture_failures(results)
+        failed = judge_capture(results)
         compared = sum(r.get("loss_matches_eager") is not None for r in results)
         say("", results_table(results, ["config", "mode", "batch"], [
             ("ms/iter", "ms", ".1f"), ("vs DDP", "vs_ddp", ".3f"), ("vs eager", "vs_eager", ".3f"),

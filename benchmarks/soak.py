@@ -136,21 +136,17 @@ def judge(samples: list[dict]) -> dict:
     return result
 
 
-def table(verdicts: list[dict], key: str, title: str) -> str:
-    return f"{title}:\n" + md_table(
+def report(verdicts: list[dict], everyone: list[list[dict]]) -> str:
+    """The judged metrics as a table each, then one line per rank of what explains them."""
+    tables = [f"{title}:\n" + md_table(
         ["rank", "base step", "base MiB", "last MiB", "min..max MiB", "growth MiB", "slope B/step", "fitted growth MiB",
          "limit MiB", "flat"],
         [[rank, r["base_step"], f"{r['base'] / MIB:.2f}", f"{r['last'] / MIB:.2f}",
           f"{r['min'] / MIB:.2f}..{r['max'] / MIB:.2f}", f"{r['growth'] / MIB:+.3f}", f"{r['slope']:+.1f}",
           f"{r['fitted_growth'] / MIB:+.3f}", f"{r['limit'] / MIB:.2f}", "yes" if r["ok"] else "NO"]
          for rank, r in enumerate(v[key] for v in verdicts)], "r" * 9 + "l")
-
-
-def report(verdicts: list[dict], everyone: list[list[dict]]) -> str:
-    """The judged metrics as tables, then one line per rank of what explains them."""
-    tables = [table(verdicts, key, title) for key, title in
-              (("rss", "Host RSS"), ("gpu_allocated", "GPU allocated"), ("gpu_reserved", "GPU reserved"))
-              if verdicts[0][key] is not None]
+        for key, title in (("rss", "Host RSS"), ("gpu_allocated", "GPU allocated"), ("gpu_reserved", "GPU reserved"))
+        if verdicts[0][key] is not None]
     lines = []
     for rank, (v, samples) in enumerate(zip(verdicts, everyone)):
         objs, malloced, last = v["py_objects"], v["malloc_in_use"], samples[-1]
