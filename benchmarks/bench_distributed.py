@@ -59,10 +59,9 @@ STORAGE = {
 }
 CONFIGS, MODES = (REFERENCE, *STORAGE), ("eager", "captured")
 MAX_NORM = 1.0
-# Eager and captured runs do the same arithmetic, up to the order of atomic
-# additions in a few kernels (different implementations of the same training
-# ended 2e-3 apart without capture). A broken capture (stale parameters, a step
-# not applied) departs by far more.
+# Eager and captured runs do the same arithmetic, up to the order of atomic additions in a few kernels (different
+# implementations of the same training ended 2e-3 apart without capture). A broken capture (stale parameters, a step not
+# applied) departs by far more.
 LOSS_TOLERANCE = 0.02
 FSDP2_OPTIMIZERS = {"shardadam": shardadam.FusedAdam, "torch_fused": partial(torch.optim.AdamW, fused=True),
                     "torch_foreach": partial(torch.optim.AdamW, foreach=True)}

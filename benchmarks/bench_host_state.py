@@ -169,10 +169,9 @@ def main() -> None:
             if where != goal_where:
                 del opt
                 torch.cuda.empty_cache()
-        # The CPU engine alone on this rank's share of the elements, and the
-        # host's memory floor: the same CPU step while the transfers' bytes
-        # cross host memory too (the copy engines write the gradients into it
-        # and read the parameters out of it), as they must in every iteration.
+        # The CPU engine alone on this rank's share of the elements, and the host's memory floor: the same CPU step
+        # while the transfers' bytes cross host memory too (the copy engines write the gradients into it and read the
+        # parameters out of it), as they must in every iteration.
         cpu_params = [torch.nn.Parameter(torch.zeros(numel // ranks))] if distributed else \
             [torch.nn.Parameter(p.detach().cpu()) for p in params]
         for p in cpu_params:
@@ -180,11 +179,9 @@ def main() -> None:
         cpu_step = shardadam.FusedAdam(cpu_params, lr=1e-5, **KIND_OPTIONS[kind]).step
         cpu_step()  # first step: plans and state
         transfers = Transfers(transfer_bytes)
-        # Per round, back to back, each a median of reps: the host-state
-        # iteration, the CPU step alone, the CPU step while both copies run,
-        # and the copies alone. The host's speed drifts by up to a third
-        # between minutes and processes (RESULTS.md), so an iteration is
-        # compared with the floors of its own round.
+        # Per round, back to back, each a median of reps: the host-state iteration, the CPU step alone, the CPU step
+        # while both copies run, and the copies alone. The host's speed drifts by up to a third between minutes and
+        # processes (RESULTS.md), so an iteration is compared with the floors of its own round.
         cases = dict(iteration_ms=iteration(opt), host_step_ms=cpu_step,
                      host_step_with_transfers_ms=lambda: (transfers.both(), cpu_step()), transfers_ms=transfers.both)
         timings = interleaved({k: partial(timed, fn, reps=args.reps, warmup=1) for k, fn in cases.items()},
@@ -213,8 +210,7 @@ def main() -> None:
                 row[where + "_ms"] / row["host_step_with_transfers_ms"]
             row[f"{prefix}gpu_idle_share"] = 1 - result["compute_ms"] / row[where + "_ms"]
         row["host_over_gpu_state"] = row["host_state_ms"] / row["gpu_state_ms"]
-        # The goal's ratio taken within each round, where the host's speed is
-        # the same for the iteration and its floors.
+        # The goal's ratio taken within each round, where the host's speed is the same for the iteration and its floors.
         by_round = [r["iteration_ms"] / max(result["compute_ms"], r["transfers_ms"], r["host_step_ms"]) for r in rounds]
         by_round_memory = [r["iteration_ms"] / r["host_step_with_transfers_ms"] for r in rounds]
         row["goal"] = dict(iteration=goal_where, over_largest_floor_by_round=by_round,

@@ -35,9 +35,8 @@ MIB = 2**20
 WARMUP_FRACTION = 0.1
 LR = 1e-3
 
-# The CPU model: 9,668 parameters; 0.01 MiB buckets (2,621 fp32 elements)
-# make 4 of them, with parameters split across buckets, so several
-# reduce-scatters and all-gathers overlap backward and forward every step.
+# The CPU model: 9,668 parameters; 0.01 MiB buckets (2,621 fp32 elements) make 4 of them, with parameters split across
+# buckets, so several reduce-scatters and all-gathers overlap backward and forward every step.
 MLP = dict(d_in=16, width=64, d_out=4, batch=32, bucket_cap_mb=0.01)
 # The GPU model: 21.1M parameters (d_model 512, 4 layers; 80.6 MiB in fp32), 8 MiB buckets: about 11.
 SMALL_GPT = dict(d_model=512, layers=4, heads=8, vocab=8192, seq=256, batch=8, bucket_cap_mb=8)
