@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 import shardadam
 from bench_kernels import LR, WD, shard_fp32
-from harness import add_device_arg, add_run_args, init_one_rank, md_table, say, start_gpt, write_json
+from harness import add_device_arg, add_run_args, init_distributed, md_table, say, start_gpt, write_json
 from models import FULL, SIZE_KEYS, add_size_args, autocast, build_model, fill_defaults, gpt2_medium_shapes, make_batch
 from shardadam import kernels
 from timing import clock_ms, interleaved, median_ms, time_wall_and_host, timed_calls
@@ -52,7 +52,7 @@ def kernel_plan(dev):
 
 def distributed_step(dev):
     if not dist.is_initialized():
-        init_one_rank(dev)
+        init_distributed(dev)
     params = [torch.nn.Parameter(torch.randn(64, 64, device=dev) * 0.02) for _ in range(290)]
     opt = shardadam.DistributedFusedAdam(params, lr=LR, weight_decay=WD, overlap_grad_sync=False)
     grads = [torch.randn_like(p) * 1e-3 for p in params]
@@ -160,7 +160,7 @@ def handover_ms(params: list, grads: list, bucket_cap_mb: float, iters: int) -> 
 
 
 def grad_handover(args) -> None:
-    init_one_rank(args.device)
+    init_distributed(args.device)
     torch.set_num_threads(1)
     params = [torch.nn.Parameter(torch.randn(args.numel, device=args.device)) for _ in range(args.params)]
     grads = [torch.randn_like(p) for p in params]

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import statistics
 import time
 from functools import partial
@@ -26,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 import shardadam
-from harness import init_distributed, init_one_rank, run_meta, write_json
+from harness import init_distributed, run_meta, write_json
 from models import BLOCKWISE8, FULL, SIZE_KEYS, add_size_args, build_model, fill_defaults, lm_loss
 from shardadam import _fused_buckets, _host_state
 from shardadam._rules import AdamRule
@@ -121,7 +120,7 @@ def main() -> None:
     fill_defaults(args, FULL, SIZE_KEYS)
     distributed = args.optimizer == "distributed"
     if distributed:  # torchrun: one rank per GPU
-        init_distributed("cuda") if "WORLD_SIZE" in os.environ else init_one_rank("cuda")
+        init_distributed("cuda")
     model = build_model(args, "cpu").cuda()
     params = list(model.parameters())
     numel = sum(p.numel() for p in params)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import shardadam
-from harness import (add_device_arg, choose, held_tensors, init_one_rank, md_table, model_buffer_storages,
+from harness import (add_device_arg, choose, held_tensors, init_distributed, md_table, model_buffer_storages,
                      optimizer_bytes, run_meta, write_json)
 from models import BLOCKWISE8 as B8, FP8, FULL, SIZE_KEYS, add_size_args, build_model, fill_defaults, lm_loss
 
@@ -178,9 +178,7 @@ def main() -> None:
         return layouts()
     fill_defaults(args, FULL, SIZE_KEYS)
     names = choose(ap, args.cases, CASES, "--cases", ";")
-    device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
-    cuda = device.type == "cuda"
-    init_one_rank(device, bind_device=True)
+    device, cuda = init_distributed(args.device)
     records = []
     for name in names:
         if "host state" in name and not cuda:

@@ -26,23 +26,15 @@ from timing import free, is_cuda, sync
 
 
 def init_distributed(device: str | None = None) -> tuple[torch.device, bool]:
-    """A torchrun process's group: NCCL on cuda:LOCAL_RANK where CUDA is available (or asked for), else gloo."""
-    cuda = torch.cuda.is_available() if device is None else device == "cuda"
+    """This process's group: a torchrun process's, or outside torchrun one of one rank; NCCL on cuda:LOCAL_RANK where
+    CUDA is available (or asked for), else gloo."""
+    cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
-        dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(dev)
-        dist.init_process_group("nccl", device_id=dev)
-    else:
-        dev = torch.device("cpu")
-        dist.init_process_group("gloo")
+    alone = {} if "RANK" in os.environ else dict(store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group("nccl" if cuda else "gloo", device_id=dev if cuda else None, **alone)
     return dev, cuda
-
-
-def init_one_rank(dev, bind_device: bool = False) -> None:
-    """A one-rank group (NCCL on a GPU, gloo on the CPU) outside torchrun; bind_device: NCCL's device_id."""
-    cuda = torch.device(dev).type == "cuda"
-    dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1,
-                            device_id=torch.device(dev) if cuda and bind_device else None)
 
 
 def agree_on_error(error: str | None, dev) -> str | None:
