@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import shardadam
-from models import FULL, TINY, count_params, fill_defaults
+from models import FULL, TINY, build_model, fill_defaults
 from shardadam.distributed import BucketRows
 from timing import free, is_cuda, sync
 
@@ -131,7 +131,7 @@ def parse_gpt_args(ap, full: dict = FULL, keys=None, tiny: dict = TINY):
 def start_gpt(args, device: str | None = None, note: str = "") -> tuple[torch.device, bool, int, dict]:
     """init_distributed, the GPT's size and run_meta with the options; rank 0 prints the machine, model, `note`."""
     dev, cuda = init_distributed(device)
-    n_params = count_params(args)
+    n_params = sum(p.numel() for p in build_model(args, "meta").parameters())
     meta = run_meta(dev, params=n_params, config={k: v for k, v in vars(args).items() if k != "out"})
     say(f"{meta['device']} x {meta['world_size']} ({meta['backend']}), torch {meta['torch']}, shardadam "
         f"{meta['shardadam']}: GPT d_model {args.d_model}, {args.layers} layers, {args.heads} heads, vocab "

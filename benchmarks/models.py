@@ -95,10 +95,6 @@ def build_model(args, dev, dtype: torch.dtype | None = None) -> GPT:
         torch.set_default_dtype(torch.float32)
 
 
-def count_params(args) -> int:
-    return sum(p.numel() for p in build_model(args, "meta").parameters())
-
-
 def make_batch(args, batch: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
     """One fixed batch of random tokens per rank, reused every iteration: the model memorises it, so the loss falls
     within a few iterations (on fresh uniform tokens it would start at its minimum, ln(vocab), and stay there)."""
