@@ -36,26 +36,20 @@ KIND_OPTIONS = {"fp32": {}, "8-bit": BLOCKWISE8}
 timed = partial(median_ms, dev="cuda")  # wall milliseconds, synchronised around each call
 
 
-class Transfers:
-    """Page-locked copies of nbytes each way: the gradients down, the parameters up (one large copy each)."""
+def pcie_copies(nbytes: int) -> dict:
+    """Page-locked copies of nbytes each way: the gradients "down", the parameters "up" (one large copy each), and
+    "both" queued at once (the link is full duplex; it returns before they end)."""
+    host = [torch.empty(nbytes, dtype=torch.uint8).pin_memory() for _ in range(2)]
+    dev = [torch.empty(nbytes, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    down, up = partial(host[0].copy_, dev[0], non_blocking=True), partial(dev[1].copy_, host[1], non_blocking=True)
+    side = torch.cuda.Stream()
 
-    def __init__(self, nbytes: int):
-        self.host = [torch.empty(nbytes, dtype=torch.uint8).pin_memory() for _ in range(2)]
-        self.dev = [torch.empty(nbytes, dtype=torch.uint8, device="cuda") for _ in range(2)]
-        self.side = torch.cuda.Stream()
-
-    def down(self):
-        self.host[0].copy_(self.dev[0], non_blocking=True)
-
-    def up(self):
-        self.dev[1].copy_(self.host[1], non_blocking=True)
-
-    def both(self):
-        """Both queued at once (the link is full duplex); returns before they end."""
-        self.up()
-        with torch.cuda.stream(self.side):
-            self.down()
-        torch.cuda.current_stream().wait_stream(self.side)
+    def both():
+        up()
+        with torch.cuda.stream(side):
+            down()
+        torch.cuda.current_stream().wait_stream(side)
+    return dict(down=down, up=up, both=both)
 
 
 def record_timeline(run, distributed: bool) -> dict:
@@ -138,9 +132,7 @@ def main() -> None:
     result["compute_ms"] = timed(lambda: (model.zero_grad(set_to_none=False), forward_backward()), reps=args.reps,
                                  warmup=2)
     transfer_bytes = 4 * numel // ranks  # this rank's shard each way
-    transfers = Transfers(transfer_bytes)
-    result["transfer_ms"] = {k: timed(getattr(transfers, k), reps=args.reps, warmup=2) for k in ("down", "up", "both")}
-    del transfers
+    result["transfer_ms"] = {k: timed(fn, reps=args.reps, warmup=2) for k, fn in pcie_copies(transfer_bytes).items()}
     print(json.dumps({k: v for k, v in result.items() if k != "kinds"}), flush=True)
     for kind in args.kinds.split(","):
         row = {}
@@ -177,18 +169,18 @@ def main() -> None:
             p.grad = torch.randn_like(p)
         cpu_step = shardadam.FusedAdam(cpu_params, lr=1e-5, **KIND_OPTIONS[kind]).step
         cpu_step()  # first step: plans and state
-        transfers = Transfers(transfer_bytes)
+        both = pcie_copies(transfer_bytes)["both"]
         # Per round, back to back, each a median of reps: the host-state iteration, the CPU step alone, the CPU step
         # while both copies run, and the copies alone. The host's speed drifts by up to a third between minutes and
         # processes (RESULTS.md), so an iteration is compared with the floors of its own round.
         cases = dict(iteration_ms=iteration(opt), host_step_ms=cpu_step,
-                     host_step_with_transfers_ms=lambda: (transfers.both(), cpu_step()), transfers_ms=transfers.both)
+                     host_step_with_transfers_ms=lambda: (both(), cpu_step()), transfers_ms=both)
         timings = interleaved({k: partial(timed, fn, reps=args.reps, warmup=1) for k, fn in cases.items()},
                               args.rounds)
         rounds = row["rounds"] = [{k: v[i] for k, v in timings.items()} for i in range(args.rounds)]
         for r in rounds:
             print("round", json.dumps({k: round(v, 1) for k, v in r.items()}), flush=True)
-        del opt, cpu_step, cpu_params, cases, transfers
+        del opt, cpu_step, cpu_params, cases, both
         torch.cuda.empty_cache()
         if args.torchao and kind == "fp32":
             from torchao.optim import CPUOffloadOptimizer
