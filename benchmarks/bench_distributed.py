@@ -331,7 +331,7 @@ MEMORY_COLUMNS = [("peak GiB", "peak_gib", ".2f"), ("opt B/param", "opt_bytes_pe
                   ("resident B/param", "resident_bytes_per_param", ".2f")]
 
 
-def parse_args():
+def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_size_args(ap)
     ap.add_argument("--batches", help="batch sizes per GPU, comma-separated (default 4,8)")
@@ -349,11 +349,8 @@ def parse_args():
     args = parse_gpt_args(ap)
     args.impls = choose(ap, args.impls, IMPLS, "--impls")
     args.configs, args.modes = choose(ap, args.configs, CONFIGS, "--configs"), choose(ap, args.modes, MODES, "--modes")
-    return args
-
-
-def main() -> None:
-    args = parse_args()
+    if args.capture and args.fsdp2_step:
+        ap.error("--capture and --fsdp2-step are two benchmarks: choose one")
     dev, cuda, n_params, meta = start_gpt(args)
     world = dist.get_world_size()
     if args.fsdp2_step:

@@ -161,7 +161,7 @@ def report(verdicts: list[dict], everyone: list[list[dict]]) -> str:
     return "\n\n".join(tables + ["\n".join(lines)])
 
 
-def parse_args():
+def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu: gloo, cuda: NCCL (one GPU per rank)")
     ap.add_argument("--steps", type=int, default=5000)
@@ -182,11 +182,6 @@ def parse_args():
     # several state_dict + load_state_dict round trips in a short run
     args.checkpoint_every = max(1, min(1000, args.steps // 5))
     args.bucket_cap_mb = (SMALL_GPT if args.device == "cuda" else MLP)["bucket_cap_mb"]
-    return args
-
-
-def main() -> None:
-    args = parse_args()
     if args.device == "cpu":
         torch.set_num_threads(1)  # the ranks share the machine's cores
     dev, _ = init_distributed(args.device)
