@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -36,40 +37,28 @@ SR = dict(bf16_stochastic_round=True)  # stochastic rounding
 F32, B16 = torch.float32, torch.bfloat16
 
 
-def fused(**options):
-    return lambda ps, cuda: shardadam.FusedAdam(ps, lr=1e-4, **options)
-
-
-def distributed(**options):
-    return lambda ps, cuda: shardadam.DistributedFusedAdam(ps, lr=1e-4, **options)
-
-
-def torch_adamw(ps, cuda):
-    return torch.optim.AdamW(ps, lr=1e-4, fused=cuda or None)
-
-
-# name -> (parameter dtype, builder(params, cuda) -> optimizer, torch case it is compared with)
+# name -> (parameter dtype, the optimizer with its options (None: torch's AdamW), torch case it is compared with)
+FA, DFA = partial(shardadam.FusedAdam, lr=1e-4), partial(shardadam.DistributedFusedAdam, lr=1e-4)
 CASES = {
-    FP32: (F32, torch_adamw, None),
-    "FusedAdam fp32": (F32, fused(), FP32),
-    "FusedLion fp32": (F32, lambda ps, cuda: shardadam.FusedLion(ps, lr=1e-4), FP32),
-    "FusedAdam fp32, fp16 scaled states": (F32, fused(exp_avg_dtype=torch.float16, exp_avg_sq_dtype=torch.float16),
-                                           FP32),
-    "FusedAdam fp32, FP8 exp_avg": (F32, fused(exp_avg_dtype=torch.uint8), FP32),
-    "FusedAdam fp32, FP8 states": (F32, fused(**FP8), FP32),
-    "FusedAdam fp32, 8-bit states": (F32, fused(**B8), FP32),
-    "FusedAdam fp32, host state": (F32, fused(state_device="cpu"), FP32),
-    BF16: (B16, torch_adamw, None),
-    "FusedAdam bf16, fp32 masters": (B16, fused(master_weights=True), BF16),
-    "FusedAdam bf16, remainders": (B16, fused(store_param_remainders=True), BF16),
-    "FusedAdam bf16, stochastic rounding": (B16, fused(**SR), BF16),
-    "FusedAdam bf16, stochastic rounding + 8-bit": (B16, fused(**SR, **B8), BF16),
-    "DistributedFusedAdam fp32": (F32, distributed(**BUFFERS), FP32),
-    "DistributedFusedAdam fp32, 8-bit states": (F32, distributed(**B8, **BUFFERS), FP32),
-    "DistributedFusedAdam bf16, stochastic rounding + 8-bit": (B16, distributed(**SR, **B8, **BUFFERS), BF16),
-    "DistributedFusedAdam fp32, separate buffers": (F32, distributed(), FP32),
-    "DistributedFusedAdam bf16, stochastic rounding + 8-bit, separate buffers": (B16, distributed(**SR, **B8),
-                                                                                 BF16),
+    FP32: (F32, None, None),
+    "FusedAdam fp32": (F32, FA, FP32),
+    "FusedLion fp32": (F32, partial(shardadam.FusedLion, lr=1e-4), FP32),
+    "FusedAdam fp32, fp16 scaled states": (F32, partial(FA, exp_avg_dtype=torch.float16,
+                                                        exp_avg_sq_dtype=torch.float16), FP32),
+    "FusedAdam fp32, FP8 exp_avg": (F32, partial(FA, exp_avg_dtype=torch.uint8), FP32),
+    "FusedAdam fp32, FP8 states": (F32, partial(FA, **FP8), FP32),
+    "FusedAdam fp32, 8-bit states": (F32, partial(FA, **B8), FP32),
+    "FusedAdam fp32, host state": (F32, partial(FA, state_device="cpu"), FP32),
+    BF16: (B16, None, None),
+    "FusedAdam bf16, fp32 masters": (B16, partial(FA, master_weights=True), BF16),
+    "FusedAdam bf16, remainders": (B16, partial(FA, store_param_remainders=True), BF16),
+    "FusedAdam bf16, stochastic rounding": (B16, partial(FA, **SR), BF16),
+    "FusedAdam bf16, stochastic rounding + 8-bit": (B16, partial(FA, **SR, **B8), BF16),
+    "DistributedFusedAdam fp32": (F32, partial(DFA, **BUFFERS), FP32),
+    "DistributedFusedAdam fp32, 8-bit states": (F32, partial(DFA, **B8, **BUFFERS), FP32),
+    "DistributedFusedAdam bf16, stochastic rounding + 8-bit": (B16, partial(DFA, **SR, **B8, **BUFFERS), BF16),
+    "DistributedFusedAdam fp32, separate buffers": (F32, DFA, FP32),
+    "DistributedFusedAdam bf16, stochastic rounding + 8-bit, separate buffers": (B16, partial(DFA, **SR, **B8), BF16),
 }
 # --layouts: name -> (parameter dtype, DistributedFusedAdam options)
 LAYOUTS = {
@@ -111,7 +100,7 @@ def run_case(name: str, args, device: torch.device) -> dict:
     dtype, build, _ = CASES[name]
     cuda = device.type == "cuda"
     model = build_model(args, device).to(dtype)
-    opt = build(model.parameters(), cuda)
+    opt = build(model.parameters()) if build else torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda or None)
     tokens = torch.randint(args.vocab, (args.batch, args.seq + 1), device=device)
     x, y, out = tokens[:, :-1], tokens[:, 1:], {}
 
