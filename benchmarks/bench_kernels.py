@@ -28,7 +28,6 @@ import functools
 import itertools
 import statistics
 import sys
-from types import SimpleNamespace
 
 import torch
 
@@ -40,7 +39,6 @@ from timing import clock_ms, free, interleaved, time_steps, time_wall_and_host
 
 LR, WD, BYTES_PER_ELEM = 1e-3, 1e-2, 28
 SHARD = "shardadam"
-Cfg = SimpleNamespace  # a case's timing: reps and warmup
 
 
 def split(total: int, n: int) -> list[int]:
@@ -130,17 +128,17 @@ def copy_gbs(dev: str, numel: int, reps: int, warmup: int) -> float:
     return 2 * numel * 4 / ms / 1e6
 
 
-def compare(case: str, dev: str, impls: dict, elems: int, cfg, copy: float, host: bool = False) -> dict:
-    """Time each implementation (freeing its state after; host: wall and host
-    time, its setup untimed), with bandwidth and ratios to the first one."""
-    rows = []
+def compare(case: str, dev: str, impls: dict, elems: int, cfg: tuple, copy: float, host: bool = False) -> dict:
+    """Time each implementation, cfg = (reps, warmup), freeing its state after (host: wall and host time, its setup
+    untimed), with bandwidth and ratios to the first one."""
+    (reps, warmup), rows = cfg, []
     for name, make in impls.items():
         fn = make()
         if host:
-            ms, host_ms = time_wall_and_host(fn, dev, cfg.reps, cfg.warmup, setup=getattr(fn, "setup", None))
+            ms, host_ms = time_wall_and_host(fn, dev, reps, warmup, setup=getattr(fn, "setup", None))
             row = {"ms": ms, "host_ms": host_ms}
         else:
-            times = time_steps(fn, dev, cfg.reps, cfg.warmup)
+            times = time_steps(fn, dev, reps, warmup)
             row = {"ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times)}
         del fn
         free(dev)
@@ -185,17 +183,17 @@ def run_device(dev: str, args) -> list[dict]:
     copy = copy_gbs(dev, 1 << (28 if cuda else 25), reps=50 if cuda else 10, warmup=5 if cuda else 2)
     if args.fused_adam:
         many = [(1280,)] * 2000 if args.quick else [(4,)] * 20000 if args.overhead else [(12800,)] * 20000
-        cfg = Cfg(reps=20, warmup=3) if cuda else Cfg(reps=3, warmup=1)
+        cfg = (20, 3) if cuda else (3, 1)
         return [case_fused_adam(dev, many, f"{len(many)} params x {many[0][0]}", cfg, copy)] + (
             [] if args.quick or args.overhead else [case_fused_adam(dev, gpt2_medium_shapes(), "GPT-2 medium shapes",
                                                                     cfg, copy)])
     if cuda:
         big, many = (1 << 22, 2000) if args.quick else (1 << 30, 20000)
-        cfg = Cfg(reps=10 if args.quick else 20, warmup=3)
+        cfg = (10 if args.quick else 20, 3)
         return [case(dev, "fp32", 200, big, cfg, copy), case(dev, "mixed", 200, big, cfg, copy),
                 case(dev, "many", many, 12800, cfg, copy)]
     big, many = (1 << 22, 2000) if args.quick else (1 << 25, 20000)
-    cfg = Cfg(reps=10, warmup=2)
+    cfg = (10, 2)
     return [case(dev, "fp32", 64, big, cfg, copy), case(dev, "many", many, 1000, cfg, copy)]
 
 

@@ -199,7 +199,7 @@ def test_kernel_and_step_benchmarks_on_the_cpu():
 
 def test_bench_kernels_and_fused_adam_cases_on_small_cpu_tensors(tmp_path):
     import bench_kernels
-    cfg = bench_kernels.Cfg(reps=2, warmup=1)
+    cfg = (2, 1)  # reps, warmup
     case = bench_kernels.case("cpu", "many", 20, 64, cfg, copy=1.0)
     assert [r["impl"] for r in case["rows"]] == ["torch fused", "shardadam"]
     fused = bench_kernels.case_fused_adam("cpu", [(64,)] * 10, "small", cfg, copy=1.0)
