@@ -115,7 +115,7 @@ def test_svg_ticks_cover_the_range():
 
 # ------------------------------------------------------------------ the scripts' CPU modes
 
-def test_bytes_per_param_counts_the_layouts_exactly():
+def test_bench_memory_layouts_count_the_bytes_exactly():
     rows = table_rows(run("bench_memory", "--layouts", ranks=1))
     # One rank holds every byte: fp32 master, exp_avg, exp_avg_sq and an fp32
     # gradient shard (16 B), plus bucket padding; the contiguous buffers hold
@@ -140,7 +140,7 @@ def test_bench_distributed_tiny_trains_every_implementation():
     assert "loss not finite" not in out
 
 
-def test_bench_capture_tiny(tmp_path):
+def test_bench_distributed_capture_tiny(tmp_path):
     out = run("bench_distributed", "--capture", "--tiny", "--iters", "2", "--configs", "ddp_fused,fp32,bf16_remainders",
               "--out", str(tmp_path / "c.json"), ranks=1)
     assert "every loss finite and falling" in out
@@ -153,7 +153,7 @@ def test_bench_checkpoint_tiny_restores_both_formats(tmp_path):
     assert "restored bit for bit after a further training iteration: portable, sharded (DCP)" in out
 
 
-def test_bench_first_use_and_fsdp2_tiny():
+def test_first_use_and_fsdp2_step_tiny():
     out = run("bench_host_cost", "first-use", "--tiny", "--iters", "2", ranks=1)
     assert set(table_rows(out)) >= {"no_overlap", "hooks_only", "hooks_and_guard", "guard_only"}
     out = run("bench_distributed", "--fsdp2-step", "--tiny", ranks=1)
@@ -177,7 +177,7 @@ def test_quality_scripts_tiny(tmp_path):
         xml.dom.minidom.parse(str(path))
 
 
-def test_bench_capacity_one_attempt():
+def test_bench_capacity_one_size_per_candidate():
     out = run("bench_capacity", "--nproc", "1", "--candidates", "ddp,host:8-bit blockwise states", "--d-model", "64",
               "--heads", "4", "--vocab", "256", "--seq", "32", "--batch", "2", "--layers", "1", "--start", "1")
     rows = table_rows(out)
