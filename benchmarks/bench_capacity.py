@@ -9,8 +9,7 @@ leaves torch and NCCL in no state to go on), walking up from --start while the m
 not. Each attempt's line has its GPU peak, host resident memory and seconds per iteration.
 
     python benchmarks/bench_capacity.py --nproc 2 --out results/capacity_2xh200.jsonl
-    python benchmarks/bench_capacity.py --candidates "host:8-bit blockwise states" --batch 1 --d-model 4096 \
-        --layers 48                                               # one size, state in host memory
+    python benchmarks/bench_capacity.py --candidates "host:8-bit blockwise states" --batch 1 --layers 48  # host state
     python benchmarks/bench_capacity.py --d-model 64 --heads 4 --vocab 256 --seq 32 --layers 1,2 --start 1  # CPU
 """
 from __future__ import annotations
