@@ -222,6 +222,36 @@ def test_bench_hf_llama_tiny(tmp_path):
     xml.dom.minidom.parse(str(out.with_suffix(".svg")))
 
 
+@pytest.mark.cuda
+def test_gpu_modes_of_the_benchmarks(tmp_path):
+    """What the CPU runs cannot reach: the kernel and FusedAdam cases on the GPU, captured runs, optimizer state in
+    host memory with its timelines (both optimizers), and a host-state capacity attempt."""
+    out = run("bench_kernels", "--device", "cuda", "--quick")
+    assert {"cuda fp32, 2^22 el in 200 t", "cuda fp32 master + bf16, 2^22 el in 200 t", "cuda fp32, 2000 x 12800 el"} \
+        <= set(table_rows(out))
+    run("bench_kernels", "--fused-adam", "--device", "cuda", "--overhead", "--out", str(tmp_path / "f.json"))
+    rows = json.loads((tmp_path / "f.json").read_text())["cases"][0]["rows"]
+    assert [r["impl"] for r in rows] == ["torch fused AdamW", "FusedAdam", "FusedAdam, new grads each step",
+                                         "FusedAdam flat_grads", "torch fused AdamW on fp32 masters + copy to bf16",
+                                         "FusedAdam master_weights (bf16 params)"]
+    assert all(r["host_speedup_vs_torch"] > 0 for r in rows)
+    out = run("bench_distributed", "--capture", "--tiny", "--iters", "2", "--configs", "ddp_fused,fp32,bf16_remainders",
+              ranks=1)
+    assert "every loss finite and falling; 2 captured runs within 0.02 of their eager runs' losses" in out
+    for optimizer, kind in (("fused", "fp32"), ("distributed", "8-bit")):
+        result, timeline = tmp_path / f"{optimizer}.json", tmp_path / f"{optimizer}_timeline.json"
+        run("bench_host_state", "--tiny", "--optimizer", optimizer, "--kinds", kind, "--reps", "1", "--rounds", "2",
+            "--out", str(result), "--timeline", str(timeline))
+        row = json.loads(result.read_text())["kinds"][kind]
+        assert len(row["goal"]["over_largest_floor_by_round"]) == 2 and row["host_state_ms"] > 0
+        assert all(json.loads(timeline.read_text())["spans"][lane] for lane in ("compute", "down", "cpu", "up"))
+        run("svg", str(timeline))
+    out = run("bench_capacity", "--candidates", "ddp,host:bf16 stochastic rounding + 8-bit states", "--d-model", "64",
+              "--heads", "4", "--vocab", "256", "--seq", "32", "--batch", "2", "--layers", "1", "--start", "1")
+    rows = table_rows(out)
+    assert rows["ddp"][0] == rows["host:bf16 stochastic rounding + 8-bit states"][0] == "1"
+
+
 @pytest.mark.parametrize("result", [
     "bench_distributed_s7_final_2xh200.json", "soak_2xh200.json", "host_timeline_distributed_8bit_h200.json"])
 def test_plots_redraw_the_recorded_results(tmp_path, result):
