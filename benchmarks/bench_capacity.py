@@ -1,15 +1,16 @@
 #!/usr/bin/env python
 """Capacity: the largest GPT that trains on these GPUs, per optimizer and storage kind.
 
-Goal: DistributedFusedAdam's low-bit kinds train larger models than DDP and
-FSDP2 with fp32 AdamW on the same GPUs. Judged by the largest depth (and
-parameters) that trains per candidate, against DDP's. The GPT of models.py at
-a fixed width grown in depth, two iterations with finite losses; each attempt a
-fresh torchrun (an out-of-memory error leaves torch and NCCL in no state to go
-on), walking up from --start while the model trains and down while it does not.
+Goal: DistributedFusedAdam's low-bit kinds train larger models than DDP and FSDP2 with fp32 AdamW on the same GPUs,
+and FusedAdam with its state in host memory (host:KIND; torchao: its CPUOffloadOptimizer) several times the size.
+Judged by the largest depth (and parameters) that trains per candidate, against DDP's. The GPT of models.py at a
+fixed width grown in depth, two iterations with finite losses; each attempt a fresh torchrun (an out-of-memory error
+leaves torch and NCCL in no state to go on), walking up from --start while the model trains and down while it does
+not. Each attempt's line has its GPU peak, host resident memory and seconds per iteration.
 
     python benchmarks/bench_capacity.py --nproc 2 --out results/capacity_2xh200.jsonl
-    python benchmarks/bench_capacity.py --nproc 2 --tiny          # smoke run, CPU (gloo) or GPU
+    python benchmarks/bench_capacity.py --candidates "host:8-bit blockwise states" --batch 1 --layers 48  # host state
+    python benchmarks/bench_capacity.py --d-model 64 --heads 4 --vocab 256 --seq 32 --layers 1,2 --start 1  # CPU
 """
 from __future__ import annotations
 
@@ -25,29 +26,33 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from bench_distributed import build_ddp_fused, build_fsdp2, build_shardadam
-from harness import agree_on_error, choose, fmt, init_distributed, max_over_ranks, md_table
+import shardadam
+from bench_distributed import build_ddp, build_fsdp2, build_shardadam
+from harness import agree_on_error, choose, fmt, init_distributed, max_over_ranks, md_table, rss_bytes
 from models import BLOCKWISE8, KINDS as STORAGE_KINDS, STOCHASTIC, build_model, lm_loss
 
-# name -> (parameter dtype, DistributedFusedAdam options)
+# name -> (parameter dtype, DistributedFusedAdam / FusedAdam options)
 KINDS = {name: STORAGE_KINDS[name] for name in ("fp32", "FP8 states", "8-bit blockwise states")}
 KINDS["bf16 stochastic rounding + 8-bit states"] = (torch.bfloat16, {**STOCHASTIC, **BLOCKWISE8})
-CANDIDATES = ("ddp", "fsdp2", *(f"shardadam:{kind}" for kind in KINDS))
-TINY = dict(d_model=64, heads=4, vocab=256, seq=32, layers="1,2,3", start=2)
+CANDIDATES = ("ddp", "fsdp2", *(f"shardadam:{kind}" for kind in KINDS))  # the default: state on the GPUs
+HOST_CANDIDATES = (*(f"host:{kind}" for kind in KINDS), "torchao")
+GIB = 2**30
 
 
 def build(candidate: str, model, args, cuda: bool):
     """(module to call, optimizer) for one candidate on a fresh model:
-    bench_distributed.py's builders."""
+    bench_distributed.py's builders, or an optimizer with its state on the host."""
     if candidate == "ddp":
-        return build_ddp_fused(model, args, cuda)
+        return build_ddp(model, args, cuda)
     if candidate == "fsdp2":
         return build_fsdp2(model, args, cuda, reshard_after_forward=True)
-    return build_shardadam(model, args, cuda, contiguous_grad_buffer=True, **KINDS[candidate.split(":", 1)[1]][1])
-
-
-def param_dtype(candidate: str) -> torch.dtype:
-    return KINDS[candidate.split(":", 1)[1]][0] if candidate.startswith("shardadam:") else torch.float32
+    if candidate == "torchao":
+        from torchao.optim import CPUOffloadOptimizer
+        return model, CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=args.lr, fused=True)
+    where, kind = candidate.split(":", 1)
+    if where == "host":
+        return model, shardadam.FusedAdam(model.parameters(), lr=args.lr, state_device="cpu", **KINDS[kind][1])
+    return build_shardadam(model, args, cuda, contiguous_grad_buffer=True, **KINDS[kind][1])
 
 
 def attempt(args) -> None:
@@ -62,20 +67,22 @@ def attempt(args) -> None:
 
     def reached(phase: str) -> None:
         if cuda:
-            peaks.append(torch.cuda.max_memory_allocated(dev) / 2**30)
-            phases[phase] = [round(torch.cuda.memory_allocated(dev) / 2**30, 2), round(peaks[-1], 2)]
+            peaks.append(torch.cuda.max_memory_allocated(dev) / GIB)
+            phases[phase] = [round(torch.cuda.memory_allocated(dev) / GIB, 2), round(peaks[-1], 2)]
             torch.cuda.reset_peak_memory_stats(dev)
 
     try:
-        model = build_model(args, dev, param_dtype(args.candidate))  # seed 0 on every rank: FSDP2 shards copies
+        dtype = KINDS[args.candidate.split(":", 1)[1]][0] if ":" in args.candidate else torch.float32
+        model = build_model(args, dev, dtype)  # seed 0 on every rank: FSDP2 shards copies
         result["params"] = sum(p.numel() for p in model.parameters())
         reached("model")
         module, opt = build(args.candidate, model, args, cuda)
         reached("optimizer")
         tokens = torch.randint(args.vocab, (args.batch, args.seq + 1), device=dev,
                                generator=torch.Generator(dev).manual_seed(dist.get_rank()))
-        losses = []
+        losses, seconds = [], []
         for i in range(1, 3):
+            t0 = time.perf_counter()
             loss = lm_loss(module, tokens[:, :-1], tokens[:, 1:], cuda)
             reached(f"forward {i}")
             loss.backward()
@@ -84,7 +91,8 @@ def attempt(args) -> None:
             reached(f"step {i}")
             opt.zero_grad(set_to_none=True)
             losses.append(loss.item())
-        result.update(losses=losses, trains=all(v == v for v in losses))
+            seconds.append(time.perf_counter() - t0)
+        result.update(losses=losses, seconds_per_iteration=seconds, trains=all(v == v for v in losses))
     except (torch.OutOfMemoryError, RuntimeError) as e:
         where = traceback.extract_tb(e.__traceback__)[-3:]
         error = (f"{type(e).__name__}: {str(e).splitlines()[0][:200]} (after {list(phases)[-1:]}, in "
@@ -92,17 +100,16 @@ def attempt(args) -> None:
     error = agree_on_error(error, dev)
     if error:
         result.update(error=error, trains=False)
-    if cuda:
-        peak = max(peaks + [torch.cuda.max_memory_allocated(dev) / 2**30])  # the failing phase's too
-        result["gpu_peak_gib"] = max_over_ranks([peak], dev)[0]
+    peak = max(peaks + [torch.cuda.max_memory_allocated(dev) / GIB]) if cuda else 0.0  # the failing phase's too
+    peak, resident = max_over_ranks([peak, rss_bytes() / GIB], dev)
+    result.update(gpu_peak_gib=peak if cuda else None, host_resident_gib=resident)
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(result), flush=True)
     dist.destroy_process_group()
 
 
 def run_attempt(args, candidate: str, layers: int) -> dict:
-    """A fresh torchrun for one size; a run that ends without a result (killed,
-    hung past --timeout) counts as not training."""
+    """A fresh torchrun for one size; one that ends without a result (killed, hung past --timeout) does not train."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc),
            os.path.abspath(__file__), "--attempt", "--candidate", candidate, "--layers", str(layers),
            "--d-model", str(args.d_model), "--heads", str(args.heads), "--vocab", str(args.vocab),
@@ -120,8 +127,7 @@ def run_attempt(args, candidate: str, layers: int) -> dict:
 
 
 def search(args, candidate: str, record) -> dict | None:
-    """The largest depth of args.layers that trains, walking from --start:
-    the attempt that trains with the most layers, or None."""
+    """The attempt that trains with the most layers of args.layers, walking from --start, or None."""
     depths = args.layers
     i = min(range(len(depths)), key=lambda j: abs(depths[j] - args.start))
     best, tried = None, {}
@@ -139,8 +145,8 @@ def search(args, candidate: str, record) -> dict | None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nproc", type=int, default=1, help="ranks (GPUs) per attempt")
-    ap.add_argument("--candidates", default=",".join(CANDIDATES),
-                    help="comma-separated subset of: " + ", ".join(CANDIDATES))
+    ap.add_argument("--candidates", default=",".join(CANDIDATES), help="comma-separated subset of: "
+                    + ", ".join(CANDIDATES + HOST_CANDIDATES) + " (default: those with state on the GPUs)")
     ap.add_argument("--d-model", type=int, default=4096)
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--vocab", type=int, default=50304)
@@ -151,21 +157,17 @@ def main() -> None:
     ap.add_argument("--start", type=int, default=36, help="the depth each search starts from")
     ap.add_argument("--bucket-cap-mb", type=float, default=100, help="DistributedFusedAdam's bucket size in MiB")
     ap.add_argument("--timeout", type=float, default=900, help="seconds one attempt may take")
-    ap.add_argument("--tiny", action="store_true", help=f"smoke run: {TINY}")
     ap.add_argument("--out", help="append every attempt here as a JSON line")
     ap.add_argument("--attempt", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--candidate", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.lr = 1e-4  # what the builders train with: two steps only, any small rate does
-    if args.tiny:
-        for key, value in TINY.items():
-            setattr(args, key, value)
     if args.attempt:
         args.layers = int(args.layers)
         attempt(args)
         return
     args.layers = [int(v) for v in str(args.layers).split(",")]
-    candidates = choose(ap, args.candidates, CANDIDATES, "--candidates")
+    candidates = choose(ap, args.candidates, CANDIDATES + HOST_CANDIDATES, "--candidates")
     if args.layers != sorted(args.layers):
         ap.error("--layers must be ascending")
 
@@ -179,10 +181,11 @@ def main() -> None:
     print(f"\nlargest GPT that trains (d_model {args.d_model}, batch {args.batch} x {args.seq} per rank, "
           f"{args.nproc} rank(s)):")
     ddp = best.get("ddp")
-    print(md_table(["candidate", "layers", "parameters", "GPU peak, GiB", "parameters vs DDP"], [
-        [c, f"none of {args.layers[0]}-{args.layers[-1]}", "-", "-", "-"] if r is None else
+    print(md_table(["candidate", "layers", "parameters", "GPU peak, GiB", "host resident, GiB", "parameters vs DDP"], [
+        [c, f"none of {args.layers[0]}-{args.layers[-1]}", "-", "-", "-", "-"] if r is None else
         [c, r["layers"], f"{r['params'] / 1e9:.2f}B", fmt(r.get("gpu_peak_gib"), ".1f"),
-         fmt(r["params"] / ddp["params"] if ddp else None, ".2f")] for c, r in best.items()]))
+         fmt(r.get("host_resident_gib"), ".1f"), fmt(r["params"] / ddp["params"] if ddp else None, ".2f")]
+        for c, r in best.items()]))
 
 
 if __name__ == "__main__":

@@ -1,14 +1,12 @@
 #!/usr/bin/env python
 """Checkpoint save and load of DistributedFusedAdam: time and peak host/device memory per rank.
 
-Goal: a large model's checkpoint saves and loads in seconds, bit for bit, with
-at most one bucket of extra device memory. Judged by each format's save and
-load seconds and GB/s, and their peak host and device memory (maximum over
-ranks). Formats: portable (state_dict(gather_on_root=True), rank 0 writes, every
-rank reads), its gather on every rank, and sharded (torch.distributed.checkpoint
-of sharded_state_dict()). Phases run between barriers; files leave the page
-cache before each load (unless --warm-cache); one more iteration between save
-and load gives the load something to restore, bit for bit.
+Goal: a large model's checkpoint saves and loads in seconds, bit for bit, with at most one bucket of extra device
+memory. Judged by each format's save and load seconds and GB/s, and their peak host and device memory (maximum over
+ranks). Formats: portable (state_dict(gather_on_root=True), rank 0 writes, every rank reads), its gather on every
+rank, and sharded (torch.distributed.checkpoint of sharded_state_dict()). Phases run between barriers; files leave
+the page cache before each load; one more iteration between save and load gives the load something to restore, bit
+for bit.
 
     torchrun --nproc_per_node 2 benchmarks/bench_checkpoint.py --out results.json --dir /tmp/ckpt
     torchrun --nproc_per_node 2 benchmarks/bench_checkpoint.py --tiny --dir /tmp/ckpt_tiny   # smoke run
@@ -18,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import subprocess
 import threading
 import time
 from functools import partial
@@ -25,75 +24,56 @@ from functools import partial
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.nn.functional as F
 
 import shardadam
 from bench_distributed import WEIGHT_DECAY
-from harness import (add_run_args, choose, describe, fmt, gpt_meta, init_distributed, md_table, parse_gpt_args,
-                     release_host_memory, rss_bytes, say, write_json)
-from models import FULL, SIZE_KEYS, add_size_args, autocast, build_model, make_batch
+from harness import (add_run_args, choose, fmt, md_table, parse_gpt_args, release_host_memory, rss_bytes, say,
+                     start_gpt, write_json)
+from models import FULL, SIZE_KEYS, add_size_args, build_model, lm_loss, make_batch
 from shardadam.distributed.sharded_checkpoint import local_pieces
 from timing import sync
 
-LR = 1e-4
 STATE_BYTES_PER_PARAM = 12  # fp32 master, exp_avg, exp_avg_sq: what every format moves
 PORTABLE, EVERY_RANK, SHARDED = "portable", "portable, every rank", "sharded (DCP)"
 FORMATS = ("portable", "every-rank", "sharded")  # --formats names of the three
-SHARDED_DIR = "bench_checkpoint_sharded"
 MIB = 2**20
 
 
-class PeakRss:
-    """The process's peak resident set while a phase runs, sampled by a thread
-    (ru_maxrss only ever grows, so it cannot tell one phase's peak)."""
-
-    def __init__(self, interval: float = 0.005):
-        self.start = self.peak = rss_bytes()
-        self._interval, self._done = interval, threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-
-    def _sample(self) -> None:
-        while not self._done.wait(self._interval):
-            self.peak = max(self.peak, rss_bytes())
-
-    def stop(self) -> tuple[int, int]:
-        self._done.set()
-        self._thread.join()
-        self.peak = max(self.peak, rss_bytes())
-        return self.start, self.peak
-
-
 class Phases:
-    """Each phase timed on every rank between barriers, its records kept; rank
-    0 prints each phase's row (maximum over ranks) as soon as it ends, and
-    rewrites --out with everything so far."""
+    """Each phase timed on every rank between barriers, its records kept; rank 0 prints each phase's row (maximum over
+    ranks) as soon as it ends, and rewrites --out with everything so far."""
 
     def __init__(self, out: str | None, meta: dict, cuda: bool):
         self.out, self.meta, self.cuda, self.t0, self.records = out, meta, cuda, time.perf_counter(), []
 
     def run(self, fmt_name: str, name: str, part: str | None, fn, nbytes=None):
-        """fn() on every rank; returns fn's result and this rank's record of it
-        (wall seconds, host and device memory at the start and at the peak).
-        `part` ("save" or "load") groups phases into the totals; nbytes (a
-        number, or a function of nothing called after the phase: a file's
-        size) are the bytes it moved, for GB/s."""
+        """fn() on every rank; returns fn's result and records its wall seconds and host and device memory at the start
+        and at the peak (host: sampled by a thread, as ru_maxrss only ever grows). `part` ("save" or "load") groups
+        phases into the totals; nbytes (a number, or a function called after the phase: a file's size) are the bytes it
+        moved."""
         release_host_memory()
         sync(self.cuda)
         dist.barrier()
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
-        device_start = torch.cuda.memory_allocated() if self.cuda else None
-        host = PeakRss()
+        record = dict(format=fmt_name, phase=name, part=part, bytes=nbytes, file_bytes=None,
+                      device_start=torch.cuda.memory_allocated() if self.cuda else None,
+                      host_start=rss_bytes(), host_peak=rss_bytes())
+        done = threading.Event()
+
+        def sample() -> None:
+            while not done.wait(0.005):
+                record["host_peak"] = max(record["host_peak"], rss_bytes())
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
         t0 = time.perf_counter()
         result = fn()
         sync(self.cuda)
-        seconds = time.perf_counter() - t0
-        host_start, host_peak = host.stop()
-        record = dict(format=fmt_name, phase=name, part=part, seconds=seconds, host_start=host_start,
-                      host_peak=host_peak, device_start=device_start,
-                      device_peak=torch.cuda.max_memory_allocated() if self.cuda else None, bytes=nbytes,
-                      file_bytes=None)
+        record["seconds"] = time.perf_counter() - t0
+        done.set()
+        sampler.join()
+        record.update(host_peak=max(record["host_peak"], rss_bytes()),
+                      device_peak=torch.cuda.max_memory_allocated() if self.cuda else None)
         self.records.append(record)
         dist.barrier()  # after the record: a rank's time is its own work, not its wait for the others
         if callable(nbytes):  # every rank's files are written now
@@ -101,19 +81,17 @@ class Phases:
         self.report()
         return result
 
-    def report(self, show: str | None = "phase") -> list[dict] | None:
-        """Every rank's records so far (one collective, outside the timed
-        phases); rank 0 prints the last phase's row (show="phase") or its
-        format's sums ("sums"), rewrites --out and returns the rows."""
+    def report(self, show: bool = True) -> list[dict] | None:
+        """Every rank's records so far (one collective, outside the timed phases); rank 0 prints the last phase's row
+        (with show), rewrites --out and returns the rows."""
         per_rank = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, self.records)
         if dist.get_rank() != 0:
             return None
         rows, last = summarise(per_rank), self.records[-1]
         for r in rows:
-            if show and r["format"] == last["format"] and (" = " in r["phase"] if show == "sums"
-                                                           else r["phase"] == last["phase"]):
-                print(f"  {r['format']:<22} {r['phase']:<45} {r['seconds']:8.3f} s   peak host "
+            if show and (r["format"], r["phase"]) == (last["format"], last["phase"]):
+                print(f"  {r['format']:<22} {r['phase']:<25} {r['seconds']:8.3f} s   peak host "
                       f"{r['peak_host_mib']:9.1f} MiB   peak device {fmt(r['peak_device_mib'], '9.1f')} MiB",
                       flush=True)
         write_json(self.out, meta=dict(self.meta, wall_seconds=time.perf_counter() - self.t0), rows=rows,
@@ -125,45 +103,16 @@ def files(path: str) -> list[str]:
     return [path] if os.path.isfile(path) else [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
 
 
-def size_of(path: str) -> int:
-    return sum(os.path.getsize(name) for name in files(path))
-
-
-def evict_page_cache(path: str) -> None:
-    """Drop a file's (or a directory's files') clean pages from the page cache."""
-    for name in files(path):
-        fd = os.open(name, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def filesystem(path: str) -> str:
-    """The type of the filesystem holding path (tmpfs: files live in host memory)."""
-    path, best, kind = os.path.realpath(path), "", "unknown"
-    with open("/proc/mounts") as f:
-        for line in f:
-            _, mount, fs_type = line.split()[:3]
-            if (path == mount or path.startswith(mount.rstrip("/") + "/")) and len(mount) > len(best):
-                best, kind = mount, fs_type
-    return kind
-
-
 def train_step(model, opt, inputs, targets, cuda: bool) -> None:
-    with autocast(cuda):
-        loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
-    loss.backward()
+    lm_loss(model, inputs, targets, cuda).backward()
     opt.step()  # overlap_param_sync=False: step() ends with the parameter all-gather
     opt.zero_grad()
 
 
 def snapshot(model, opt, portable: bool) -> dict:
-    """Copies of what a checkpoint must bring back, on this rank: its pieces of
-    every state (together the ranks' pieces are the whole state), the groups'
-    steps and hyperparameters, and the model's parameters (load makes them the
-    loaded masters); with portable, the whole portable state_dict() as well.
-    Every rank must call it."""
+    """Copies of what a checkpoint must bring back, on this rank: its pieces of every state (together the ranks' pieces
+    are the whole state), the groups' steps and hyperparameters, and the model's parameters (load makes them the loaded
+    masters); with portable, the whole portable state_dict() as well. Every rank must call it."""
     pieces = [piece.clone() for state in opt.sharded_state_dict()["state"].values()
               for _, piece in local_pieces(state)]
     return dict(pieces=pieces, groups=[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
@@ -183,79 +132,21 @@ def same(a, b) -> bool:
     return a == b
 
 
-class Trainee:
-    """The model and optimizer whose state the checkpoints save, and the
-    reference snapshot a load must restore."""
-
-    def __init__(self, model, opt, batch, dev: torch.device, cuda: bool, portable: bool):
-        self.model, self.opt, self.batch, self.dev, self.cuda = model, opt, batch, dev, cuda
-        self.reference = snapshot(model, opt, portable)
-
-    def restored(self) -> bool:
-        """Whether the state equals the reference snapshot on every rank."""
-        now = snapshot(self.model, self.opt, self.reference["portable"] is not None)
-        ok = torch.tensor([same(now, self.reference)], dtype=torch.int32, device=self.dev)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-        return bool(ok.item())
-
-    def train_past(self) -> None:
-        """One more iteration after the save, so that the load has something to
-        restore (loading over an unchanged state would prove nothing)."""
-        train_step(self.model, self.opt, *self.batch, self.cuda)
-        if self.restored():
-            raise RuntimeError("a training iteration left the optimizer state unchanged: the restore check would "
-                               "prove nothing")
-
-
-def write_on_root(obj, path: str) -> None:
-    if dist.get_rank() == 0:
-        shardadam.checkpoint.save(obj, path)
-
-
 def dcp_read(opt, directory: str) -> dict:
     state = {"optimizer": opt.sharded_state_dict()}  # the template dcp.load fills, in place where it can
     dcp.load(state, checkpoint_id=directory)
     return state
 
 
-def round_trip(fmt_name: str, path: str, save, write, read, load, state_bytes=None, *, phases: Phases,
-               trainee: Trainee, evict: bool) -> None:
-    """A format's save phases (save: (name, fn) making the state, write: (name,
-    fn(state)) writing it to path), one more iteration, then its load phases
-    (read: (name, fn) reading path, load: (name, fn(read's result))); the
-    restore is checked and path removed (--dir needs room for one at a time)."""
-    state = phases.run(fmt_name, save[0], "save", save[1], state_bytes)
-    phases.run(fmt_name, write[0], "save", partial(write[1], state), partial(size_of, path))
-    del state
-    trainee.train_past()
-    if dist.get_rank() == 0 and evict:
-        evict_page_cache(path)
-    state = phases.run(fmt_name, read[0], "load", read[1], partial(size_of, path))
-    phases.run(fmt_name, load[0], "load", partial(load[1], state))
-    del state
-    if not trainee.restored():
-        raise RuntimeError(f"{fmt_name}: the loaded optimizer state (or the model's parameters) differs from the "
-                           "saved one")
-    if dist.get_rank() == 0:
-        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-    phases.report("sums")
-
-
-def increase(records: list[dict], key: str) -> float | None:
-    """Peak above the first record's start, in MiB (None without a device)."""
-    if records[0][f"{key}_start"] is None:
-        return None
-    return (max(r[f"{key}_peak"] for r in records) - records[0][f"{key}_start"]) / MIB
-
-
 def row(fmt_name: str, name: str, per_rank: list[list[dict]]) -> dict:
-    """One table row from each rank's records of it (one phase, or a part's
-    phases in order): the maximum over ranks, and every rank's values."""
+    """One table row from each rank's records of it (one phase, or a part's phases in order): the maximum over ranks,
+    and every rank's values; peaks above the first record's start, in MiB (None without a device)."""
+    def increase(recs, key):
+        start = recs[0][f"{key}_start"]
+        return None if start is None else (max(r[f"{key}_peak"] for r in recs) - start) / MIB
     seconds = [sum(r["seconds"] for r in recs) for recs in per_rank]
-    host = [increase(recs, "host") for recs in per_rank]
-    device = [increase(recs, "device") for recs in per_rank]
-    sizes = [r["bytes"] for r in per_rank[0] if r["bytes"] is not None]
-    file_sizes = [r["file_bytes"] for r in per_rank[0] if r["file_bytes"] is not None]
+    host, device = ([increase(recs, key) for recs in per_rank] for key in ("host", "device"))
+    sizes, file_sizes = ([r[key] for r in per_rank[0] if r[key] is not None] for key in ("bytes", "file_bytes"))
     return dict(format=fmt_name, phase=name, seconds=max(seconds),
                 gb_per_s=max(sizes) / max(seconds) / 1e9 if sizes else None,
                 peak_host_mib=max(host), peak_device_mib=None if device[0] is None else max(device),
@@ -264,8 +155,7 @@ def row(fmt_name: str, name: str, per_rank: list[list[dict]]) -> dict:
 
 
 def summarise(per_rank: list[list[dict]]) -> list[dict]:
-    """Each phase's row, and after each format a row per part of several
-    phases ("save", "load") that adds them up."""
+    """Each phase's row, and after each format a row per part of several phases ("save", "load") that adds them up."""
     rows, first = [], per_rank[0]
     for fmt_name in dict.fromkeys(r["format"] for r in first):
         index = [i for i, r in enumerate(first) if r["format"] == fmt_name]
@@ -278,73 +168,90 @@ def summarise(per_rank: list[list[dict]]) -> list[dict]:
     return rows
 
 
-def table(rows: list[dict]) -> str:
-    return md_table(["format", "phase", "seconds", "GB/s", "peak host MiB", "peak device MiB", "file MiB"],
-                    [[r["format"], r["phase"], f"{r['seconds']:.3f}", fmt(r["gb_per_s"], ".2f"),
-                      f"{r['peak_host_mib']:.1f}", fmt(r["peak_device_mib"], ".1f"), fmt(r["file_mib"], ".1f")]
-                     for r in rows], "llrrrrr")
-
-
-def parse_args():
+def main() -> None:
+    start = time.perf_counter()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", required=True, help="where the checkpoints are written (and removed once measured)")
     add_size_args(ap)
     ap.add_argument("--formats", default=",".join(FORMATS),
                     help=f"comma-separated subset of {','.join(FORMATS)} (default: all, in this order)")
-    ap.add_argument("--warm-cache", action="store_true",
-                    help="leave the written files in the page cache: loads then time the software path, not the disk")
     add_run_args(ap, lr=None, out="write the results here as JSON (rewritten after every phase)")
     args = parse_gpt_args(ap, FULL, (*SIZE_KEYS, "bucket_cap_mb"))
-    args.formats = choose(ap, args.formats, FORMATS, "--formats")
-    return args
-
-
-def main() -> None:
-    start = time.perf_counter()
-    args = parse_args()
-    dev, cuda = init_distributed()
+    formats = choose(ap, args.formats, FORMATS, "--formats")
+    # tmpfs would hold the files in host memory
+    fs = subprocess.run(["stat", "-f", "-c", "%T", args.dir], capture_output=True, text=True).stdout.strip()
+    dev, cuda, n_params, meta = start_gpt(args, note=f"; checkpoints in {os.path.abspath(args.dir)} ({fs})")
+    meta.update(dir=os.path.abspath(args.dir), filesystem=fs)
+    portable, sharded = (os.path.join(args.dir, f"bench_checkpoint_{name}") for name in ("portable.pt", "sharded"))
     if dist.get_rank() == 0:  # a previous run's directory may hold more ranks' files
         os.makedirs(args.dir, exist_ok=True)
-        shutil.rmtree(os.path.join(args.dir, SHARDED_DIR), ignore_errors=True)
-
+        shutil.rmtree(sharded, ignore_errors=True)
     model = build_model(args, dev)
-    n_params = sum(p.numel() for p in model.parameters())
-    opt = shardadam.DistributedFusedAdam(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY,
+    opt = shardadam.DistributedFusedAdam(model.parameters(), lr=1e-4, weight_decay=WEIGHT_DECAY,
                                          bucket_cap_mb=args.bucket_cap_mb, overlap_param_sync=False,
                                          contiguous_param_buffer=True)
     batch = make_batch(args, 1, dev)
     train_step(model, opt, *batch, cuda)
-    meta = gpt_meta(args, dev, n_params, dir=os.path.abspath(args.dir), filesystem=filesystem(args.dir),
-                    page_cache="kept (--warm-cache)" if args.warm_cache else "evicted before each load")
-    say(f"{describe(meta, args)}; checkpoints in {meta['dir']} ({meta['filesystem']})")
-    trainee = Trainee(model, opt, batch, dev, cuda, portable=args.tiny)
+    reference = snapshot(model, opt, portable=args.tiny)
     say(f"set up in {time.perf_counter() - start:.1f} s (process group, model, optimizer, first iteration, "
         f"reference copy of the state)")
     phases = Phases(args.out, meta, cuda)
     state_bytes = STATE_BYTES_PER_PARAM * n_params
-    portable, sharded = (os.path.join(args.dir, name) for name in ("bench_checkpoint_portable.pt", SHARDED_DIR))
-    trip = partial(round_trip, phases=phases, trainee=trainee, evict=not args.warm_cache)
-    if "portable" in args.formats:
+
+    def restored() -> bool:
+        """Whether the state equals the reference snapshot on every rank."""
+        ok = torch.tensor([same(snapshot(model, opt, args.tiny), reference)], dtype=torch.int32, device=dev)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        return bool(ok.item())
+
+    def trip(fmt_name: str, path: str, save, write, read, load, state_bytes=None) -> None:
+        """A format's save phases (save: (name, fn) making the state, write: (name, fn(state)) writing it to
+        path), one more iteration (loading over an unchanged state would prove nothing), its load phases (read:
+        (name, fn) reading path out of the page cache, load: (name, fn(read's result))); the restore is checked
+        and path removed (--dir needs room for one at a time)."""
+        size = lambda: sum(map(os.path.getsize, files(path)))  # noqa: E731
+        state = phases.run(fmt_name, save[0], "save", save[1], state_bytes)
+        phases.run(fmt_name, write[0], "save", partial(write[1], state), size)
+        del state
+        train_step(model, opt, *batch, cuda)
+        if restored():
+            raise RuntimeError("a training iteration left the optimizer state unchanged: the restore check would "
+                               "prove nothing")
+        for name in files(path) if dist.get_rank() == 0 else []:  # out of the page cache
+            fd = os.open(name, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+        state = phases.run(fmt_name, read[0], "load", read[1], size)
+        phases.run(fmt_name, load[0], "load", partial(load[1], state))
+        del state
+        if not restored():
+            raise RuntimeError(f"{fmt_name}: the loaded optimizer state (or the model's parameters) differs from "
+                               "the saved one")
+        if dist.get_rank() == 0:
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    if "portable" in formats:
         trip(PORTABLE, portable, ("gather", partial(opt.state_dict, gather_on_root=True)),
-             ("write", lambda sd: write_on_root({"optimizer": sd}, portable)),
+             ("write", lambda sd: dist.get_rank() == 0 and shardadam.checkpoint.save({"optimizer": sd}, portable)),
              ("read", partial(shardadam.checkpoint.load, portable)),
              ("load_state_dict", lambda ckpt: opt.load_state_dict(ckpt["optimizer"])), state_bytes)
-    if "every-rank" in args.formats:
+    if "every-rank" in formats:
         phases.run(EVERY_RANK, "gather", None, opt.state_dict, state_bytes)
-    if "sharded" in args.formats:
+    if "sharded" in formats:
         trip(SHARDED, sharded, ("sharded_state_dict", opt.sharded_state_dict),
              ("dcp.save", lambda state: dcp.save({"optimizer": state}, checkpoint_id=sharded)),
              ("dcp.load", partial(dcp_read, opt, sharded)),
              ("load_sharded_state_dict", lambda state: opt.load_sharded_state_dict(state["optimizer"])))
-    rows = phases.report(None)
+    rows = phases.report(show=False)
     if rows is not None:
-        print()
-        print(table(rows))
-        restored = [name for name, key in ((PORTABLE, "portable"), (SHARDED, "sharded")) if key in args.formats]
-        if restored:
-            print(f"restored bit for bit after a further training iteration: {', '.join(restored)}")
+        checked = [name for name, key in ((PORTABLE, "portable"), (SHARDED, "sharded")) if key in formats]
+        print("", md_table(["format", "phase", "seconds", "GB/s", "peak host MiB", "peak device MiB", "file MiB"],
+                           [[r["format"], r["phase"], f"{r['seconds']:.3f}", fmt(r["gb_per_s"], ".2f"),
+                             f"{r['peak_host_mib']:.1f}", fmt(r["peak_device_mib"], ".1f"), fmt(r["file_mib"], ".1f")]
+                            for r in rows], "llrrrrr"), sep="\n")
+        if checked:
+            print(f"restored bit for bit after a further training iteration: {', '.join(checked)}")
         print(f"whole run {time.perf_counter() - start:.1f} s (from main(): imports excluded)", flush=True)
-    del opt, trainee  # before the process group goes (gloo can abort at exit otherwise: README)
+    del opt, reference  # before the process group goes (gloo can abort at exit otherwise: README)
     dist.destroy_process_group()
 
 

@@ -1,10 +1,9 @@
 #!/usr/bin/env python
 """Hugging Face LlamaForCausalLM trained with DistributedFusedAdam, DDP and FSDP2, in one torchrun job.
 
-Goal: DistributedFusedAdam trains a Hugging Face model as fast as DDP and FSDP2
-with torch's fused AdamW, to the same loss. Judged by tokens/s against DDP's,
-and the loss curves (svg.py draws them). A 1B Llama from its config, trained
-from the same seed on the same batches of Python source bytes.
+Goal: DistributedFusedAdam trains a Hugging Face model as fast as DDP and FSDP2 with torch's fused AdamW, to the
+same loss. Judged by tokens/s against DDP's, and the loss curves (svg.py draws them). A 1B Llama from its config,
+trained from the same seed on the same batches of Python source bytes.
 
     torchrun --standalone --nproc_per_node 2 benchmarks/bench_hf_llama.py \\
         --out benchmarks/results/bench_hf_llama_2xh200.json
@@ -18,16 +17,20 @@ import contextlib
 import gc
 import os
 import sys
+from functools import partial
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from train import corpus  # noqa: E402
 
 import shardadam  # noqa: E402
-from harness import choose, init_distributed, say, write_json  # noqa: E402
+from harness import add_device_arg, choose, finish, init_distributed, run_meta, say  # noqa: E402
+from models import fill_defaults  # noqa: E402
 from timing import timed_calls  # noqa: E402
 
 RUNS = ("shardadam", "ddp", "fsdp2")
@@ -36,21 +39,18 @@ OPTIM = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 def llama_config(tiny: bool):
     from transformers import LlamaConfig
-    if tiny:
-        return LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
-                           num_key_value_heads=4, vocab_size=512, max_position_embeddings=256,
-                           tie_word_embeddings=False)
-    return LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=18, num_attention_heads=16,
-                       num_key_value_heads=16, vocab_size=32000, max_position_embeddings=2048,
-                       tie_word_embeddings=False)
+    sizes = (dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4, vocab_size=512,
+                  max_position_embeddings=256) if tiny else
+             dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=18, num_attention_heads=16,
+                  vocab_size=32000, max_position_embeddings=2048))
+    return LlamaConfig(**sizes, num_key_value_heads=sizes["num_attention_heads"], tie_word_embeddings=False)
 
 
 def build_model(config, device: torch.device):
     from transformers import LlamaForCausalLM
     torch.manual_seed(0)
     with device:
-        model = LlamaForCausalLM(config)
-    return model.train()
+        return LlamaForCausalLM(config).train()
 
 
 def setup(run: str, model, device: torch.device, bucket_cap_mb: float):
@@ -61,20 +61,15 @@ def setup(run: str, model, device: torch.device, bucket_cap_mb: float):
                                              contiguous_param_buffer=True,
                                              store_params=False)  # fp32 parameters are their own masters
         return model, opt, opt.clip_grad_norm
-    fused = dict(fused=True)
     if run == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-        ids = [device.index] if device.type == "cuda" else None
-        wrapped = DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=bucket_cap_mb,
-                                          gradient_as_bucket_view=True)
-        opt = torch.optim.AdamW(model.parameters(), **OPTIM, **fused)
-        return wrapped, opt, lambda n: torch.nn.utils.clip_grad_norm_(model.parameters(), n)
-    from torch.distributed.fsdp import fully_shard
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), **OPTIM, **fused)
-    return model, opt, lambda n: torch.nn.utils.clip_grad_norm_(model.parameters(), n)
+        module = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                         bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=True)
+    else:
+        for layer in model.model.layers:
+            fully_shard(layer)
+        module = fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), **OPTIM, fused=True)
+    return module, opt, partial(torch.nn.utils.clip_grad_norm_, list(model.parameters()))
 
 
 def batches(tokens: torch.Tensor, steps: int, global_batch: int, seq: int, rank: int, world: int):
@@ -120,24 +115,22 @@ def train(run: str, args, config, tokens, rank: int, world: int, device: torch.d
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    add_device_arg(parser)
     parser.add_argument("--tiny", action="store_true", help="a tiny Llama and 12 steps (smoke test)")
-    parser.add_argument("--steps", type=int, default=None, help="default 200 (12 with --tiny)")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed first steps; default 10 (2 with --tiny)")
+    parser.add_argument("--steps", type=int, help="default 200 (12 with --tiny)")
+    parser.add_argument("--warmup", type=int, help="untimed first steps; default 10 (2 with --tiny)")
     parser.add_argument("--global-batch", type=int, default=8, help="sequences per step over all ranks")
-    parser.add_argument("--seq", type=int, default=None, help="tokens per sequence; default 2048 (64 with --tiny)")
+    parser.add_argument("--seq", type=int, help="tokens per sequence; default 2048 (64 with --tiny)")
     parser.add_argument("--bucket-cap-mb", type=float, default=100.0)
     parser.add_argument("--no-bf16", dest="bf16", action="store_false", help="fp32 forward (no autocast)")
     parser.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {','.join(RUNS)}")
     parser.add_argument("--out", default="benchmarks/results/bench_hf_llama.json")
     args = parser.parse_args()
-    args.steps = args.steps or (12 if args.tiny else 200)
-    args.warmup = args.warmup if args.warmup is not None else (2 if args.tiny else 10)
-    args.seq = args.seq or (64 if args.tiny else 2048)
+    fill_defaults(args, dict(steps=200, warmup=10, seq=2048), tiny=dict(steps=12, warmup=2, seq=64))
     runs = choose(parser, args.runs, RUNS, "--runs")
     if args.device == "cpu":
         torch.set_num_threads(1)
-    device, cuda = init_distributed(args.device)
+    device, _ = init_distributed(args.device)
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.global_batch % world:
         parser.error(f"--global-batch {args.global_batch} must be a multiple of the {world} ranks")
@@ -153,16 +146,11 @@ def main() -> None:
     if "ddp" in results:
         say("tokens/s vs DDP: " + ", ".join(f"{run} {r['tokens_per_s'] / results['ddp']['tokens_per_s']:.3f}x"
                                             for run, r in results.items()))
-    if rank == 0:
-        params = sum(p.numel() for p in build_model(config, torch.device("meta")).parameters())
-        meta = dict(world=world, device=torch.cuda.get_device_name(device) if cuda else "cpu",
-                    torch=torch.__version__, parameters=params, bf16=args.bf16, steps=args.steps,
-                    warmup=args.warmup, global_batch=args.global_batch, seq=args.seq,
-                    bucket_cap_mb=args.bucket_cap_mb, optimizer=OPTIM, tiny=args.tiny)
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        write_json(args.out, meta=meta, runs=results)
-        print(f"wrote {args.out}")
-    dist.destroy_process_group()
+    params = sum(p.numel() for p in build_model(config, torch.device("meta")).parameters())
+    meta = run_meta(device, world=world, parameters=params, optimizer=OPTIM,
+                    **{k: v for k, v in vars(args).items() if k not in ("device", "out")})
+    say(f"wrote {args.out}")
+    finish(args.out, meta=meta, runs=results)
 
 
 if __name__ == "__main__":

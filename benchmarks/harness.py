@@ -20,55 +20,27 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import shardadam
-from models import FULL, TINY, count_params, fill_defaults
+from models import FULL, TINY, build_model, fill_defaults
 from shardadam.distributed import BucketRows
 from timing import free, is_cuda, sync
 
 
 def init_distributed(device: str | None = None) -> tuple[torch.device, bool]:
-    """The process group of a torchrun process: NCCL with one GPU per process
-    (cuda:LOCAL_RANK) when CUDA is available (or `device` says cuda), gloo on
-    the CPU otherwise."""
-    cuda = torch.cuda.is_available() if device is None else device == "cuda"
+    """This process's group: a torchrun process's, or outside torchrun one of one rank; NCCL on cuda:LOCAL_RANK where
+    CUDA is available (or asked for), else gloo."""
+    cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
-        dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(dev)
-        dist.init_process_group("nccl", device_id=dev)
-    else:
-        dev = torch.device("cpu")
-        dist.init_process_group("gloo")
+    alone = {} if "RANK" in os.environ else dict(store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group("nccl" if cuda else "gloo", device_id=dev if cuda else None, **alone)
     return dev, cuda
 
 
-def init_one_rank(dev, bind_device: bool = False) -> None:
-    """A one-rank process group of this process (NCCL on a GPU, gloo on the
-    CPU), for the optimizers that need one outside torchrun; bind_device gives
-    NCCL the device at once (device_id)."""
-    cuda = torch.device(dev).type == "cuda"
-    dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1,
-                            device_id=torch.device(dev) if cuda and bind_device else None)
-
-
-def error_text(e: BaseException) -> str:
-    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
-
-
-def attempt(fn):
-    """(fn(), None), or (None, the error's first line) with its traceback printed:
-    a failure is recorded and the other cases still run."""
-    try:
-        return fn(), None
-    except Exception as e:
-        traceback.print_exc()
-        return None, error_text(e)
-
-
 def agree_on_error(error: str | None, dev) -> str | None:
-    """Every rank skips a case that failed on any rank, so that all ranks go on
-    to the same next collective. This covers failures that hit the ranks at the
-    same point (an unsupported option, out of memory); a rank that fails while
-    the others wait inside a collective leaves them waiting until the process
-    group's timeout."""
+    """Every rank skips a case that failed on any rank, so that all go on to the same next collective: failures that hit
+    the ranks at the same point (an unsupported option, out of memory); a rank that fails while the others wait in a
+    collective leaves them waiting until the group's timeout."""
     failed = torch.tensor([error is not None], dtype=torch.int32, device=dev)
     dist.all_reduce(failed, op=dist.ReduceOp.MAX)
     return error or ("failed on another rank" if failed.item() else None)
@@ -81,11 +53,6 @@ def max_over_ranks(values: list[float], dev) -> list[float]:
     return t.tolist()
 
 
-def losses_ok(losses: list[float]) -> bool:
-    """Every loss finite and the last below the first: the run trained."""
-    return all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
-
-
 def memory_figures(opt, cuda: bool) -> dict:
     """Between iterations (gradients freed): the optimizer's bytes, and this
     rank's peak and resident (allocated) GPU memory, for run_case."""
@@ -95,18 +62,20 @@ def memory_figures(opt, cuda: bool) -> dict:
 
 
 def run_case(result: dict, fn, dev, n_params: int, keep_losses: bool = False) -> dict:
-    """`result` with what fn() measured on a freed device: fn returns (figures,
-    losses). A failure on any rank is every rank's ("error"). The figures are
-    maxima over ranks, memory_figures' as opt_bytes_per_param, peak_gib and
-    resident_bytes_per_param (None without CUDA); the losses (rank 0's: each
-    rank has its own batch) give loss_first, loss_last, loss_ok and, with
-    keep_losses, "losses"."""
+    """`result` with what fn() measured on a freed device: fn returns (figures, losses). A failure (its traceback
+    printed, its first line kept) on any rank is every rank's ("error"). Figures: maxima over ranks, memory_figures' as
+    opt_bytes_per_param, peak_gib and resident_bytes_per_param (None without CUDA); rank 0's losses give loss_first,
+    loss_last, loss_ok (all finite, the last below the first) and, with keep_losses, "losses"."""
     free(dev)
-    out, error = attempt(fn)
+    error = None
+    try:
+        figures, losses = fn()
+    except Exception as e:
+        traceback.print_exc()
+        error = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
     result["error"] = agree_on_error(error, dev)
     if result["error"]:
         return result
-    figures, losses = out
     figures = dict(zip(figures, max_over_ranks(list(figures.values()), dev)))
     cuda = is_cuda(dev)
     for key, name, scale in (("opt_bytes", "opt_bytes_per_param", 1 / n_params), ("peak", "peak_gib", 2**-30),
@@ -117,7 +86,8 @@ def run_case(result: dict, fn, dev, n_params: int, keep_losses: bool = False) ->
     result.update(figures)
     if keep_losses:
         result["losses"] = losses
-    result.update(loss_first=losses[0], loss_last=losses[-1], loss_ok=losses_ok(losses))
+    result.update(loss_first=losses[0], loss_last=losses[-1],
+                  loss_ok=all(math.isfinite(x) for x in losses) and losses[-1] < losses[0])
     return result
 
 
@@ -127,6 +97,11 @@ def choose(ap, value: str, known, option: str, sep: str = ",") -> list[str]:
     if set(chosen) - set(known):
         ap.error(f"unknown {option} {sorted(set(chosen) - set(known))}; choose from {','.join(known)}")
     return chosen
+
+
+def add_device_arg(ap) -> None:
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="default: cuda where torch sees a GPU, else cpu")
 
 
 def add_run_args(ap, lr: float | None = 1e-4, buckets: str | None = "DistributedFusedAdam's bucket size in MiB "
@@ -142,8 +117,7 @@ def add_run_args(ap, lr: float | None = 1e-4, buckets: str | None = "Distributed
 
 
 def parse_gpt_args(ap, full: dict = FULL, keys=None, tiny: dict = TINY):
-    """ap's arguments with the GPT's sizes filled in (fill_defaults), --batches
-    as a list of ints and --iters / --rounds checked, where ap has them."""
+    """ap's arguments, the GPT's sizes filled in (fill_defaults), --batches a list of ints, --iters / --rounds >= 1."""
     args = ap.parse_args()
     fill_defaults(args, full, keys, tiny)
     if isinstance(getattr(args, "batches", None), str):
@@ -155,12 +129,13 @@ def parse_gpt_args(ap, full: dict = FULL, keys=None, tiny: dict = TINY):
 
 
 def start_gpt(args, device: str | None = None, note: str = "") -> tuple[torch.device, bool, int, dict]:
-    """init_distributed, the GPT's parameter count and gpt_meta; rank 0 prints
-    the machine and the model (describe), then `note`."""
+    """init_distributed, the GPT's size and run_meta with the options; rank 0 prints the machine, model, `note`."""
     dev, cuda = init_distributed(device)
-    n_params = count_params(args)
-    meta = gpt_meta(args, dev, n_params)
-    say(describe(meta, args) + note)
+    n_params = sum(p.numel() for p in build_model(args, "meta").parameters())
+    meta = run_meta(dev, params=n_params, config={k: v for k, v in vars(args).items() if k != "out"})
+    say(f"{meta['device']} x {meta['world_size']} ({meta['backend']}), torch {meta['torch']}, shardadam "
+        f"{meta['shardadam']}: GPT d_model {args.d_model}, {args.layers} layers, {args.heads} heads, vocab "
+        f"{args.vocab}, seq {args.seq}: {n_params:,} parameters{note}")
     return dev, cuda, n_params, meta
 
 
@@ -175,18 +150,6 @@ def run_meta(dev=None, **extra) -> dict:
                 device=torch.cuda.get_device_name(dev) if cuda else platform.processor() or "cpu",
                 cpu_threads=torch.get_num_threads(), backend=dist.get_backend() if grouped else None,
                 world_size=dist.get_world_size() if grouped else 1, **extra)
-
-
-def gpt_meta(args, dev, n_params: int, **extra) -> dict:
-    """run_meta of a benchmark of the GPT, its options included."""
-    return run_meta(dev, params=n_params, config={k: v for k, v in vars(args).items() if k != "out"}, **extra)
-
-
-def describe(meta: dict, args) -> str:
-    """The first line rank 0 prints: the machine and the model."""
-    return (f"{meta['device']} x {meta['world_size']} ({meta['backend']}), torch {meta['torch']}, shardadam "
-            f"{meta['shardadam']}: GPT d_model {args.d_model}, {args.layers} layers, {args.heads} heads, "
-            f"vocab {args.vocab}, seq {args.seq}: {meta['params']:,} parameters")
 
 
 def say(*lines) -> None:
@@ -216,17 +179,15 @@ def pct(x) -> str:
 
 
 def md_table(header: list[str], rows: list[list], align: str | None = None) -> str:
-    """A markdown table; `align` one character per column ("l" or "r"), default
-    the first left and the rest right."""
+    """A markdown table; `align` "l" or "r" per column, default the first left and the rest right."""
     align = align or "l" + "r" * (len(header) - 1)
     rule = "|" + "|".join("---" if a == "l" else "---:" for a in align) + "|"
     return "\n".join(["| " + " | ".join(header) + " |", rule] + ["| " + " | ".join(map(str, r)) + " |" for r in rows])
 
 
 def results_table(results: list[dict], names: list[str], columns, align: str | None = None) -> str:
-    """A row per result: its `names` keys, then a cell per (header, key,
-    format) column: fmt(result[key], format), or key(result) where key is a
-    function; a result with an "error" says so in its first cell."""
+    """A row per result: its `names` keys, then per (header, key, format) column
+    fmt(result[key], format) or key(result); an "error" fills the first cell."""
     def cells(r):
         if r.get("error"):
             return [f"failed: {r['error']}"] + [""] * (len(columns) - 1)
@@ -239,15 +200,14 @@ _LIBC = ctypes.CDLL(None)
 
 
 def rss_bytes() -> int:
-    """Current resident set size: field 2 of /proc/self/statm, in pages
-    (resource.getrusage's ru_maxrss is the peak, which can never fall)."""
+    """Current resident set size (ru_maxrss is the peak, which can never fall)."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * PAGE
 
 
 def release_host_memory() -> None:
-    """Hand freed heap memory back to the kernel, so that what one phase freed
-    neither raises the next phase's starting RSS nor hides its growth."""
+    """Hand freed heap memory back to the kernel: what one phase freed neither
+    raises the next phase's starting RSS nor hides its growth."""
     gc.collect()
     trim = getattr(_LIBC, "malloc_trim", None)  # glibc only
     if trim is not None:
@@ -265,10 +225,8 @@ if _MALLINFO2 is not None:
 
 
 def malloc_in_use() -> int | None:
-    """Bytes that malloc has handed out and not had back, over all arenas and
-    mmapped chunks (torch's CPU tensors included). RSS also moves when the
-    allocator first touches pages of heap it already holds; this does not, so it
-    tells a leak from allocator layout. None where malloc is not glibc's."""
+    """Bytes malloc has handed out and not had back (torch's CPU tensors included): unlike RSS, it does not move when
+    the allocator first touches heap it holds, so it tells a leak from layout. None without glibc's malloc."""
     if _MALLINFO2 is None:
         return None
     info = _MALLINFO2()
@@ -276,12 +234,9 @@ def malloc_in_use() -> int | None:
 
 
 def held_tensors(opt) -> list[torch.Tensor]:
-    """The tensors an optimizer keeps between steps: torch optimizers' `state`
-    (ZeroRedundancyOptimizer's partition is in `opt.optim`; FSDP2's states are
-    DTensors), FusedAdam's and FusedLion's flat buckets (with state on the
-    host, their segments' buckets), and DistributedFusedAdam's attributes:
-    its `state` is empty and its state_dict() gathers the full states on every
-    rank, so there is no public per-rank view to read."""
+    """The tensors an optimizer keeps between steps: torch optimizers' `state` (ZeroRedundancyOptimizer's in
+    `opt.optim`, FSDP2's as DTensors), FusedAdam's and FusedLion's buckets (with host state, their segments'), and
+    DistributedFusedAdam's attributes (it has no public per-rank view)."""
     inner = getattr(opt, "optim", opt)
     tensors = [v for s in inner.state.values() for v in s.values() if torch.is_tensor(v)]
     for b in getattr(opt, "_buckets", None) or []:
@@ -299,16 +254,14 @@ def held_tensors(opt) -> list[torch.Tensor]:
 
 
 def model_buffer_storages(opt) -> dict[int, int]:
-    """{storage address: bytes} of DistributedFusedAdam's param_buffer and
-    grad_buffer: they hold the model's own parameters and gradients, and the
-    shards may be views of them ([Note: reduced shards in the gradient buffer])."""
+    """{storage address: bytes} of DistributedFusedAdam's param_buffer and grad_buffer: the model's own
+    parameters and gradients, of which shards may be views ([Note: reduced shards in the gradient buffer])."""
     return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for name in ("param_buffer", "grad_buffer")
             if isinstance(getattr(opt, name, None), BucketRows) for t in getattr(opt, name).tensors}
 
 
 def optimizer_bytes(opt) -> int:
-    """Bytes of the tensors the optimizer keeps on this rank between steps
-    (held_tensors), each storage once, leaving out the model's buffers."""
+    """Bytes of held_tensors on this rank, each storage once, the model's buffers left out."""
     model = model_buffer_storages(opt)
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held_tensors(opt) if t.numel()}
     return sum(size for ptr, size in storages.items() if ptr not in model)

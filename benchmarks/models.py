@@ -1,6 +1,5 @@
 """The models and data the benchmarks train: the GPT (default 1.4B
-parameters), GPT-2 medium's parameter shapes, the size options, and the
-optimizers' storage kinds."""
+parameters), GPT-2 medium's parameter shapes, the size options, and the optimizers' storage kinds."""
 from __future__ import annotations
 
 import contextlib
@@ -14,8 +13,9 @@ import shardadam
 
 # The tiny model's 135k parameters fill several 0.1 MiB buckets, some parameters
 # split across two, as the full model fills 100 MiB ones.
-FULL = dict(d_model=2048, layers=24, heads=16, vocab=50304, seq=1024, batches="4,8", iters=10, bucket_cap_mb=100)
-TINY = dict(d_model=64, layers=2, heads=4, vocab=256, seq=32, batches="2", iters=5, bucket_cap_mb=0.1)
+FULL = dict(d_model=2048, layers=24, heads=16, vocab=50304, seq=1024, batches="4,8", iters=10, rounds=2,
+            bucket_cap_mb=100)
+TINY = dict(d_model=64, layers=2, heads=4, vocab=256, seq=32, batches="2", iters=5, rounds=1, bucket_cap_mb=0.1)
 SIZE_KEYS = ("d_model", "layers", "heads", "vocab", "seq")
 
 # Storage kinds: name -> (parameter dtype, FusedAdam / DistributedFusedAdam options)
@@ -83,9 +83,8 @@ def gpt2_medium_shapes() -> list[tuple[int, ...]]:
 
 
 def build_model(args, dev, dtype: torch.dtype | None = None) -> GPT:
-    """args' GPT from args.seed (0 without one), built on `dev` in `dtype`. The
-    same seed on every rank: FSDP2 shards each rank's own copy, so the copies
-    must be equal; DDP and DistributedFusedAdam broadcast rank 0's anyway."""
+    """args' GPT from args.seed (0 without one), built on `dev` in `dtype`. The same seed on every rank: FSDP2 shards
+    each rank's own copy, so the copies must be equal; DDP and DistributedFusedAdam broadcast rank 0's anyway."""
     torch.manual_seed(getattr(args, "seed", 0))
     if dtype is not None:
         torch.set_default_dtype(dtype)  # built in its dtype: no fp32 copy first
@@ -96,14 +95,9 @@ def build_model(args, dev, dtype: torch.dtype | None = None) -> GPT:
         torch.set_default_dtype(torch.float32)
 
 
-def count_params(args) -> int:
-    return sum(p.numel() for p in build_model(args, "meta").parameters())
-
-
 def make_batch(args, batch: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
-    """One fixed batch of random tokens per rank, reused every iteration: the
-    model memorises it, so the loss falls within a few iterations (on fresh
-    uniform tokens it would start at its minimum, ln(vocab), and stay there)."""
+    """One fixed batch of random tokens per rank, reused every iteration: the model memorises it, so the loss falls
+    within a few iterations (on fresh uniform tokens it would start at its minimum, ln(vocab), and stay there)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     g = torch.Generator(device=dev).manual_seed(getattr(args, "seed", 0) + 1 + rank)
     tokens = torch.randint(args.vocab, (batch, args.seq + 1), generator=g, device=dev)
@@ -122,25 +116,18 @@ def lm_loss(module, inputs: torch.Tensor, targets: torch.Tensor, cuda: bool) -> 
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
-def add_size_args(ap, tiny: dict | None = TINY, full: dict = FULL) -> None:
-    """The GPT's size options, and --tiny unless tiny is None (the defaults
-    then full's)."""
-    def default(key, what):
-        if tiny is None:
-            return dict(default=full[key], help=what)
-        return dict(help=f"{what} (default {full[key]}; --tiny {tiny[key]})")
-    if tiny is not None:
-        ap.add_argument("--tiny", action="store_true", help=f"smoke run, CPU or GPU: {tiny}")
-    ap.add_argument("--d-model", type=int, **default("d_model", "model width"))
-    ap.add_argument("--layers", type=int, **default("layers", "transformer blocks"))
-    ap.add_argument("--heads", type=int, **default("heads", "attention heads"))
-    ap.add_argument("--vocab", type=int, **default("vocab", "vocabulary"))
-    ap.add_argument("--seq", type=int, **default("seq", "sequence length"))
+def add_size_args(ap, tiny: dict = TINY, full: dict = FULL) -> None:
+    """The GPT's size options and --tiny; fill_defaults gives them their values."""
+    ap.add_argument("--tiny", action="store_true", help=f"smoke run, CPU or GPU: {tiny}")
+    ap.add_argument("--d-model", type=int, help=f"model width (default {full['d_model']}; --tiny {tiny['d_model']})")
+    ap.add_argument("--layers", type=int, help=f"blocks (default {full['layers']}; --tiny {tiny['layers']})")
+    ap.add_argument("--heads", type=int, help=f"attention heads (default {full['heads']}; --tiny {tiny['heads']})")
+    ap.add_argument("--vocab", type=int, help=f"vocabulary (default {full['vocab']}; --tiny {tiny['vocab']})")
+    ap.add_argument("--seq", type=int, help=f"sequence length (default {full['seq']}; --tiny {tiny['seq']})")
 
 
 def fill_defaults(args, full: dict = FULL, keys=None, tiny: dict = TINY) -> None:
-    """Whatever was not given (of `keys`, default all), from `tiny` with --tiny,
-    else from `full`: explicit arguments win."""
+    """Whatever was not given (of `keys`, default all) from `tiny` with --tiny, else `full`."""
     defaults = tiny if args.tiny else full
     for key in keys or defaults:
         if getattr(args, key, None) is None:

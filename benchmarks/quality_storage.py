@@ -24,8 +24,7 @@ import shardadam
 from harness import choose, md_table, run_meta, write_json
 from models import KINDS
 
-EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
-sys.path.insert(0, str(EXAMPLES))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 from report import write_loss_csv, write_loss_svg  # noqa: E402
 from train import corpus, param_groups, train  # noqa: E402
 
@@ -74,9 +73,8 @@ def runs_of(kinds: list[str], args) -> list[tuple[str, str, argparse.Namespace]]
 
 
 def report(curves: dict, steps: int, where: str, columns: dict | None = None) -> dict:
-    """Prints each kind's final loss (mean of the last tenth of the steps) and
-    its ratio to fp32's, then `columns` (header: a cell per kind); returns the
-    final losses."""
+    """Prints each kind's final loss (mean of the last tenth of the steps) and its ratio to fp32's, then `columns`
+    (header: a cell per kind); returns the final losses."""
     tail = max(1, steps // 10)
     final = {name: sum(c[-tail:]) / tail for name, c in curves.items()}
     columns = columns or {}

@@ -1,33 +1,24 @@
 #!/usr/bin/env python
-"""Plots for the benchmarks as self-contained SVG files (standard library only:
-the benchmark machines need no plotting package), a chart per result picked by
-what the JSON holds: bench_distributed.py's ms per iteration (labelled with the
-ratio to DDP + fused AdamW) and peak memory, from one file or several (a bar
-from the last file that has it, its file named); soak.py's memory against step
-per rank; bench_host_state.py --timeline's lanes; bench_hf_llama.py's losses.
+"""Plots for the benchmarks as self-contained SVG files (standard library only: the benchmark machines need no
+plotting package), a chart per result picked by what the JSON holds: bench_distributed.py's ms per iteration
+(labelled with the ratio to DDP + fused AdamW) and peak memory; bench_kernels.py's GB/s; soak.py's memory against
+step per rank; bench_host_state.py --timeline's lanes; bench_hf_llama.py's losses (as examples/report.py draws them).
 
-    python benchmarks/svg.py results/run3.json results/run4.json --out plot.svg
+    python benchmarks/svg.py results/run3.json --out plot.svg
     python benchmarks/svg.py benchmarks/results/bench_hf_llama_2xh200.json   # writes the .svg beside it
 """
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import pathlib
+import sys
 from xml.sax.saxutils import escape
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+from report import nice_ticks, write_loss_svg  # noqa: E402  (the example's loss curves, drawn the same way)
+
 COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
-
-
-def nice_ticks(lo: float, hi: float, count: int = 5) -> list[float]:
-    """About `count` round values (1, 2 or 5 times a power of ten apart) from below lo to above hi."""
-    raw = (hi - lo) / count or 1.0
-    power = 10 ** math.floor(math.log10(raw))
-    step = next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
-    first = math.floor(lo / step)
-    last = max(math.ceil(hi / step), first + 1)  # two ticks at least: a flat line still has a scale
-    return [i * step for i in range(first, last + 1)]
 
 
 def _attrs(attrs: dict) -> str:
@@ -36,8 +27,7 @@ def _attrs(attrs: dict) -> str:
 
 
 class Canvas:
-    """An SVG document built element by element; attribute names take
-    underscores for dashes (stroke_dasharray)."""
+    """An SVG document built element by element; attribute names take underscores for dashes (stroke_dasharray)."""
 
     def __init__(self, width: float, height: float, font_size: int = 12):
         self.width, self.height = width, height
@@ -57,10 +47,6 @@ class Canvas:
     def rect(self, x, y, width, height, fill, **attrs) -> None:
         self.add("rect", x=x, y=y, width=width, height=height, fill=fill, **attrs)
 
-    def polyline(self, points, stroke, **attrs) -> None:
-        self.add("polyline", points=" ".join(f"{x:.1f},{y:.1f}" for x, y in points), fill="none", stroke=stroke,
-                 stroke_width=1.5, **attrs)
-
     def legend(self, x: float, y: float, entries: list[tuple[str, str]], dy: float = 20) -> float:
         """A colour swatch and a label per entry, one under the other; returns the y below them."""
         for i, (color, label) in enumerate(entries):
@@ -72,45 +58,6 @@ class Canvas:
         pathlib.Path(path).write_text("\n".join(self.parts + ["</svg>"]) + "\n")
 
 
-class Axes:
-    """A plot area on a canvas with data coordinates: ticks and grid on both
-    axes, lines through data points. The y range is rounded out to ticks."""
-
-    def __init__(self, canvas: Canvas, box: tuple, x_range: tuple, y_values: list[float], xlabel: str = "",
-                 ylabel: str = ""):
-        self.c, (self.x0, self.y0, self.w, self.h) = canvas, box
-        self.xlo, self.xhi = x_range
-        self.yticks = nice_ticks(min(y_values), max(y_values))
-        self.ylo, self.yhi = self.yticks[0], self.yticks[-1]
-        for v in self.yticks:
-            canvas.line(self.x0, self.y(v), self.x0 + self.w, self.y(v), stroke="#ddd")
-            canvas.text(self.x0 - 5, self.y(v) + 4, f"{v:g}", text_anchor="end", font_size=11)
-        for v in nice_ticks(self.xlo, self.xhi, 8):
-            if self.xlo <= v <= self.xhi:
-                canvas.text(self.x(v), self.y0 + self.h + 15, f"{v:g}", text_anchor="middle", font_size=11)
-        canvas.add("path", d=f"M{self.x0},{self.y0} V{self.y0 + self.h} H{self.x0 + self.w}", fill="none",
-                   stroke="black")
-        canvas.text(self.x0 + self.w / 2, self.y0 + self.h + 32, xlabel, text_anchor="middle")
-        mid = self.y0 + self.h / 2
-        canvas.text(self.x0 - 50, mid, ylabel, text_anchor="middle", transform=f"rotate(-90 {self.x0 - 50} {mid})")
-
-    def x(self, v: float) -> float:
-        return self.x0 + self.w * (v - self.xlo) / ((self.xhi - self.xlo) or 1)
-
-    def y(self, v: float) -> float:
-        return self.y0 + self.h * (1 - (v - self.ylo) / ((self.yhi - self.ylo) or 1))
-
-    def plot(self, xs, ys, color: str, **attrs) -> None:
-        self.c.polyline([(self.x(a), self.y(b)) for a, b in zip(xs, ys)], color, **attrs)
-
-    def hline(self, v: float, color: str, x_from: float | None = None, **attrs) -> None:
-        self.c.line(self.x(self.xlo if x_from is None else x_from), self.y(v), self.x0 + self.w, self.y(v),
-                    stroke=color, **attrs)
-
-    def vline(self, v: float, color: str, **attrs) -> None:
-        self.c.line(self.x(v), self.y0, self.x(v), self.y0 + self.h, stroke=color, **attrs)
-
-
 MIB = 2**20
 
 
@@ -118,13 +65,13 @@ def machine(meta: dict) -> str:
     return f"{meta['device']} x {meta['world_size']} ({meta['backend']}), torch {meta['torch']}"
 
 
-def bars(c: Canvas, box: tuple, title: str, key: str, unit: str, rows: dict, impls: list, batches: list,
-         colors: tuple, ratio_to: str | None = None) -> None:
-    """A bar per (implementation, batch) of rows[(impl, batch)][key], grouped by batch; labelled with the value, or
-    with ratio_to its ratio to that implementation's bar of the same batch."""
+def bars(c: Canvas, box: tuple, title: str, key: str, unit: str, rows: dict, impls: list, groups: list,
+         colors: tuple, ratio_to: str | None = None, label=lambda batch: f"batch {batch} per GPU") -> None:
+    """A bar per (implementation, group) of rows[(impl, group)][key], grouped by group; labelled with the value, or
+    with ratio_to its ratio to that implementation's bar of the same group."""
     x0, y0, w, h = box
     top = max(r[key] for r in rows.values()) * 1.15
-    slot = w / len(batches)
+    slot = w / len(groups)
     bar = slot * 0.8 / len(impls)
     y = lambda v: y0 + h * (1 - v / top)  # noqa: E731
     c.text(x0 + w / 2, y0 - 25, title, text_anchor="middle", font_weight="bold")
@@ -133,43 +80,46 @@ def bars(c: Canvas, box: tuple, title: str, key: str, unit: str, rows: dict, imp
         c.text(x0 - 5, y(top * i / 5) + 4, f"{top * i / 5:.0f}", text_anchor="end", font_size=11)
     mid = y0 + h / 2
     c.text(x0 - 41, mid, unit, text_anchor="middle", transform=f"rotate(-90 {x0 - 41} {mid})")
-    for b, batch in enumerate(batches):
+    for b, group in enumerate(groups):
         left = x0 + b * slot + slot * 0.1
-        c.text(left + slot * 0.4, y0 + h + 18, f"batch {batch} per GPU", text_anchor="middle")
-        base = rows.get((ratio_to, batch))
+        c.text(left + slot * 0.4, y0 + h + 18, label(group), text_anchor="middle")
+        base = rows.get((ratio_to, group))
         for i, impl in enumerate(impls):
-            if (r := rows.get((impl, batch))) is not None:
+            if (r := rows.get((impl, group))) is not None:
                 c.rect(left + i * bar, y(r[key]), bar * 0.9, y0 + h - y(r[key]), colors[i % len(colors)])
-                label = f"{r[key] / base[key]:.2f}" if base else f"{r[key]:.0f}"
-                c.text(left + (i + 0.45) * bar, y(r[key]) - 3, label, text_anchor="middle", font_size=9)
+                text = f"{r[key] / base[key]:.2f}" if base else f"{r[key]:.0f}"
+                c.text(left + (i + 0.45) * bar, y(r[key]) - 3, text, text_anchor="middle", font_size=9)
 
 
-def distributed_svg(paths: list, path) -> None:
+def kernels_svg(data: dict, path) -> None:
+    """bench_kernels.py's effective GB/s per case and implementation, the copy's beside them."""
+    cases, meta = data["cases"], data["meta"]
+    rows = {(r["impl"], c["case"]): r for c in cases for r in c["rows"]}
+    rows.update({("copy", c["case"]): {"gbs": c["copy_gbs"]} for c in cases})
+    impls = list(dict.fromkeys(impl for impl, _ in rows))
+    c = Canvas(120 + 230 * len(cases), 400 + 20 * len(impls))
+    bars(c, (70, 50, c.width - 90, 300), f"shardadam {meta['shardadam']} vs torch {meta['torch']} AdamW", "gbs",
+         "GB/s (28 B/element; copy: read + write)", rows, impls, [c["case"] for c in cases], COLORS, label=str)
+    c.legend(70, 390, [(COLORS[i % len(COLORS)], impl) for i, impl in enumerate(impls)])
+    c.write(path)
+
+
+def distributed_svg(data: dict, path) -> None:
     """bench_distributed.py's results: ms per iteration and peak GPU memory."""
-    rows, source, meta = {}, {}, None
-    for p in map(pathlib.Path, paths):
-        data = json.loads(p.read_text())
-        meta = meta or data["meta"]
-        for r in data["results"]:
-            if r.get("error") is None:
-                rows[(r["impl"], r["batch"])], source[(r["impl"], r["batch"])] = r, p.name
-    first = pathlib.Path(paths[0]).name
+    rows = {(r["impl"], r["batch"]): r for r in data["results"] if r.get("error") is None}
     impls, batches = list(dict.fromkeys(impl for impl, _ in rows)), sorted({batch for _, batch in rows})
-    later = sorted({f"{impl} (batch {batch}): {name}" for (impl, batch), name in source.items() if name != first})
     panel_w, panel_h, top, left = 430, 300, 50, 55
     legend_y = top + panel_h + 40
-    c = Canvas(2 * panel_w + 50, legend_y + 20 * len(impls) + 18 * (len(later) + 2) + 10)
+    c = Canvas(2 * panel_w + 50, legend_y + 20 * len(impls) + 18 * 2 + 10)
     colors = ("#7f7f7f",) + COLORS
     bars(c, (left, top, panel_w - left, panel_h), "ms per iteration (label: ratio to ddp_fused)", "ms", "ms", rows,
          impls, batches, colors, ratio_to="ddp_fused")
     bars(c, (panel_w + 30 + left, top, panel_w - left, panel_h), "peak GPU memory", "peak_gib", "GiB", rows, impls,
          batches, colors)
     caption_y = c.legend(left, legend_y, [(colors[i % len(colors)], impl) for i, impl in enumerate(impls)]) + 15
-    config = meta["config"]
+    meta, config = data["meta"], data["meta"]["config"]
     c.text(left, caption_y, f"{machine(meta)}, GPT of {meta['params']:,} parameters (d_model {config['d_model']}, "
-           f"{config['layers']} layers, seq {config['seq']}); {first}", font_size=11)
-    for i, line in enumerate(later):
-        c.text(left, caption_y + 18 * (i + 1), f"from {line} (its ratio compares two runs)", font_size=11)
+           f"{config['layers']} layers, seq {config['seq']}); {pathlib.Path(data['path']).name}", font_size=11)
     c.write(path)
 
 
@@ -184,24 +134,38 @@ def soak_svg(data: dict, path) -> None:
     keys = [(k, t) for k, t in SOAK_METRICS if verdicts[0].get(k) is not None]
     last_step = max(s["step"] for samples in ranks for s in samples)
     legend_y = top + len(keys) * (panel_h + gap)
-    c = Canvas(width, legend_y + 20 * len(verdicts) + 50)
+    c, w = Canvas(width, legend_y + 20 * len(verdicts) + 50), width - left - 20
+
+    def x(step: float) -> float:
+        return left + w * step / (last_step or 1)
     for i, (key, title) in enumerate(keys):
         y0 = top + i * (panel_h + gap)
         # a judged metric's limit line per rank (None: reported only, no line)
         limits = [None if v[key]["limit"] is None else (v[key]["base"] + v[key]["limit"]) / MIB for v in verdicts]
         values = [s[key] / MIB for samples in ranks for s in samples] + [m for m in limits if m is not None]
         c.text(left, y0 - 10, f"{title} per rank (MiB)", font_weight="bold")
-        ax = Axes(c, (left, y0, width - left - 20, panel_h), (0, last_step), values, xlabel="step")
+        yticks = nice_ticks(min(values), max(values))  # the y range rounded out to ticks
+
+        def y(v: float) -> float:
+            return y0 + panel_h * (1 - (v - yticks[0]) / ((yticks[-1] - yticks[0]) or 1))
+        for v in yticks:
+            c.line(left, y(v), left + w, y(v), stroke="#ddd")
+            c.text(left - 5, y(v) + 4, f"{v:g}", text_anchor="end", font_size=11)
+        for v in (v for v in nice_ticks(0, last_step, 8) if v <= last_step):
+            c.text(x(v), y0 + panel_h + 15, f"{v:g}", text_anchor="middle", font_size=11)
+        c.add("path", d=f"M{left},{y0} V{y0 + panel_h} H{left + w}", fill="none", stroke="black")
+        c.text(left + w / 2, y0 + panel_h + 32, "step", text_anchor="middle")
         warm = verdicts[0][key]["base_step"]
-        c.rect(left, y0, ax.x(warm) - left, panel_h, "#eeeeee", fill_opacity=0.6)
+        c.rect(left, y0, x(warm) - left, panel_h, "#eeeeee", fill_opacity=0.6)
         c.text(left + 4, y0 + 14, "warm-up", font_size=10, fill="#666")
         every = meta["config"]["checkpoint_every"]
         for step in range(every, last_step + 1, every):
-            ax.vline(step, "#999", stroke_dasharray="1,3")
+            c.line(x(step), y0, x(step), y0 + panel_h, stroke="#999", stroke_dasharray="1,3")
         for rank, (samples, limit) in enumerate(zip(ranks, limits)):
-            ax.plot([s["step"] for s in samples], [s[key] / MIB for s in samples], COLORS[rank % len(COLORS)])
+            c.add("polyline", points=" ".join(f"{x(s['step']):.1f},{y(s[key] / MIB):.1f}" for s in samples),
+                  fill="none", stroke=COLORS[rank % len(COLORS)], stroke_width=1.5)
             if limit is not None:
-                ax.hline(limit, COLORS[rank % len(COLORS)], x_from=warm, stroke_dasharray="6,4")
+                c.line(x(warm), y(limit), left + w, y(limit), stroke=COLORS[rank % len(COLORS)], stroke_dasharray="6,4")
     caption_y = c.legend(left, legend_y, [
         (COLORS[rank % len(COLORS)], f"rank {rank}: RSS {v['rss']['growth'] / MIB:+.2f} MiB after warm-up, slope "
          f"{v['rss']['slope']:+.1f} B/step, limit {v['rss']['limit'] / MIB:.1f} MiB (dashed); "
@@ -243,44 +207,27 @@ def timeline_svg(data: dict, path) -> None:
     c.write(path)
 
 
-LLAMA_COLORS = {"shardadam": "#d62728", "ddp": "#1f77b4", "fsdp2": "#2ca02c"}
-
-
 def hf_llama_svg(data: dict, path) -> None:
-    """bench_hf_llama.py's loss curves, with their tokens/s and peak memory."""
-    runs, meta = data["runs"], data["meta"]
-    left, top, plot_w, plot_h = 80, 50, 640, 300
-    steps = max(len(r["losses"]) for r in runs.values())
-    size = f"{meta['parameters'] / 1e9:.2f}B" if meta["parameters"] >= 1e8 else f"{meta['parameters'] / 1e6:.2f}M"
-    c = Canvas(760, top + plot_h + 60 + 20 * len(runs))
-    c.text(left, 24, f"LlamaForCausalLM {size}, {meta['world']} x {meta['device']}, "
-           f"{'bf16 autocast, ' if meta['bf16'] else ''}{meta['global_batch']} x {meta['seq']} tokens/step",
-           font_size=14)
-    ax = Axes(c, (left, top, plot_w, plot_h), (0, steps - 1), [v for r in runs.values() for v in r["losses"]],
-              xlabel="step", ylabel="loss")
-    for k, (name, r) in enumerate(runs.items()):
-        color = LLAMA_COLORS.get(name, "black")
-        ax.plot(range(len(r["losses"])), r["losses"], color, opacity=0.8)
-        memory = f", peak {r['peak_memory_gib']:.1f} GiB" if r.get("peak_memory_gib") is not None else ""
-        c.text(left, top + plot_h + 54 + 20 * k, f"{name}: {r['tokens_per_s']:,.0f} tokens/s ({r['step_ms']:.1f} "
-               f"ms/step){memory}, final loss {r['losses'][-1]:.4f}", fill=color)
-    c.write(path)
+    """bench_hf_llama.py's loss curves, labelled with their tokens/s and peak memory."""
+    meta, n = data["meta"], data["meta"]["parameters"]
+    title = (f"LlamaForCausalLM {f'{n / 1e9:.2f}B' if n >= 1e8 else f'{n / 1e6:.2f}M'}, {meta['world']} x "
+             f"{meta['device']}, {'bf16 autocast, ' if meta['bf16'] else ''}{meta['global_batch']} x {meta['seq']} "
+             "tokens/step")
+    write_loss_svg(pathlib.Path(path), title, {f"{name}: {r['tokens_per_s']:,.0f} tokens/s" + (
+        "" if r.get("peak_memory_gib") is None else f", peak {r['peak_memory_gib']:.1f} GiB"): r["losses"]
+        for name, r in data["runs"].items()})
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("results", nargs="+", help="JSON files a benchmark wrote (several: bench_distributed.py's only)")
-    ap.add_argument("--out", help="the SVG file to write (default: the first JSON file's name, .svg)")
+    ap.add_argument("result", help="the JSON file a benchmark wrote")
+    ap.add_argument("--out", help="the SVG file to write (default: the JSON file's name, .svg)")
     args = ap.parse_args()
-    out = args.out or pathlib.Path(args.results[0]).with_suffix(".svg")
-    data = json.loads(pathlib.Path(args.results[0]).read_text())
-    if "results" in data:
-        distributed_svg(args.results, out)
-    elif len(args.results) > 1:
-        ap.error("several files: bench_distributed.py's results only")
-    else:
-        chart = timeline_svg if "spans" in data else hf_llama_svg if "runs" in data else soak_svg
-        chart(data, out)
+    out = args.out or pathlib.Path(args.result).with_suffix(".svg")
+    data = dict(json.loads(pathlib.Path(args.result).read_text()), path=args.result)
+    chart = distributed_svg if "results" in data else timeline_svg if "spans" in data else hf_llama_svg if "runs" in \
+        data else kernels_svg if "cases" in data else soak_svg
+    chart(data, out)
     print(f"wrote {out}")
 
 

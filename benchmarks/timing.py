@@ -1,8 +1,7 @@
 """Timing shared by the benchmarks: CUDA events on the GPU, the host clock on
 the CPU (where a call returns when its work is done), and interleaved rounds.
 
-`dev` is anything that names a device: "cuda" / "cpu", a torch.device, or a
-bool that says whether it is CUDA."""
+`dev` is anything that names a device: "cuda" / "cpu", a torch.device, or a bool that says whether it is CUDA."""
 from __future__ import annotations
 
 import gc
@@ -29,33 +28,25 @@ def free(dev) -> None:
 
 
 class Stopwatch:
-    """Marks within one call: CUDA events on the GPU (read after the loop, so
-    timing adds no host sync between calls), the host clock on the CPU (or
-    with host=True: the time the host spends, whatever the device does)."""
+    """Marks within one call: CUDA events on the GPU (read after the loop: no host sync between calls), the
+    host clock on the CPU or with host=True (the time the host spends, whatever the device does)."""
 
     def __init__(self, dev, host: bool = False):
         self.cuda, self.marks = is_cuda(dev) and not host, []
 
     def mark(self) -> None:
+        self.marks.append(torch.cuda.Event(enable_timing=True) if self.cuda else time.perf_counter())
         if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks.append(event)
-        else:
-            self.marks.append(time.perf_counter())
+            self.marks[-1].record()
 
     def laps_ms(self) -> list[float]:
-        if self.cuda:
-            return [a.elapsed_time(b) for a, b in pairwise(self.marks)]
-        return [(b - a) * 1e3 for a, b in pairwise(self.marks)]
+        return [a.elapsed_time(b) if self.cuda else (b - a) * 1e3 for a, b in pairwise(self.marks)]
 
 
 def timed_calls(fn, dev, calls: int, warmup: int = 0, idle: bool = False, host: bool = False):
-    """`warmup` calls, then `calls` timed ones, back to back or (idle) each
-    from an idle device: fn(watch) marks its own phases on the Stopwatch it is
-    given (host: on the host clock). Returns each timed call's laps in ms, the
-    wall ms per call over the timed loop (synchronised around it) and every
-    call's result, warm-up ones included."""
+    """`warmup` calls, then `calls` timed ones, back to back or (idle) each from an idle device; fn(watch) marks
+    its phases on the Stopwatch it is given. Returns each timed call's laps in ms, the wall ms per call over the
+    timed loop (synchronised around it) and every call's result, warm-up ones included."""
     outputs, watches = [], []
     for i in range(warmup + calls):
         if i == warmup:
@@ -69,19 +60,13 @@ def timed_calls(fn, dev, calls: int, warmup: int = 0, idle: bool = False, host: 
     return [w.laps_ms() for w in watches[warmup:]], (time.perf_counter() - t0) * 1e3 / calls, outputs
 
 
-def marked(fn):
-    """fn as a timed_calls call of one lap: marks around it, fn's result returned."""
-    def call(watch):
-        watch.mark()
-        out = fn()
-        watch.mark()
-        return out
-    return call
-
-
 def time_steps(fn, dev, reps: int, warmup: int) -> list[float]:
     """Milliseconds of each of `reps` back-to-back calls after `warmup` calls."""
-    return [lap for lap, in timed_calls(marked(fn), dev, reps, warmup)[0]]
+    def call(watch):
+        watch.mark()
+        fn()
+        watch.mark()
+    return [lap for lap, in timed_calls(call, dev, reps, warmup)[0]]
 
 
 def clock_ms(fn) -> float:
@@ -92,40 +77,26 @@ def clock_ms(fn) -> float:
 
 
 def median_ms(fn, dev, reps: int, warmup: int = 0, sync_after: bool = True, setup=None) -> float:
-    """Median milliseconds of one call from an idle device: synchronised
-    before each call and, with sync_after, inside the clock after it (host plus
-    device time); without, the time for the call to return (its host cost).
-    `setup`, if given, runs untimed before every timed call."""
-    for _ in range(warmup):
-        fn()
+    """Median ms of one call from an idle device after `warmup` untimed calls: host plus device time (sync_after),
+    or the time for the call to return (its host cost). `setup`, if given, runs untimed before every call."""
     times = []
-    for _ in range(reps):
+    for _ in range(warmup + reps):
         if setup is not None:
             setup()
         sync(dev)
-        t0 = time.perf_counter()
-        fn()
-        if sync_after:
-            sync(dev)
-        times.append((time.perf_counter() - t0) * 1e3)
+        times.append(clock_ms(lambda: (fn(), sync(dev) if sync_after else None)))
     sync(dev)
-    return statistics.median(times)
+    return statistics.median(times[warmup:])
 
 
 def time_wall_and_host(fn, dev, reps: int, warmup: int, setup=None) -> tuple[float, float]:
-    """(wall ms per call over `reps` back-to-back calls with a sync around them,
-    median ms for the call to return from an idle device). `setup`, if given,
-    runs before every call untimed: its own back-to-back time is subtracted
-    from the wall figure."""
+    """(wall ms per call of `reps` back-to-back calls, median ms for the call to return from an idle device);
+    `setup`, if given, runs before every call, its own back-to-back time subtracted from the wall figure."""
     call = fn if setup is None else lambda: (setup(), fn())
 
     def wall_ms(call) -> float:
         sync(dev)
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            call()
-        sync(dev)
-        return (time.perf_counter() - t0) * 1e3 / reps
+        return clock_ms(lambda: ([call() for _ in range(reps)], sync(dev))) / reps
 
     for _ in range(warmup):
         call()
@@ -134,9 +105,8 @@ def time_wall_and_host(fn, dev, reps: int, warmup: int, setup=None) -> tuple[flo
 
 
 def capture_graph(fn, warmup: int):
-    """CUDA graphs' recipe: `warmup` calls on a side stream, then one call
-    captured. Returns the graph, the captured call's (static) result and the
-    warm-up calls' results."""
+    """CUDA graphs' recipe: `warmup` calls on a side stream, then one captured; returns the graph, the captured
+    call's (static) result and the warm-up calls' results."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -149,9 +119,8 @@ def capture_graph(fn, warmup: int):
 
 
 def interleaved(cases: dict, rounds: int) -> dict[str, list]:
-    """Each case's result per round, the cases called in turn (A B C A B C):
-    drift of a shared machine hits every case alike and shows as a spread
-    between rounds rather than as a difference between cases."""
+    """Each case's result per round, the cases in turn (A B C A B C): a shared machine's drift hits every case
+    alike and shows as a spread between rounds, not as a difference between cases."""
     out = {name: [] for name in cases}
     for _ in range(rounds):
         for name, fn in cases.items():

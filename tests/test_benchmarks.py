@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import re
 import socket
 import subprocess
 import sys
@@ -98,11 +97,12 @@ def test_md_table_and_fmt():
 def test_gpt_matches_its_parameter_count():
     from types import SimpleNamespace
 
-    from models import TINY, build_model, count_params
+    from models import TINY, build_model
     args = SimpleNamespace(**TINY, seed=0)
     d, v, s, n = args.d_model, args.vocab, args.seq, args.layers
     block = 2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d)
-    assert count_params(args) == v * d + s * d + n * block + 2 * d + d * v == 134_912
+    assert sum(p.numel() for p in build_model(args, "meta").parameters()) == v * d + s * d + n * block + 2 * d + d * v \
+        == 134_912
     a, b = build_model(args, "cpu"), build_model(args, "cpu")
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
 
@@ -115,8 +115,8 @@ def test_svg_ticks_cover_the_range():
 
 # ------------------------------------------------------------------ the scripts' CPU modes
 
-def test_bytes_per_param_counts_the_layouts_exactly():
-    rows = table_rows(run("bytes_per_param", ranks=1))
+def test_bench_memory_layouts_count_the_bytes_exactly():
+    rows = table_rows(run("bench_memory", "--layouts", ranks=1))
     # One rank holds every byte: fp32 master, exp_avg, exp_avg_sq and an fp32
     # gradient shard (16 B), plus bucket padding; the contiguous buffers hold
     # the model's fp32 parameters and gradients (8 B) and the shards are views.
@@ -140,8 +140,8 @@ def test_bench_distributed_tiny_trains_every_implementation():
     assert "loss not finite" not in out
 
 
-def test_bench_capture_tiny(tmp_path):
-    out = run("bench_capture", "--tiny", "--iters", "2", "--configs", "ddp_fused,fp32,bf16_remainders",
+def test_bench_distributed_capture_tiny(tmp_path):
+    out = run("bench_distributed", "--capture", "--tiny", "--iters", "2", "--configs", "ddp_fused,fp32,bf16_remainders",
               "--out", str(tmp_path / "c.json"), ranks=1)
     assert "every loss finite and falling" in out
     assert {r["config"] for r in json.loads((tmp_path / "c.json").read_text())["results"]} == \
@@ -153,11 +153,11 @@ def test_bench_checkpoint_tiny_restores_both_formats(tmp_path):
     assert "restored bit for bit after a further training iteration: portable, sharded (DCP)" in out
 
 
-def test_bench_first_use_and_fsdp2_tiny():
-    out = run("bench_first_use", "--tiny", "--iters", "2", ranks=1)
-    assert re.search(r"^hooks_and_guard\s+\d", out, re.M)
-    out = run("bench_fsdp2", "--tiny", "--device", "cpu", ranks=1)
-    assert table_rows(out)["torch_fused"][3] == "1.000" and "losses finite and falling: True" in out
+def test_first_use_and_fsdp2_step_tiny():
+    out = run("bench_host_cost", "first-use", "--tiny", "--iters", "2", ranks=1)
+    assert set(table_rows(out)) >= {"no_overlap", "hooks_only", "hooks_and_guard", "guard_only"}
+    out = run("bench_distributed", "--fsdp2-step", "--tiny", ranks=1)
+    assert table_rows(out)["torch_fused"][5] == "1.000" and "losses finite and falling: True" in out
 
 
 def test_soak_short_run_and_its_plot(tmp_path):
@@ -178,18 +178,19 @@ def test_quality_scripts_tiny(tmp_path):
         xml.dom.minidom.parse(str(path))
 
 
-def test_bench_capacity_one_attempt():
-    out = run("bench_capacity", "--nproc", "1", "--candidates", "ddp", "--d-model", "64", "--heads", "4", "--vocab",
-              "256", "--seq", "32", "--batch", "2", "--layers", "1", "--start", "1")
-    assert table_rows(out)["ddp"][0] == "1"
+def test_bench_capacity_one_size_per_candidate():
+    out = run("bench_capacity", "--nproc", "1", "--candidates", "ddp,host:8-bit blockwise states", "--d-model", "64",
+              "--heads", "4", "--vocab", "256", "--seq", "32", "--batch", "2", "--layers", "1", "--start", "1")
+    rows = table_rows(out)
+    assert rows["ddp"][0] == rows["host:8-bit blockwise states"][0] == "1"
 
 
 def test_kernel_and_step_benchmarks_on_the_cpu():
     out = run("bench_kernels", "--interleaved", "--quick", "--reps", "3")
     assert len(table_rows(out)) == 3
-    out = run("bench_plan_checks", "--device", "cpu", "--tensors", "200", "--reps", "5")
+    out = run("bench_host_cost", "plan-checks", "--device", "cpu", "--tensors", "200", "--reps", "5")
     assert "800 tensors checked, 600 version counters bumped per launch" in out
-    out = run("bench_grad_handover", "--params", "20", "--buckets", "4", "--iters", "3")
+    out = run("bench_host_cost", "grad-handover", "--device", "cpu", "--params", "20", "--buckets", "4", "--iters", "3")
     assert "per extra bucket" in out
     out = run("bench_storage_kinds", "--device", "cpu", "--numel", "12", "--tensors", "1,2", "--reps", "1",
               "--warmup", "1", "--kinds", "shardadam fp32,8-bit,torch fused fp32")
@@ -197,16 +198,17 @@ def test_kernel_and_step_benchmarks_on_the_cpu():
         {"|".join(line.split("|")[:4]).strip() for line in out.splitlines()}
 
 
-def test_bench_kernels_and_fused_adam_cases_on_small_cpu_tensors():
-    import bench_fused_adam
+def test_bench_kernels_and_fused_adam_cases_on_small_cpu_tensors(tmp_path):
     import bench_kernels
-    assert bench_kernels.check("cpu") < 1e-5  # kernels.adam against torch fused AdamW
-    cfg = bench_kernels.Cfg(reps=2, warmup=1)
-    case = bench_kernels.case_many("cpu", 20, 64, cfg, copy=1.0)
+    cfg = (2, 1)  # reps, warmup
+    case = bench_kernels.case("cpu", "many", 20, 64, cfg, copy=1.0)
     assert [r["impl"] for r in case["rows"]] == ["torch fused", "shardadam"]
-    case = bench_fused_adam.run_case("small", [(64,)] * 10, "cpu", reps=2, warmup=1)
-    assert [r["impl"] for r in case["rows"]] == list(bench_fused_adam.IMPLS)
-    assert "| small | FusedAdam flat_grads |" in bench_fused_adam.markdown([case])
+    fused = bench_kernels.case_fused_adam("cpu", [(64,)] * 10, "small", cfg, copy=1.0)
+    assert [r["impl"] for r in fused["rows"]] == list(bench_kernels.FUSED_ADAM)
+    assert "| cpu small | FusedAdam flat_grads |" in bench_kernels.markdown([fused])
+    (tmp_path / "k.json").write_text(json.dumps(dict(meta=dict(shardadam="x", torch="y"), cases=[case, fused])))
+    run("svg", str(tmp_path / "k.json"))
+    assert xml.dom.minidom.parse(str(tmp_path / "k.svg")).documentElement.tagName == "svg"
 
 
 def test_bench_hf_llama_tiny(tmp_path):
@@ -219,6 +221,36 @@ def test_bench_hf_llama_tiny(tmp_path):
     assert runs["shardadam"]["losses"][0] == pytest.approx(runs["ddp"]["losses"][0], rel=1e-6)
     run("svg", str(out))
     xml.dom.minidom.parse(str(out.with_suffix(".svg")))
+
+
+@pytest.mark.cuda
+def test_gpu_modes_of_the_benchmarks(tmp_path):
+    """What the CPU runs cannot reach: the kernel and FusedAdam cases on the GPU, captured runs, optimizer state in
+    host memory with its timelines (both optimizers), and a host-state capacity attempt."""
+    out = run("bench_kernels", "--device", "cuda", "--quick")
+    assert {"cuda fp32, 2^22 el in 200 t", "cuda fp32 master + bf16, 2^22 el in 200 t", "cuda fp32, 2000 x 12800 el"} \
+        <= set(table_rows(out))
+    run("bench_kernels", "--fused-adam", "--device", "cuda", "--overhead", "--out", str(tmp_path / "f.json"))
+    rows = json.loads((tmp_path / "f.json").read_text())["cases"][0]["rows"]
+    assert [r["impl"] for r in rows] == ["torch fused AdamW", "FusedAdam", "FusedAdam, new grads each step",
+                                         "FusedAdam flat_grads", "torch fused AdamW on fp32 masters + copy to bf16",
+                                         "FusedAdam master_weights (bf16 params)"]
+    assert all(r["host_speedup_vs_torch"] > 0 for r in rows)
+    out = run("bench_distributed", "--capture", "--tiny", "--iters", "2", "--configs", "ddp_fused,fp32,bf16_remainders",
+              ranks=1)
+    assert "every loss finite and falling; 2 captured runs within 0.02 of their eager runs' losses" in out
+    for optimizer, kind in (("fused", "fp32"), ("distributed", "8-bit")):
+        result, timeline = tmp_path / f"{optimizer}.json", tmp_path / f"{optimizer}_timeline.json"
+        run("bench_host_state", "--tiny", "--optimizer", optimizer, "--kinds", kind, "--reps", "1", "--rounds", "2",
+            "--out", str(result), "--timeline", str(timeline))
+        row = json.loads(result.read_text())["kinds"][kind]
+        assert len(row["goal"]["over_largest_floor_by_round"]) == 2 and row["host_state_ms"] > 0
+        assert all(json.loads(timeline.read_text())["spans"][lane] for lane in ("compute", "down", "cpu", "up"))
+        run("svg", str(timeline))
+    out = run("bench_capacity", "--candidates", "ddp,host:bf16 stochastic rounding + 8-bit states", "--d-model", "64",
+              "--heads", "4", "--vocab", "256", "--seq", "32", "--batch", "2", "--layers", "1", "--start", "1")
+    rows = table_rows(out)
+    assert rows["ddp"][0] == rows["host:bf16 stochastic rounding + 8-bit states"][0] == "1"
 
 
 @pytest.mark.parametrize("result", [
