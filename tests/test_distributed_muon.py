@@ -257,7 +257,7 @@ def _poisoned(param: torch.Tensor) -> list[bool]:
     def hook(grad):
         if not on[0]:
             return grad
-        grad = grad.clone()
+        grad = grad.clone(memory_format=torch.contiguous_format)  # autocast's may be strided
         grad.view(-1)[0] = float("inf")
         return grad
 
