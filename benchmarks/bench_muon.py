@@ -108,15 +108,13 @@ def step_ms(build, layers: int, dtype, steps: int, graph: bool) -> float:
     return median_ms(run, torch.device("cuda"), steps, warmup=3)
 
 
-def newton_schulz_ms(shapes: Counter, steps: int, gram_blocks: int | None = None) -> float:
-    """Newton-Schulz alone on every matrix, batched by shape; gram_blocks:
-    the symmetric products' blocks per side (None: FusedMuon's choice)."""
+def newton_schulz_ms(shapes: Counter, steps: int) -> float:
     stacks = [torch.randn(count, rows, cols, device="cuda", dtype=torch.bfloat16)
               for (rows, cols), count in shapes.items()]
 
     def run():
         for x in stacks:
-            newton_schulz_(x, NS_COEFFICIENTS, NS_STEPS, 1e-7, gram_blocks)
+            newton_schulz_(x, NS_COEFFICIENTS, NS_STEPS, 1e-7)
 
     return median_ms(run, torch.device("cuda"), steps, warmup=3)
 
@@ -167,23 +165,19 @@ def main() -> None:
                       (FFN, D_MODEL): args.layers, (D_MODEL, FFN): args.layers})
     ns_ms, peak = newton_schulz_ms(shapes, args.steps), matmul_tflops(args.steps)
     ns_tflops = ns_flops(shapes) / ns_ms / 1e9
-    by_blocks = {k: newton_schulz_ms(shapes, args.steps, k) for k in (1, 2, 4)}
-    print("Newton-Schulz alone by the symmetric products' blocks per side: " + ", ".join(
-        f"{k}: {ms:.2f} ms ({ns_flops(shapes) / ms / 1e9:.0f} TFLOP/s of the whole products)"
-        for k, ms in by_blocks.items()))
     copy, rest_ms = copy_gbs("cuda", 1 << 28, args.steps, 3), times["FusedMuon"] - ns_ms
     rest_of_copy = elementwise_bytes(args.layers, dtype) / rest_ms / 1e6 / copy
     ref = times["torch.optim.Muon + AdamW(fused=True)"]
     rows = [[name, f"{ms:.2f}", f"{ref / ms:.2f}x"] for name, ms in times.items()]
     print(md_table(["step", "ms", "speed-up over torch"], rows))
-    print(f"Newton-Schulz alone: {ns_ms:.2f} ms, {ns_tflops:.0f} TFLOP/s (of the whole products) = {ns_tflops / peak:.2f} of the "
+    print(f"Newton-Schulz alone: {ns_ms:.2f} ms, {ns_tflops:.0f} TFLOP/s = {ns_tflops / peak:.2f} of the "
           f"bf16 matmul's {peak:.0f} TFLOP/s; the rest of FusedMuon's step: "
           f"{rest_ms:.2f} ms ({rest_ms / ns_ms:.0%} on top), {elementwise_bytes(args.layers, dtype) / 1e9:.1f} GB "
           f"that its element-wise passes must move: {rest_of_copy:.2f} of copy ({copy:.0f} GB/s)")
     if args.out:
         write_json(args.out, meta=run_meta(torch.device("cuda"), config=vars(args)), step_ms=times,
                    newton_schulz_ms=ns_ms, newton_schulz_tflops=ns_tflops, bf16_matmul_tflops=peak,
-                   rest_ms=rest_ms, copy_gbs=copy, rest_of_copy=rest_of_copy, newton_schulz_ms_by_blocks=by_blocks,
+                   rest_ms=rest_ms, copy_gbs=copy, rest_of_copy=rest_of_copy,
                    owner_shares={w: owner_shares(args.layers, w) for w in (2, 4, 8)})
 
 

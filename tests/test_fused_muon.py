@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from shardadam import FusedMuon
-from shardadam._newton_schulz import default_gram_blocks, newton_schulz_
 
 from muon_reference import (DEFAULT_NS, gradients, newton_schulz64, polar_factor64, relative_error, run,
                             well_conditioned)
@@ -85,25 +84,6 @@ def test_orthogonalized_update_is_the_polar_factor(device, shapes):
                                       ns_dtype=torch.float32)
     for g, u in zip(grads, updates):
         torch.testing.assert_close(u, polar_factor64(g), rtol=0, atol=2e-6)
-
-
-@pytest.mark.parametrize("blocks", [2, 4])
-@pytest.mark.parametrize("dtype, atol", [(torch.float64, 1e-13), (torch.float32, 2e-6)])
-def test_symmetric_products_in_blocks_equal_the_whole_products(device, blocks, dtype, atol):
-    """[Note: symmetric Gram products]: the blocks above the diagonal and their
-    mirrors give the iteration the whole products give (each element the same
-    dot product; A A^T in place of A A rounds differently in the last bit)."""
-    gen = torch.Generator().manual_seed(3)
-    for shape in [(3, 24, 56), (2, 56, 24), (1, 8, 8)]:
-        x = torch.randn(shape, generator=gen, dtype=torch.float64).to(device, dtype)
-        whole, in_blocks = x.clone(), x.clone()
-        newton_schulz_(whole, DEFAULT_NS, 5, 1e-7, gram_blocks=1)
-        newton_schulz_(in_blocks, DEFAULT_NS, 5, 1e-7, gram_blocks=blocks)
-        torch.testing.assert_close(in_blocks, whole, rtol=0, atol=atol, msg=lambda m: f"{shape}: {m}")
-
-
-def test_symmetric_products_take_blocks_of_at_least_512_rows():
-    assert [default_gram_blocks(m) for m in (2048, 4096, 1024, 1536, 1000, 768, 64)] == [4, 4, 2, 2, 1, 1, 1]
 
 
 @pytest.mark.parametrize("ns_dtype, atol", [(torch.float32, 2e-6), (torch.bfloat16, 0.06)])

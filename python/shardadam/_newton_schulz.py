@@ -20,63 +20,21 @@ import torch
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 
 
-def newton_schulz_(x: torch.Tensor, coefficients, steps: int, eps: float, gram_blocks: int | None = None) -> None:
+def newton_schulz_(x: torch.Tensor, coefficients, steps: int, eps: float) -> None:
     """Orthogonalize each matrix of x ([n, rows, cols]) in place, as
     torch.optim.Muon's _zeropower_via_newtonschulz does for one: work on the
     wide orientation (rows <= cols), divide by the Frobenius norm (at least
     eps), then `steps` quintic iterations X = a X + (b A + c A A) X with
-    A = X X^T, in x's dtype. No host synchronisation (CUDA-graph safe).
-    gram_blocks: the symmetric products' blocks per side ([Note: symmetric
-    Gram products]; default by size, 1 computes them whole)."""
+    A = X X^T, in x's dtype. No host synchronisation (CUDA-graph safe)."""
     a, b, c = coefficients
     tall = x.size(-2) > x.size(-1)
     y = x.mT if tall else x
     y = y / torch.linalg.vector_norm(y, dim=(-2, -1), keepdim=True).clamp(min=eps)
-    blocks = gram_blocks or default_gram_blocks(y.size(-2))
-    gram = y.new_empty(y.shape[:-1] + y.shape[-2:-1])
-    poly = torch.empty_like(gram)
     for _ in range(steps):
-        symmetric_product_(gram, y, blocks)
-        symmetric_product_(poly, gram, blocks, gram, beta=b, alpha=c)  # b A + c A A^T, and A A^T = A A
+        gram = torch.bmm(y, y.mT)
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
         y = torch.baddbmm(y, poly, y, beta=a)
     x.copy_(y.mT if tall else y)
-
-
-# [Note: symmetric Gram products] Two of each Newton-Schulz iteration's three
-# matmuls have symmetric results: A = X X^T and A A (= A A^T, A symmetric).
-# Cut into k x k blocks, a symmetric product needs only the k (k + 1) / 2
-# blocks on and above the diagonal, each the product of two row blocks of
-# its input (the K dimension whole, so each element is the same dot product
-# as in the whole product: the same result); the blocks below are their
-# transposes, copied. k = 2 saves a quarter of their work, k = 4 three
-# eighths, at the price of smaller matmuls: blocks of at least
-# MIN_GRAM_BLOCK rows keep the tensor cores as busy as the whole product.
-MIN_GRAM_BLOCK = 512
-
-
-def default_gram_blocks(rows: int) -> int:
-    """The blocks per side for a symmetric product of `rows` rows: the most
-    of 1, 2 or 4 that divide it into blocks of at least MIN_GRAM_BLOCK rows."""
-    return next(k for k in (4, 2, 1) if rows % k == 0 and rows // k >= MIN_GRAM_BLOCK or k == 1)
-
-
-def symmetric_product_(out: torch.Tensor, x: torch.Tensor, blocks: int, base: torch.Tensor | None = None,
-                       beta: float = 0.0, alpha: float = 1.0) -> None:
-    """out = beta * base + alpha * x x^T for a batch of x ([n, m, k]), a
-    symmetric result (base symmetric too), in blocks x blocks blocks ([Note:
-    symmetric Gram products]); base None: out = alpha * x x^T."""
-    base = out if base is None else base
-    if blocks == 1:
-        torch.baddbmm(base, x, x.mT, beta=beta, alpha=alpha, out=out)
-        return
-    h = x.size(-2) // blocks
-    rows = [x[:, i * h:(i + 1) * h] for i in range(blocks)]
-    for i in range(blocks):
-        for j in range(i, blocks):
-            above = (slice(None), slice(i * h, (i + 1) * h), slice(j * h, (j + 1) * h))
-            out[above] = torch.baddbmm(base[above], rows[i], rows[j].mT, beta=beta, alpha=alpha)
-            if j != i:
-                out[:, j * h:(j + 1) * h, i * h:(i + 1) * h] = out[above].mT
 
 
 def lr_ratio(adjust_lr_fn: str | None, rows: int, cols: int) -> float:
