@@ -117,12 +117,18 @@ def _numpy_state(sd: dict) -> dict:
     return {i: {k: v.detach().cpu().numpy().copy() for k, v in s.items()} for i, s in sd["state"].items()}
 
 
-def _worker(rank, world, port, cfg, out) -> None:
+@contextlib.contextmanager
+def _rank_model(rank, world, port, cfg, out):
+    """One rank's process group (NCCL on its GPU, or gloo) around a fresh _Net on its device."""
     cuda = cfg["device"] == "cuda"
     if cuda:
         torch.cuda.set_device(rank)
     with _rank_group(rank, world, port, out, "nccl" if cuda else "gloo"):
-        model = _Net().to(f"cuda:{rank}" if cuda else "cpu")
+        yield _Net().to(f"cuda:{rank}" if cuda else "cpu")
+
+
+def _worker(rank, world, port, cfg, out) -> None:
+    with _rank_model(rank, world, port, cfg, out) as model:
         if rank != 0:  # the optimizer broadcasts rank 0's parameters
             with torch.no_grad():
                 for p in model.parameters():
@@ -291,11 +297,7 @@ def _amp_train(model, opt, scaler, cfg, rank=0, world=1) -> dict:
 
 
 def _amp_worker(rank, world, port, cfg, out) -> None:
-    cuda = cfg["device"] == "cuda"
-    if cuda:
-        torch.cuda.set_device(rank)
-    with _rank_group(rank, world, port, out, "nccl" if cuda else "gloo"):
-        model = _Net().to(f"cuda:{rank}" if cuda else "cpu")
+    with _rank_model(rank, world, port, cfg, out) as model:
         opt = shardadam.DistributedFusedMuon(_groups(model), ns_dtype=torch.float32,
                                              skip_nonfinite_grads=cfg["skip_nonfinite"], **OPTIONS)
         scaler = torch.amp.GradScaler(cfg["device"], init_scale=INIT_SCALE, enabled=not cfg["skip_nonfinite"])

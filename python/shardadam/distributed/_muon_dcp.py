@@ -69,7 +69,8 @@ from .._muon_groups import MUON_KEYS, check_muon_hyper, uses_muon
 from .._state_dict_check import check_state_tensor
 from ._agreement import validate_then_agree
 from .sharded_checkpoint import (check_layout_key, check_sharded_state_dict, check_tables, json_list, layout_key,
-                                 ragged_dtensor, ragged_pieces, read_tables, refuse_redundant, shape_row)
+                                 matched_groups, ragged_dtensor, ragged_pieces, read_tables, refuse_redundant,
+                                 shape_row)
 
 __all__ = ["check_checkpoint", "load_sharded_state_dict", "sharded_state_dict"]
 
@@ -157,18 +158,11 @@ def _check_tables(opt, sharded: Mapping, table: _Table) -> list:
 def _group_values(opt, saved_groups: list) -> list:
     """Per group: the Muon hyperparameters to set, checked (None for an AdamW
     group: the inner optimizer's dict holds its values)."""
-    if len(saved_groups) != len(opt.param_groups):
-        raise ValueError(f"the checkpoint has {len(saved_groups)} parameter groups, the optimizer "
-                         f"{len(opt.param_groups)}: another model, or groups built another way")
     values = []
-    for gi, (saved, group) in enumerate(zip(saved_groups, opt.param_groups)):
-        where = f"sharded['param_groups'][{gi}]"
-        if not isinstance(saved, Mapping) or not isinstance(saved.get("params"), list):
-            raise ValueError(f"{where} must be a dict with a 'params' list")
-        if len(saved["params"]) != len(group["params"]) or uses_muon(saved) != uses_muon(group):
-            raise ValueError(f"{where} has {len(saved['params'])} parameters (use_muon={uses_muon(saved)}), the "
-                             f"optimizer's group {gi} {len(group['params'])} (use_muon={uses_muon(group)}): another "
-                             "model, or groups built another way")
+    for where, saved, group in matched_groups(opt, saved_groups):
+        if uses_muon(saved) != uses_muon(group):
+            raise ValueError(f"{where} has use_muon={uses_muon(saved)}, the optimizer's group use_muon="
+                             f"{uses_muon(group)}: another model, or groups built another way")
         if not uses_muon(group):
             values.append(None)
             continue

@@ -273,19 +273,8 @@ def check_sharded_state_dict(opt, sharded) -> tuple[list, list]:
         got = f"a dict with keys {list(sharded)}" if isinstance(sharded, Mapping) else type(sharded).__name__
         raise ValueError("the sharded state dict must be the dict of a sharded_state_dict() of this optimizer "
                          f"(with 'state', 'params' and 'param_groups'), as filled by dcp.load, got {got}")
-    saved_groups = json_list(sharded, "param_groups", "parameter groups")
-    if len(saved_groups) != len(opt.param_groups):
-        raise ValueError(f"the checkpoint has {len(saved_groups)} parameter groups, the optimizer "
-                         f"{len(opt.param_groups)}: another model, or groups built another way")
-    group_values = []
-    for gi, (saved, group) in enumerate(zip(saved_groups, opt.param_groups)):
-        where = f"sharded['param_groups'][{gi}]"
-        if not isinstance(saved, Mapping) or not isinstance(saved.get("params"), list):
-            raise ValueError(f"{where} must be a dict with a 'params' list")
-        if len(saved["params"]) != len(group["params"]):
-            raise ValueError(f"{where} lists {len(saved['params'])} parameters, the optimizer's group {gi} has "
-                             f"{len(group['params'])}: another model, or groups built another way")
-        group_values.append(check_group_values(where, saved, group, opt.rule))
+    group_values = [check_group_values(where, saved, group, opt.rule)
+                     for where, saved, group in matched_groups(opt, json_list(sharded, "param_groups", "parameter groups"))]
     space = _FlatSpace(opt)
     check_tables(opt, space, json_list(sharded, "params", "parameter table"),
                  json_list(sharded, "shapes", "shape table") if "shapes" in sharded else None)
@@ -293,6 +282,25 @@ def check_sharded_state_dict(opt, sharded) -> tuple[list, list]:
     if not isinstance(sharded["state"], Mapping):
         raise ValueError(f"sharded['state'] must be a dict of DTensors, got {type(sharded['state']).__name__}")
     return group_values, _matched_pieces(opt, sharded["state"], space)
+
+
+def matched_groups(opt, saved_groups: list) -> list[tuple[str, Mapping, dict]]:
+    """(where, saved group, the optimizer's group) for each parameter group,
+    once the checkpoint is known to hold as many groups, each a dict listing
+    as many parameters as the optimizer's."""
+    if len(saved_groups) != len(opt.param_groups):
+        raise ValueError(f"the checkpoint has {len(saved_groups)} parameter groups, the optimizer "
+                         f"{len(opt.param_groups)}: another model, or groups built another way")
+    matched = []
+    for gi, (saved, group) in enumerate(zip(saved_groups, opt.param_groups)):
+        where = f"sharded['param_groups'][{gi}]"
+        if not isinstance(saved, Mapping) or not isinstance(saved.get("params"), list):
+            raise ValueError(f"{where} must be a dict with a 'params' list")
+        if len(saved["params"]) != len(group["params"]):
+            raise ValueError(f"{where} lists {len(saved['params'])} parameters, the optimizer's group {gi} has "
+                             f"{len(group['params'])}: another model, or groups built another way")
+        matched.append((where, saved, group))
+    return matched
 
 
 def check_tables(opt, space: _FlatSpace, saved_params: list, saved_shapes: list | None) -> None:
