@@ -3,10 +3,9 @@
 
 Goal: a large model's checkpoint saves and loads in seconds, bit for bit, with at most one bucket of extra device
 memory. Judged by each format's save and load seconds and GB/s, and their peak host and device memory (maximum over
-ranks). Formats: portable (state_dict(gather_on_root=True), rank 0 writes, every rank reads), its gather on every
-rank, and sharded (torch.distributed.checkpoint of sharded_state_dict()). Phases run between barriers; files leave
-the page cache before each load; one more iteration between save and load gives the load something to restore, bit
-for bit.
+ranks). Formats: portable (state_dict(gather_on_root=True), rank 0 writes, every rank reads), its gather on every rank,
+and sharded (torch.distributed.checkpoint of sharded_state_dict()). Phases run between barriers; files leave the page
+cache before each load; one more iteration between save and load gives the load something to restore, bit for bit.
 
     torchrun --nproc_per_node 2 benchmarks/bench_checkpoint.py --out results.json --dir /tmp/ckpt
     torchrun --nproc_per_node 2 benchmarks/bench_checkpoint.py --tiny --dir /tmp/ckpt_tiny   # smoke run

@@ -56,9 +56,7 @@ def distributed_step(dev):
     params = [torch.nn.Parameter(torch.randn(64, 64, device=dev) * 0.02) for _ in range(290)]
     opt = shardadam.DistributedFusedAdam(params, lr=LR, weight_decay=WD, overlap_grad_sync=False)
     grads = [torch.randn_like(p) * 1e-3 for p in params]
-
-    def step():
-        opt.step()
+    step = partial(opt.step)  # a partial takes the .setup attribute a bound method refuses
     step.setup = lambda: [setattr(p, "grad", g) for p, g in zip(params, grads)]
     return step
 
@@ -120,9 +118,7 @@ def plan_checks(args) -> None:
     watched, roots = len(checked._watched), len(checked._roots)
     launch = {name: (lambda plan=plan: kernels.adam(plan, lr=LR, step=1, weight_decay=WD))
               for name, plan in (("baseline", base), ("checked", checked))}
-    for fn in launch.values():  # warm up
-        for _ in range(3):
-            fn()
+    [fn() for fn in launch.values() for _ in range(3)]  # warm up
     host_us = interleaved({k: (lambda fn=fn: median_ms(fn, dev, max(reps // 5, 1), sync_after=False) * 1e3)
                            for k, fn in launch.items()}, 5)
     wall_us = interleaved({k: (lambda fn=fn: time_wall_and_host(fn, dev, reps, warmup=2)[0] * 1e3)
@@ -244,8 +240,8 @@ def first_use(args) -> None:
     say(md_table(["variant", "step ms", "zero_grad ms", "forward ms", "last loss"],
                  [[v, f"{r['step']:.3f}", f"{r['zero_grad']:.3f}", f"{r['forward']:.3f}", f"{r['loss_last']:.4f}"]
                   for v, r in results.items()]))
-    forward = {variant: r["forward"] for variant, r in results.items()}
-    say(f"forward with the guard / without: {forward['hooks_and_guard'] / forward['hooks_only']:.3f}x")
+    say(f"forward with the guard / without: "
+        f"{results['hooks_and_guard']['forward'] / results['hooks_only']['forward']:.3f}x")
     dist.destroy_process_group()
 
 

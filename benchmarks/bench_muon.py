@@ -1,11 +1,8 @@
 #!/usr/bin/env python
-"""Goal: FusedMuon's step on GPT-1.4B shapes at least 1.3x faster than
-torch.optim.Muon + torch.optim.AdamW(fused=True), its Newton-Schulz at least
-half the GPU's bf16 matmul rate, and the rest of its step (the element-wise
-passes) at 0.9 of a device copy's bandwidth (judged: the step-time ratio, the
-Newton-Schulz TFLOP/s over the measured bf16 matmul TFLOP/s, and the bytes
-the element-wise passes must move over the rest of the step's time, against
-a copy in the same run).
+"""Goal: FusedMuon's step on GPT-1.4B shapes at least 1.3x faster than torch.optim.Muon + torch.optim.AdamW(fused=True),
+its Newton-Schulz at least half the GPU's bf16 matmul rate, and the rest of its step (the element-wise passes) at 0.9 of
+a device copy's bandwidth (judged: the step-time ratio, the Newton-Schulz TFLOP/s over the measured bf16 matmul TFLOP/s,
+and the bytes the element-wise passes must move over the rest of the step's time, against a copy in the same run).
 
 Matrices go to Muon, embeddings, head, biases and norms to AdamW. FLOPs per
 Newton-Schulz iteration of an m x n matrix (m <= n): 4 m^2 n + 2 m^3.
@@ -14,23 +11,20 @@ Newton-Schulz iteration of an m x n matrix (m <= n): 4 m^2 n + 2 m^3.
     python benchmarks/bench_muon.py --layers 2 --steps 3      # smoke run (CUDA)
     python benchmarks/bench_muon.py --owners 2,4,8            # only the work split (CPU)
 
-DistributedFusedMuon (--distributed: one NCCL rank, its reduce and gather
-included) is judged by its Newton-Schulz work per rank against 1/N (goal:
-within 10%), from the owners its layout gives the same matrices at N ranks.
+DistributedFusedMuon (--distributed: one NCCL rank, its reduce and gather included) is judged by its Newton-Schulz work
+per rank against 1/N (goal: within 10%), from the owners its layout gives the same matrices at N ranks.
 """
 from __future__ import annotations
 
 import argparse
+import os
 from collections import Counter
 
 import torch
+import torch.distributed as dist
 
 from bench_kernels import copy_gbs
 from harness import md_table, run_meta, write_json
-import os
-
-import torch.distributed as dist
-
 from shardadam import DistributedFusedMuon, FusedMuon
 from shardadam._newton_schulz import newton_schulz_
 from shardadam.distributed._muon_owners import plan_owner_buckets
@@ -78,12 +72,10 @@ def ns_flops(shapes: Counter) -> float:
 
 
 def elementwise_bytes(layers: int, dtype: torch.dtype) -> float:
-    """Bytes FusedMuon's element-wise passes must move, parameters (and
-    AdamW's states) of `dtype` (P bytes), bf16 Newton-Schulz. Muon, per
-    element: the momentum pass reads the gradient and the momentum, writes the
-    momentum and the stacked bf16 input (3P + 2), the update pass reads the
-    orthogonalized bf16 matrix and writes the parameter (2 + 2P); AdamW: the
-    parameter, exp_avg and exp_avg_sq read and written, the gradient read (7P)."""
+    """Bytes FusedMuon's element-wise passes must move, parameters (and AdamW's states) of `dtype` (P bytes), bf16
+    Newton-Schulz. Muon, per element: the momentum pass reads the gradient and the momentum, writes the momentum and the
+    stacked bf16 input (3P + 2), the update pass reads the orthogonalized bf16 matrix and writes the parameter (2 + 2P);
+    AdamW: the parameter, exp_avg and exp_avg_sq read and written, the gradient read (7P)."""
     size = torch.empty((), dtype=dtype).element_size()
     muon = sum(rows * cols for rows, cols in gpt_shapes(layers))
     adamw = 2 * VOCAB * D_MODEL + layers * (3 * D_MODEL + 2 * D_MODEL + FFN + 4 * D_MODEL)
@@ -94,7 +86,6 @@ def step_ms(build, layers: int, dtype, steps: int, graph: bool) -> float:
     torch.cuda.empty_cache()
     matrices, others = gpt_params(layers, dtype)
     opts = build(matrices, others)
-
     grads = [(q, q.grad) for q in matrices + others]
 
     def step():
@@ -120,8 +111,7 @@ def newton_schulz_ms(shapes: Counter, steps: int) -> float:
 
 
 def matmul_tflops(steps: int) -> float:
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     return 2 * 8192 ** 3 / median_ms(lambda: a @ b, torch.device("cuda"), steps, warmup=3) / 1e9
 
 
@@ -161,8 +151,7 @@ def main() -> None:
         times["DistributedFusedMuon, 1 rank"] = step_ms(
             lambda m, o: [DistributedFusedMuon([dict(params=m), dict(params=o, use_muon=False, **adamw)], lr=0.02)],
             args.layers, dtype, args.steps, False)
-    shapes = Counter({(3 * D_MODEL, D_MODEL): args.layers, (D_MODEL, D_MODEL): args.layers,
-                      (FFN, D_MODEL): args.layers, (D_MODEL, FFN): args.layers})
+    shapes = Counter(gpt_shapes(args.layers))
     ns_ms, peak = newton_schulz_ms(shapes, args.steps), matmul_tflops(args.steps)
     ns_tflops = ns_flops(shapes) / ns_ms / 1e9
     copy, rest_ms = copy_gbs("cuda", 1 << 28, args.steps, 3), times["FusedMuon"] - ns_ms

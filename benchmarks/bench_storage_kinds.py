@@ -1,12 +1,10 @@
 #!/usr/bin/env python
 """shardadam's AdamW step in each storage kind, side by side in one run with torch's fused AdamW.
 
-Goal: each kind's step at 0.85 of a device copy's bandwidth on the bytes it
-moves, and FusedAdam's low-bit steps at least 3x (200 tensors) and 20x (20,000)
-faster than torchao's. Judged by "of copy" (and "of copy, moved" where a kind
-moves more than it must) and the ms per step against torchao's rows. Bytes per
-element a step must move are KINDS' first field (fp32 28, FP8 16, 8-bit
-blockwise 16.06, bf16 22; mixed state dtypes: _mixed_bytes).
+Goal: each kind's step at 0.85 of a device copy's bandwidth on the bytes it moves, and FusedAdam's low-bit steps at
+least 3x (200 tensors) and 20x (20,000) faster than torchao's. Judged by "of copy" (and "of copy, moved" where a kind
+moves more than it must) and the ms per step against torchao's rows. Bytes per element a step must move are KINDS' first
+field (fp32 28, FP8 16, 8-bit blockwise 16.06, bf16 22; mixed state dtypes: _mixed_bytes).
 
     python benchmarks/bench_storage_kinds.py --device cuda --out kinds.json
     python benchmarks/bench_storage_kinds.py --device cpu --numel 27 --tensors 1,200
@@ -25,6 +23,8 @@ from shardadam import kernels
 from timing import time_steps
 
 F8 = torch.float8_e4m3fn
+SCALED = (F8, torch.float16)  # states kept with per-tensor scales: two passes
+PEERS = {"torchao": "torchao.optim", "bitsandbytes": "bitsandbytes.optim"}
 
 
 def _shardadam(sizes, dev, param_dtype, state_dtype, seed=None, exp_avg_sq_dtype=None):
@@ -46,9 +46,8 @@ def _torch_fused(sizes, dev, dtype):
 
 
 def _stepped(optimizer, sizes, dev, first_steps: int, dtype=torch.float32, **options):
-    """optimizer.step on parameters with gradients, after its first steps
-    (torchao's compile). The optimizer as a whole, its per-step checks of
-    parameters and gradients included, as torchao's optimizers are timed."""
+    """optimizer.step on parameters with gradients, after its first steps (torchao's compile). The optimizer as a whole,
+    its per-step checks of parameters and gradients included, as torchao's optimizers are timed."""
     params = [torch.nn.Parameter(torch.randn(n, device=dev, dtype=dtype)) for n in sizes]
     for p in params:
         p.grad = torch.randn_like(p)
@@ -76,19 +75,11 @@ def _imports(module: str) -> bool:
     return True
 
 
-PEERS = {"torchao": "torchao.optim", "bitsandbytes": "bitsandbytes.optim"}
-
-
-SCALED = (F8, torch.float16)  # states kept with per-tensor scales: two passes
-
-
 def _mixed_bytes(param_dtype, exp_avg_dtype, exp_avg_sq_dtype) -> tuple[int, int]:
-    """(bytes per element a step must move, bytes it moves). Must: read and
-    write the parameter and both states, read the gradient (of the
-    parameter's dtype). With a scaled state the step takes two passes ([Note:
-    params in the measure pass] in cpp/ops.h): the first reads everything and
-    writes the parameter, the second reads the gradient and the states again
-    and writes the states."""
+    """(bytes per element a step must move, bytes it moves). Must: read and write the parameter and both states, read
+    the gradient (of the parameter's dtype). With a scaled state the step takes two passes ([Note: params in the measure
+    pass] in cpp/ops.h): the first reads everything and writes the parameter, the second reads the gradient and the
+    states again and writes the states."""
     p, m, v = (torch.empty(0, dtype=d).element_size() for d in (param_dtype, exp_avg_dtype, exp_avg_sq_dtype))
     must = 2 * p + p + 2 * (m + v)
     if exp_avg_dtype not in SCALED and exp_avg_sq_dtype not in SCALED:

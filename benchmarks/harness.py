@@ -1,6 +1,5 @@
-"""What the benchmarks share around a run: process groups, command-line
-options, run metadata, JSON and markdown output, failures every rank agrees
-on, a case's figures over ranks, optimizer memory."""
+"""What the benchmarks share around a run: process groups, command-line options, run metadata, JSON and markdown output,
+failures every rank agrees on, a case's figures over ranks, optimizer memory."""
 from __future__ import annotations
 
 import ctypes

@@ -1,14 +1,11 @@
 #!/usr/bin/env python
 """Training quality of DistributedFusedAdam's storage kinds at scale, side by side in one run.
 
-Goal: each low-bit storage kind ends within 1% of fp32's final loss, and no
-worse than the peers' optimizers of the same kind (bitsandbytes, torchao: one
-rank, the whole model, torch's clip_grad_norm_); Muon + AdamW
-(DistributedFusedMuon) beside AdamW, each over --lr-scales, is reported as
-measured. Judged by "vs fp32": the final loss (mean of the last tenth of the
-steps) over fp32's. The GPT of models.py learning Python source byte by byte,
-from the same seed on the same global batches with each kind in turn; curves
-as CSV, SVG and JSON.
+Goal: each low-bit storage kind ends within 1% of fp32's final loss, and no worse than the peers' optimizers of the same
+kind (bitsandbytes, torchao: one rank, the whole model, torch's clip_grad_norm_); Muon + AdamW (DistributedFusedMuon)
+beside AdamW, each over --lr-scales, is reported as measured. Judged by "vs fp32": the final loss (mean of the last
+tenth of the steps) over fp32's. The GPT of models.py learning Python source byte by byte, from the same seed on the
+same global batches with each kind in turn; curves as CSV, SVG and JSON.
 
     torchrun --nproc_per_node 1 benchmarks/quality_gpt.py --steps 300 --out results/quality_gpt_h200
     torchrun --nproc_per_node 1 benchmarks/quality_gpt.py --kinds "fp32,8-bit blockwise states,bitsandbytes AdamW8bit"
@@ -63,9 +60,8 @@ def build_optimizer(name: str, model: torch.nn.Module, args):
 
 
 def smoothed(curves: dict[str, list[float]]) -> dict[str, list[float]]:
-    """The curves as running means over SMOOTH steps (one step's loss on a
-    batch of a few sequences is noisy), values above the first loss drawn at
-    it so that a diverging kind leaves the others readable."""
+    """The curves as running means over SMOOTH steps (one step's loss on a batch of a few sequences is noisy), values
+    above the first loss drawn at it so that a diverging kind leaves the others readable."""
     cap = max(c[0] for c in curves.values())
     windows = {name: [c[max(0, i + 1 - SMOOTH):i + 1] for i in range(len(c))] for name, c in curves.items()}
     return {name: [min(cap, sum(w) / len(w)) for w in ws] for name, ws in windows.items()}

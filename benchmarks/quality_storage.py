@@ -1,11 +1,10 @@
 #!/usr/bin/env python
 """Training quality of FusedAdam's storage kinds, side by side in one run.
 
-Goal: each low-bit kind ends within 1% of fp32's final loss. Judged by "vs
-fp32": the final loss (mean of the last tenth of the steps) over fp32's. The
-example GPT (examples/train.py) from the same seed on the same batches in each
-kind of models.KINDS, and Muon (FusedMuon on the blocks' matrices, AdamW on
-the rest) against AdamW, each over --lr-scales; curves as CSV and SVG.
+Goal: each low-bit kind ends within 1% of fp32's final loss. Judged by "vs fp32": the final loss (mean of the last tenth
+of the steps) over fp32's. The example GPT (examples/train.py) from the same seed on the same batches in each kind of
+models.KINDS, and Muon (FusedMuon on the blocks' matrices, AdamW on the rest) against AdamW, each over --lr-scales;
+curves as CSV and SVG.
 
     python benchmarks/quality_storage.py --kinds "fp32,FP8 states,FP8 exp_avg" --out results/quality_storage_cpu
     python benchmarks/quality_storage.py --kinds "fp32,Muon + AdamW" --lr-scales 0.5,1,2 --out results/quality_muon_cpu
@@ -33,10 +32,9 @@ MUON = "Muon + AdamW"  # FusedMuon: Muon on the blocks' matrices, AdamW (use_muo
 
 
 def muon_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Muon for the transformer blocks' matrices; embeddings, the head, norms
-    and biases on AdamW (the usual split), matrices decayed, the rest not.
-    Muon's lr is scaled to AdamW's update RMS ("match_rms_adamw"), so both
-    parts follow one learning-rate schedule."""
+    """Muon for the transformer blocks' matrices; embeddings, the head, norms and biases on AdamW (the usual split),
+    matrices decayed, the rest not. Muon's lr is scaled to AdamW's update RMS ("match_rms_adamw"), so both parts follow
+    one learning-rate schedule."""
     hidden = [p for n, p in model.named_parameters() if n.startswith("blocks.") and p.dim() == 2]
     ids = {id(p) for p in hidden}
     rest = [p for p in model.parameters() if id(p) not in ids]

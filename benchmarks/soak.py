@@ -1,11 +1,10 @@
 #!/usr/bin/env python
 """Soak run: DistributedFusedAdam trains for many steps while each rank's memory is sampled.
 
-Goal: no leak. Judged per rank by the growth of host RSS (and GPU allocated and reserved memory) after a 10%
-warm-up, end to end and along a least-squares line, against its limit: the run exits 1 if any exceeds it. Training
-as in practice (small buckets, both overlaps, contiguous_param_buffer, a scheduler, clipping, fresh batches, a
-state_dict() round trip every 1000 steps, or a fifth of the run); CPU: gloo and a small MLP, CUDA: NCCL and a small
-GPT. svg.py draws the JSON.
+Goal: no leak. Judged per rank by the growth of host RSS (and GPU allocated and reserved memory) after a 10% warm-up,
+end to end and along a least-squares line, against its limit: the run exits 1 if any exceeds it. Training as in practice
+(small buckets, both overlaps, contiguous_param_buffer, a scheduler, clipping, fresh batches, a state_dict() round trip
+every 1000 steps, or a fifth of the run); CPU: gloo and a small MLP, CUDA: NCCL and a small GPT. svg.py draws the JSON.
 
     torchrun --standalone --nproc_per_node 2 benchmarks/soak.py --steps 5000 --out benchmarks/results/soak_gloo.json
     NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc_per_node 2 benchmarks/soak.py --device cuda --copy-engines \\
