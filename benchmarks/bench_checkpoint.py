@@ -112,8 +112,7 @@ def snapshot(model, opt, portable: bool) -> dict:
     """Copies of what a checkpoint must bring back, on this rank: its pieces of every state (together the ranks' pieces
     are the whole state), the groups' steps and hyperparameters, and the model's parameters (load makes them the loaded
     masters); with portable, the whole portable state_dict() as well. Every rank must call it."""
-    pieces = [piece.clone() for state in opt.sharded_state_dict()["state"].values()
-              for _, piece in local_pieces(state)]
+    pieces = [piece.clone() for state in opt.sharded_state_dict()["state"].values() for _, piece in local_pieces(state)]
     return dict(pieces=pieces, groups=[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
                 params=[p.detach().clone() for p in model.parameters()],
                 portable=opt.state_dict() if portable else None)

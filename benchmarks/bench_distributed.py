@@ -51,8 +51,7 @@ WARMUP = 3
 BF16 = dict(param_sync_dtype=torch.bfloat16)
 # --capture: name -> (parameter dtype, DistributedFusedAdam storage options)
 STORAGE = {
-    "fp32": (torch.float32, {}),
-    "bf16": (torch.bfloat16, BF16),
+    "fp32": (torch.float32, {}), "bf16": (torch.bfloat16, BF16),
     "bf16_remainders": (torch.bfloat16, dict(BF16, store_param_remainders=True, store_params=False)),
     "bf16_scaled_states": (torch.bfloat16, dict(BF16, with_scaled_states=True, dtype=torch.float16)),
     "bf16_no_master": (torch.bfloat16, dict(BF16, store_params=False)),

@@ -105,8 +105,7 @@ def train(run: str, args, config, tokens, rank: int, world: int, device: torch.d
     losses = torch.stack(losses)
     dist.all_reduce(losses)
     result = dict(tokens_per_s=args.global_batch * args.seq / step_ms * 1e3, step_ms=step_ms,
-                  peak_memory_gib=(torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda"
-                                   else None),
+                  peak_memory_gib=(torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None),
                   losses=(losses / world).tolist())
     del module, opt, model, clip
     gc.collect()

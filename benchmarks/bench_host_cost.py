@@ -62,13 +62,11 @@ def distributed_step(dev):
 
 
 # name -> make(dev) -> the call timed (its .setup, if any, untimed before each): FusedAdam as bench_kernels times it
-AB_CASES = {
-    "FusedAdam 20k params, grads kept": partial(shard_fp32, SMALL),
+AB_CASES = {"FusedAdam 20k params, grads kept": partial(shard_fp32, SMALL),
     "FusedAdam 20k params, new grads each step": partial(shard_fp32, SMALL, new_grads_each_step=True),
     "FusedAdam 20k params, flat_grads": partial(shard_fp32, SMALL, flat_grads=True),
     "FusedAdam GPT-2 medium shapes": partial(shard_fp32, gpt2_medium_shapes()),
-    "kernels.adam plan of 20k tensors": kernel_plan,
-    "DistributedFusedAdam 1 rank, 290 params": distributed_step,
+    "kernels.adam plan of 20k tensors": kernel_plan, "DistributedFusedAdam 1 rank, 290 params": distributed_step,
 }
 
 

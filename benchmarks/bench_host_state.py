@@ -175,8 +175,7 @@ def main() -> None:
         # processes (RESULTS.md), so an iteration is compared with the floors of its own round.
         cases = dict(iteration_ms=iteration(opt), host_step_ms=cpu_step,
                      host_step_with_transfers_ms=lambda: (both(), cpu_step()), transfers_ms=both)
-        timings = interleaved({k: partial(timed, fn, reps=args.reps, warmup=1) for k, fn in cases.items()},
-                              args.rounds)
+        timings = interleaved({k: partial(timed, fn, reps=args.reps, warmup=1) for k, fn in cases.items()}, args.rounds)
         rounds = row["rounds"] = [{k: v[i] for k, v in timings.items()} for i in range(args.rounds)]
         for r in rounds:
             print("round", json.dumps({k: round(v, 1) for k, v in r.items()}), flush=True)

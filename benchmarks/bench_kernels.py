@@ -109,8 +109,7 @@ def torch_masters(shapes, dev):
 
 FUSED_ADAM = {
     "torch fused AdamW": lambda s, d: torch.optim.AdamW(with_grads(s, d), lr=LR, weight_decay=WD, fused=True).step,
-    "FusedAdam": shard_fp32,
-    "FusedAdam, new grads each step": functools.partial(shard_fp32, new_grads_each_step=True),
+    "FusedAdam": shard_fp32, "FusedAdam, new grads each step": functools.partial(shard_fp32, new_grads_each_step=True),
     "FusedAdam flat_grads": functools.partial(shard_fp32, flat_grads=True),
     "torch fused AdamW on fp32 masters + copy to bf16": torch_masters,
     "FusedAdam master_weights (bf16 params)": lambda s, d: shardadam.FusedAdam(

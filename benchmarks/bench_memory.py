@@ -39,17 +39,14 @@ F32, B16 = torch.float32, torch.bfloat16
 
 # name -> (parameter dtype, the optimizer with its options (None: torch's AdamW), torch case it is compared with)
 FA, DFA = partial(shardadam.FusedAdam, lr=1e-4), partial(shardadam.DistributedFusedAdam, lr=1e-4)
-CASES = {
-    FP32: (F32, None, None),
-    "FusedAdam fp32": (F32, FA, FP32),
+CASES = {FP32: (F32, None, None), "FusedAdam fp32": (F32, FA, FP32),
     "FusedLion fp32": (F32, partial(shardadam.FusedLion, lr=1e-4), FP32),
     "FusedAdam fp32, fp16 scaled states": (F32, partial(FA, exp_avg_dtype=torch.float16,
                                                         exp_avg_sq_dtype=torch.float16), FP32),
     "FusedAdam fp32, FP8 exp_avg": (F32, partial(FA, exp_avg_dtype=torch.uint8), FP32),
     "FusedAdam fp32, FP8 states": (F32, partial(FA, **FP8), FP32),
     "FusedAdam fp32, 8-bit states": (F32, partial(FA, **B8), FP32),
-    "FusedAdam fp32, host state": (F32, partial(FA, state_device="cpu"), FP32),
-    BF16: (B16, None, None),
+    "FusedAdam fp32, host state": (F32, partial(FA, state_device="cpu"), FP32), BF16: (B16, None, None),
     "FusedAdam bf16, fp32 masters": (B16, partial(FA, master_weights=True), BF16),
     "FusedAdam bf16, remainders": (B16, partial(FA, store_param_remainders=True), BF16),
     "FusedAdam bf16, stochastic rounding": (B16, partial(FA, **SR), BF16),
@@ -61,9 +58,7 @@ CASES = {
     "DistributedFusedAdam bf16, stochastic rounding + 8-bit, separate buffers": (B16, partial(DFA, **SR, **B8), BF16),
 }
 # --layouts: name -> (parameter dtype, DistributedFusedAdam options)
-LAYOUTS = {
-    "fp32 params, fp32 state": (F32, {}),
-    "fp32 params, amsgrad": (F32, dict(amsgrad=True)),
+LAYOUTS = {"fp32 params, fp32 state": (F32, {}), "fp32 params, amsgrad": (F32, dict(amsgrad=True)),
     "bf16 params, fp32 master": (B16, {}),
     "bf16 params, remainders": (B16, dict(store_param_remainders=True, store_params=False)),
     "bf16 params, scaled fp16 states": (B16, dict(with_scaled_states=True, dtype=torch.float16)),
@@ -146,8 +141,7 @@ def table(records: list[dict], cuda: bool) -> str:
             continue
         rows.append([r["name"], f"{r['accounted'] / n:.2f}", f"{r['steady'] / GIB:.2f}", f"{r['accounted'] / GIB:.2f}",
                      f"{r['steady'] / r['accounted']:.3f}", f"{r['peak'] / GIB:.2f}",
-                     f"{r['peak_after_first_step'] / GIB:.2f}",
-                     f"{r['steady'] / ref['steady']:.3f}" if ref else "1",
+                     f"{r['peak_after_first_step'] / GIB:.2f}", f"{r['steady'] / ref['steady']:.3f}" if ref else "1",
                      f"{r['peak_after_first_step'] / ref['peak_after_first_step']:.3f}" if ref else "1"])
     return md_table(["case", "B/param accounted", "steady GiB", "accounted GiB", "steady / accounted", "peak GiB",
                      "peak after step 1 GiB", "steady / torch", "peak / torch"], rows)

@@ -57,18 +57,14 @@ def owner_shares(layers: int, world: int, bucket_cap_mb: float = 100) -> list[fl
     shapes = gpt_shapes(layers)
     buckets = plan_owner_buckets(shapes, [torch.float32] * len(shapes), world, int(bucket_cap_mb * 2 ** 18))
     load = [0.0] * world
-    for b in buckets:
-        for m in b.matrices:
-            load[m.owner] += ns_flops(Counter({(m.rows, m.cols): 1}))
+    for m in (m for b in buckets for m in b.matrices):
+        load[m.owner] += ns_flops(Counter({(m.rows, m.cols): 1}))
     return [x / sum(load) for x in load]
 
 
 def ns_flops(shapes: Counter) -> float:
-    total = 0.0
-    for (rows, cols), count in shapes.items():
-        m, n = min(rows, cols), max(rows, cols)
-        total += count * NS_STEPS * (4 * m * m * n + 2 * m ** 3)
-    return total
+    return sum(count * NS_STEPS * (4 * m * m * n + 2 * m ** 3) for (m, n), count in
+               ((sorted(shape), count) for shape, count in shapes.items()))
 
 
 def elementwise_bytes(layers: int, dtype: torch.dtype) -> float:
@@ -137,11 +133,9 @@ def main() -> None:
         return lambda m, o: [FusedMuon([dict(params=m), dict(params=o, use_muon=False, **adamw)], lr=0.02,
                                        capturable=capturable)]
 
-    def reference(capturable):
-        return lambda m, o: [torch.optim.Muon(m, lr=0.02),
-                             torch.optim.AdamW(o, fused=True, capturable=capturable, **adamw)]
-
-    times = {"torch.optim.Muon + AdamW(fused=True)": step_ms(reference(False), args.layers, dtype, args.steps, False),
+    reference = step_ms(lambda m, o: [torch.optim.Muon(m, lr=0.02), torch.optim.AdamW(o, fused=True, **adamw)],
+                        args.layers, dtype, args.steps, False)
+    times = {"torch.optim.Muon + AdamW(fused=True)": reference,
              "FusedMuon": step_ms(fused(False), args.layers, dtype, args.steps, False),
              "FusedMuon, CUDA graph": step_ms(fused(True), args.layers, dtype, args.steps, True)}
     if args.distributed:

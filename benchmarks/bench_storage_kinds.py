@@ -41,10 +41,6 @@ def _shardadam(sizes, dev, param_dtype, state_dtype, seed=None, exp_avg_sq_dtype
     return lambda: kernels.adam(plan, lr=1e-3, step=next(step), weight_decay=0.01, stochastic_rounding_seed=seed)
 
 
-def _torch_fused(sizes, dev, dtype):
-    return torch_step(rand(sizes, dev, dtype), rand(sizes, dev, dtype), fused=True)
-
-
 def _stepped(optimizer, sizes, dev, first_steps: int, dtype=torch.float32, **options):
     """optimizer.step on parameters with gradients, after its first steps (torchao's compile). The optimizer as a whole,
     its per-step checks of parameters and gradients included, as torchao's optimizers are timed."""
@@ -108,14 +104,14 @@ MIXED = _mixed_kinds()
 MOVED = {"shardadam FP8 states": 22, "FusedAdam FP8 states": 22,
          **{name: moved for name, (_, moved, _) in MIXED.items()}}
 # name -> (bytes per element it must move, builder(sizes, dev))
-KINDS = {
-    "shardadam fp32": (28, lambda s, d: _shardadam(s, d, torch.float32, torch.float32)),
+KINDS = {"shardadam fp32": (28, lambda s, d: _shardadam(s, d, torch.float32, torch.float32)),
     "shardadam FP8 states": (16, lambda s, d: _shardadam(s, d, torch.float32, F8)),
     "shardadam 8-bit blockwise states": (16.06, lambda s, d: _shardadam(s, d, torch.float32, torch.uint8)),
     "shardadam bf16, to nearest": (22, lambda s, d: _shardadam(s, d, torch.bfloat16, torch.float32)),
     "shardadam bf16, stochastic": (22, lambda s, d: _shardadam(s, d, torch.bfloat16, torch.float32, seed=1234)),
-    "torch fused fp32": (28, lambda s, d: _torch_fused(s, d, torch.float32)),
-    "torch fused bf16 (bf16 states)": (14, lambda s, d: _torch_fused(s, d, torch.bfloat16)),
+    "torch fused fp32": (28, lambda s, d: torch_step(rand(s, d), rand(s, d), fused=True)),
+    "torch fused bf16 (bf16 states)": (14, lambda s, d: torch_step(
+        rand(s, d, torch.bfloat16), rand(s, d, torch.bfloat16), fused=True)),
     "FusedAdam 8-bit blockwise states": (16.06, lambda s, d: _fused_adam(
         s, d, exp_avg_dtype=shardadam.BLOCKWISE8, exp_avg_sq_dtype=shardadam.BLOCKWISE8)),
     "FusedAdam FP8 states": (16, lambda s, d: _fused_adam(s, d, exp_avg_dtype=F8, exp_avg_sq_dtype=F8)),

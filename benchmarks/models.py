@@ -22,14 +22,11 @@ SIZE_KEYS = ("d_model", "layers", "heads", "vocab", "seq")
 FP8 = dict(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8)
 BLOCKWISE8 = dict(exp_avg_dtype=shardadam.BLOCKWISE8, exp_avg_sq_dtype=shardadam.BLOCKWISE8)
 STOCHASTIC = dict(bf16_stochastic_round=True, stochastic_round_seed=0)
-KINDS = {
-    "fp32": (torch.float32, {}),
-    "FP8 states": (torch.float32, FP8),
+KINDS = {"fp32": (torch.float32, {}), "FP8 states": (torch.float32, FP8),
     "FP8 exp_avg": (torch.float32, dict(exp_avg_dtype=torch.uint8)),
     "8-bit blockwise states": (torch.float32, BLOCKWISE8),
     "bf16 + fp32 masters": (torch.bfloat16, dict(master_weights=True)),
-    "bf16 stochastic rounding": (torch.bfloat16, STOCHASTIC),
-    "bf16 round to nearest": (torch.bfloat16, {}),
+    "bf16 stochastic rounding": (torch.bfloat16, STOCHASTIC), "bf16 round to nearest": (torch.bfloat16, {}),
 }
 
 

@@ -27,19 +27,19 @@ import torch.distributed as dist
 import shardadam
 from harness import fmt, parse_gpt_args, start_gpt
 from models import FULL, KINDS, SIZE_KEYS, add_size_args, build_model, lm_loss
-from quality_storage import MUON, add_sweep_args, kinds_arg, muon_groups, report, runs_of, write_curves
+from quality_storage import MUON, add_kind_args, muon_groups, report, runs_of, write_curves
 from train import corpus, learning_rate, mean_over_ranks, param_groups, rank_slice, sample_batch  # examples/
 
 # The kinds of quality_storage.py that DistributedFusedAdam takes as they are
 # (it keeps fp32 masters for bf16 parameters unless they round stochastically).
 DISTRIBUTED_KINDS = ("fp32", "FP8 states", "FP8 exp_avg", "8-bit blockwise states", "bf16 stochastic rounding")
 # The peers' low-bit AdamW on one rank: name -> (parameter dtype, module, class, options).
-PEER_KINDS = {
-    "bitsandbytes AdamW8bit": (torch.float32, "bitsandbytes.optim", "AdamW8bit", {}),
+PEER_KINDS = {"bitsandbytes AdamW8bit": (torch.float32, "bitsandbytes.optim", "AdamW8bit", {}),
     "torchao AdamW8bit": (torch.float32, "torchao.optim", "AdamW8bit", {}),
     "torchao AdamWFp8": (torch.float32, "torchao.optim", "AdamWFp8", {}),
     "torchao bf16 stochastic rounding": (torch.bfloat16, "torchao.optim", "_AdamW", dict(bf16_stochastic_round=True)),
 }
+KNOWN = (*DISTRIBUTED_KINDS, *PEER_KINDS, MUON)
 SMOOTH = 10  # steps per point of the plotted curves
 
 
@@ -68,8 +68,8 @@ def smoothed(curves: dict[str, list[float]]) -> dict[str, list[float]]:
 
 
 def train_kind(name: str, kind: str, args, data: torch.Tensor, dev: torch.device, cuda: bool) -> dict:
-    """One run of a kind from the common seed: the global loss of every step,
-    ms per step (median) and this rank's peak GPU memory."""
+    """One run of a kind from the common seed: the global loss of every step, ms per step (median) and this rank's
+    peak GPU memory."""
     dtype = PEER_KINDS[kind][0] if kind in PEER_KINDS else torch.float32 if kind == MUON else KINDS[kind][0]
     model = build_model(args, dev).to(dtype)
     opt, clip = build_optimizer(kind, model, args)
@@ -82,8 +82,7 @@ def train_kind(name: str, kind: str, args, data: torch.Tensor, dev: torch.device
         for g in opt.param_groups:
             g["lr"] = learning_rate(step, args)
         batch = rank_slice(sample_batch(gen, data, args.batch * dist.get_world_size(), args.seq)).to(dev)
-        loss = lm_loss(model, batch[:, :-1], batch[:, 1:], cuda)
-        loss.backward()
+        (loss := lm_loss(model, batch[:, :-1], batch[:, 1:], cuda)).backward()
         clip()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -108,20 +107,18 @@ def main() -> None:
     ap.add_argument("--bucket-cap-mb", type=float, default=100)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--chars", type=int, default=4_000_000, help="bytes of Python source to sample from")
-    ap.add_argument("--kinds", default=",".join(DISTRIBUTED_KINDS),
-                    help="comma-separated subset of: " + ", ".join((*DISTRIBUTED_KINDS, *PEER_KINDS, MUON)))
-    add_sweep_args(ap)
+    add_kind_args(ap, ",".join(DISTRIBUTED_KINDS), KNOWN)
     ap.add_argument("--out", type=pathlib.Path, help="rank 0 writes <out>.csv, <out>.svg and <out>.json")
     args = parse_gpt_args(ap, FULL, SIZE_KEYS)
-    kinds = kinds_arg(ap, args.kinds, (*DISTRIBUTED_KINDS, *PEER_KINDS, MUON))
     if args.steps < 10:
         ap.error("--steps must be at least 10 (the final loss is the mean of the last tenth)")
     args.log_every = max(1, args.steps // 10)
     dev, cuda, _, meta = start_gpt(args)
-    if dist.get_world_size() > 1 and any(name in PEER_KINDS for name in kinds):
+    runs = runs_of(ap, args, KNOWN)
+    if dist.get_world_size() > 1 and any(kind in PEER_KINDS for _, kind, _ in runs):
         ap.error("--kinds: the peers' optimizers are not distributed: run them with --nproc_per_node 1")
     data = torch.frombuffer(bytearray(corpus(args.chars).encode()), dtype=torch.uint8).long()
-    runs = {name: train_kind(name, kind, run_args, data, dev, cuda) for name, kind, run_args in runs_of(kinds, args)}
+    runs = {name: train_kind(name, kind, run_args, data, dev, cuda) for name, kind, run_args in runs}
     if dist.get_rank() == 0:
         curves = {name: r["losses"] for name, r in runs.items()}
         final = report(curves, args.steps, f", {dist.get_world_size()} ranks", {

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import pathlib
 import sys
 
@@ -25,8 +26,7 @@ from models import KINDS
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 from report import write_loss_csv, write_loss_svg  # noqa: E402
-from train import corpus, param_groups, train  # noqa: E402
-
+from train import corpus, encode, param_groups, train  # noqa: E402
 
 MUON = "Muon + AdamW"  # FusedMuon: Muon on the blocks' matrices, AdamW (use_muon=False) on the rest
 
@@ -35,38 +35,30 @@ def muon_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """Muon for the transformer blocks' matrices; embeddings, the head, norms and biases on AdamW (the usual split),
     matrices decayed, the rest not. Muon's lr is scaled to AdamW's update RMS ("match_rms_adamw"), so both parts follow
     one learning-rate schedule."""
-    hidden = [p for n, p in model.named_parameters() if n.startswith("blocks.") and p.dim() == 2]
-    ids = {id(p) for p in hidden}
-    rest = [p for p in model.parameters() if id(p) not in ids]
-    return [dict(params=hidden, weight_decay=weight_decay),
+    hidden = {n for n, p in model.named_parameters() if n.startswith("blocks.") and p.dim() == 2}
+    rest = [p for n, p in model.named_parameters() if n not in hidden]
+    return [dict(params=[p for n, p in model.named_parameters() if n in hidden], weight_decay=weight_decay),
             dict(params=[p for p in rest if p.dim() >= 2], use_muon=False, weight_decay=weight_decay),
             dict(params=[p for p in rest if p.dim() < 2], use_muon=False, weight_decay=0.0)]
 
 
-def kinds_arg(ap, value: str, known) -> list[str]:
-    """--kinds: a subset of `known` with fp32, the reference, in it."""
-    kinds = choose(ap, value, known, "--kinds")
-    if "fp32" not in kinds:
-        ap.error("--kinds: fp32 (the reference) missing")
-    return kinds
+def add_kind_args(ap, default: str, known) -> None:
+    ap.add_argument("--kinds", default=default, help="comma-separated subset of: " + ", ".join(known))
+    ap.add_argument("--lr-scales", default="1", help="each kind at --lr times each of these (comma-separated; 1, "
+                    "the kinds' own rows, among them)")
 
 
-def add_sweep_args(ap) -> None:
-    ap.add_argument("--lr-scales", default="1", help="each kind at --lr times each of these (comma-separated; "
-                    "the one at 1 is the kind's own row)")
-
-
-def runs_of(kinds: list[str], args) -> list[tuple[str, str, argparse.Namespace]]:
-    """(run name, kind, args with its learning rate) for each kind at each --lr-scales."""
-    scales = [float(s) for s in args.lr_scales.split(",")]
-    if 1 not in scales:
-        raise SystemExit("--lr-scales: 1 missing (the kinds' own rows, fp32's the reference)")
+def runs_of(ap, args, known) -> list[tuple[str, str, argparse.Namespace]]:
+    """(run name, kind, args with its learning rate) for each of --kinds (fp32, the reference, among them) at each
+    of --lr-scales."""
+    kinds, scales = choose(ap, args.kinds, known, "--kinds"), [float(s) for s in args.lr_scales.split(",")]
+    if "fp32" not in kinds or 1 not in scales:
+        ap.error("--kinds needs fp32 and --lr-scales 1 (the reference)")
     runs = []
-    for kind in kinds:
-        for scale in scales:
-            run_args = copy.copy(args)
-            run_args.lr = args.lr * scale
-            runs.append((kind if scale == 1 else f"{kind}, lr x{scale:g}", kind, run_args))
+    for kind, scale in itertools.product(kinds, scales):
+        run_args = copy.copy(args)
+        run_args.lr = args.lr * scale
+        runs.append((kind if scale == 1 else f"{kind}, lr x{scale:g}", kind, run_args))
     return runs
 
 
@@ -100,18 +92,13 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--chars", type=int, default=2_000_000)
-    ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated subset of: " + ", ".join((*KINDS, MUON)))
-    add_sweep_args(ap)
+    add_kind_args(ap, ",".join(KINDS), (*KINDS, MUON))
     ap.add_argument("--out", type=pathlib.Path, help="write <out>.csv, <out>.svg and <out>.json")
     args = ap.parse_args()
-    kinds = kinds_arg(ap, args.kinds, (*KINDS, MUON))
     args.log_every = max(1, args.steps // 6)
-    text = corpus(args.chars)
-    chars = sorted(set(text))
-    index = {c: i for i, c in enumerate(chars)}
-    data = torch.tensor([index[c] for c in text], dtype=torch.long)
+    data, chars = encode(corpus(args.chars))
     curves = {}
-    for name, kind, run_args in runs_of(kinds, args):
+    for name, kind, run_args in runs_of(ap, args, (*KINDS, MUON)):
         if kind == MUON:
             curves[name] = train(name, lambda model, a=run_args: shardadam.FusedMuon(
                 muon_groups(model, 0.1), lr=a.lr, adjust_lr_fn="match_rms_adamw"), run_args, data, len(chars),

@@ -61,8 +61,7 @@ def sample(step: int, t0: float, loss: float | None, cuda: bool) -> dict:
     if cuda:
         torch.cuda.synchronize()  # the same point of every iteration: nothing queued
     return dict(step=step, seconds=time.perf_counter() - t0, rss=rss_bytes(), malloc_in_use=malloc_in_use(),
-                py_objects=len(gc.get_objects()),
-                gpu_allocated=torch.cuda.memory_allocated() if cuda else None,
+                py_objects=len(gc.get_objects()), gpu_allocated=torch.cuda.memory_allocated() if cuda else None,
                 gpu_reserved=torch.cuda.memory_reserved() if cuda else None, loss=loss)
 
 
@@ -76,8 +75,7 @@ def soak(args, dev: torch.device) -> tuple[list[dict], dict]:
         nn.Linear(MLP["d_in"], w), nn.Tanh(), nn.Linear(w, w), nn.Tanh(), nn.Linear(w, w), nn.Tanh(),
         nn.Linear(w, MLP["d_out"]))
     copy_engines = True if args.copy_engines else None  # None: wherever every rank can
-    opt = shardadam.DistributedFusedAdam(
-        model.parameters(), lr=LR, weight_decay=0.1, bucket_cap_mb=args.bucket_cap_mb,
+    opt = shardadam.DistributedFusedAdam(model.parameters(), lr=LR, weight_decay=0.1, bucket_cap_mb=args.bucket_cap_mb,
         overlap_grad_sync=True, overlap_param_sync=True, contiguous_param_buffer=True,
         grad_sync_copy_engine=copy_engines, param_sync_copy_engine=copy_engines)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps, eta_min=LR / 10)
@@ -100,8 +98,7 @@ def soak(args, dev: torch.device) -> tuple[list[dict], dict]:
             samples.append(sample(step, t0, loss.item(), cuda))
         del x, y, loss  # nothing of this iteration lives on into the next sample
     opt.param_sync()
-    info = dict(params=sum(p.numel() for p in model.parameters()), buckets=len(opt.layout.buckets),
-                **opt.transports)
+    info = dict(params=sum(p.numel() for p in model.parameters()), buckets=len(opt.layout.buckets), **opt.transports)
     return samples, info
 
 

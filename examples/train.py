@@ -126,11 +126,16 @@ def train(name: str, make_opt, args, data: torch.Tensor, vocab: int, dtype: torc
     return losses
 
 
-def run_single(args, text: str) -> None:
-    """FusedAdam against torch AdamW in this process."""
+def encode(text: str) -> tuple[torch.Tensor, list[str]]:
+    """The text as character ids, and its vocabulary (the sorted characters)."""
     chars = sorted(set(text))
     index = {c: i for i, c in enumerate(chars)}
-    data = torch.tensor([index[c] for c in text], dtype=torch.long)
+    return torch.tensor([index[c] for c in text], dtype=torch.long), chars
+
+
+def run_single(args, text: str) -> None:
+    """FusedAdam against torch AdamW in this process."""
+    data, chars = encode(text)
     print(f"shardadam {shardadam.__version__} {shardadam.build_info()}")
     print(f"corpus: {len(text):,} characters of Python, vocabulary {len(chars)}; device {args.device}, "
           f"{'bf16 model + fp32 masters' if args.bf16 else 'fp32'}")
@@ -291,9 +296,7 @@ def run_distributed(args, text: str) -> None:
         if args.batch % world:
             raise SystemExit(f"--batch {args.batch} must be a multiple of the {world} ranks")
         # Train on the first --chars characters; hold out the rest for evaluation.
-        chars = sorted(set(text))
-        index = {c: i for i, c in enumerate(chars)}
-        tokens = torch.tensor([index[c] for c in text], dtype=torch.long)
+        tokens, chars = encode(text)
         data, held_out = tokens[:args.chars], tokens[args.chars:]
         if rank == 0:
             print(f"shardadam {shardadam.__version__} {shardadam.build_info()}")
