@@ -42,16 +42,8 @@ else. The pieces are views of the owner's momentum slots when the momentum
 is stored in the parameter's dtype (dcp.load fills them in place); with
 another momentum_dtype they are copies in the parameter's dtype (the
 checkpoint holds the parameter's dtype, as state_dict() does), stored into
-the slots by load_sharded_state_dict.
-
-    import torch.distributed.checkpoint as dcp
-    dcp.save({"model": model.state_dict(), "optim": opt.sharded_state_dict()}, checkpoint_id=path)
-    # later, on any number of ranks, after building model and optimizer:
-    opt.check_sharded_checkpoint(path)  # another model's checkpoint: named here
-    state = {"model": model.state_dict(), "optim": opt.sharded_state_dict()}
-    dcp.load(state, checkpoint_id=path)
-    model.load_state_dict(state["model"])
-    opt.load_sharded_state_dict(state["optim"])
+the slots by load_sharded_state_dict. The calls, in their order, are
+DistributedFusedAdam's (sharded_checkpoint.py's docstring; docs/muon.md).
 """
 from __future__ import annotations
 
