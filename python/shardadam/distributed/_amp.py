@@ -128,3 +128,15 @@ def report(scaler, optimizer, found_inf: torch.Tensor, device, unscaled: bool = 
     state["found_inf_per_device"] = {device: found_inf}
     if unscaled:
         state["stage"] = OptState.UNSCALED
+
+
+def fold_and_report(optimizer, inv: torch.Tensor, grad_scaler, device) -> dict:
+    """unscale_grads()'s common end for both optimizers: fold inv into the
+    next step, find inf/NaN on every rank, and with a scaler record it there
+    as scaler.unscale_(optimizer) would; returns {device: found_inf}."""
+    optimizer._fold_inv_scale(inv)
+    found_inf = optimizer._nonfinite_on_any_rank()
+    if grad_scaler is not None:
+        optimizer._grad_scaler = grad_scaler
+        report(grad_scaler, optimizer, found_inf, device, unscaled=True)
+    return {device: found_inf}

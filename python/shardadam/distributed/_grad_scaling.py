@@ -119,12 +119,7 @@ class GradScaling:
         self._refuse_with_host_step_in_backward("unscale_grads()")
         inv_scale = _amp.requested_inv_scale(args, inv_scale, grad_scaler, self, self.iteration.inv_scale is not None,
                                              self.device)
-        self._fold_inv_scale(inv_scale)
-        found_inf = self._nonfinite_on_any_rank()
-        if grad_scaler is not None:
-            self._grad_scaler = grad_scaler
-            _amp.report(grad_scaler, self, found_inf, self.device, unscaled=True)
-        return {self.device: found_inf}
+        return _amp.fold_and_report(self, inv_scale, grad_scaler, self.device)
 
     @torch.no_grad()
     @naming_phase("grad_norm()")

@@ -219,12 +219,7 @@ class DistributedFusedMuon(torch.optim.Optimizer):
         it and moves to its unscaled stage, so that clip_grad_norm() and then
         scaler.step(optimizer) / scaler.update() follow."""
         inv = _amp.requested_inv_scale(args, inv_scale, grad_scaler, self, self._inv_scale is not None, self._device)
-        self._fold_inv_scale(inv)
-        found_inf = self._nonfinite_on_any_rank()
-        if grad_scaler is not None:
-            self._grad_scaler = grad_scaler
-            _amp.report(grad_scaler, self, found_inf, self._device, unscaled=True)
-        return {self._device: found_inf}
+        return _amp.fold_and_report(self, inv, grad_scaler, self._device)
 
     def _fold_inv_scale(self, inv: torch.Tensor) -> None:
         """Both parts unscale this iteration's gradients by inv in the step."""
