@@ -203,7 +203,11 @@ def test_distributed_step_releases_each_gradient_once_staged(overlap_grad_sync, 
 
     transport.reduce = counting_reduce
     model(torch.randn(4, 16)).square().mean().backward()
-    refs = [StorageWeakRef(p.grad.untyped_storage()) for p in params]
+    # The first backward leaves its gradients with the optimizer: [Note: the first backward's gradients in host memory]
+    assert all(p.grad is None for p in params) == overlap_grad_sync
+    grads = [opt._probe.held[id(p)] if overlap_grad_sync else p.grad for p in params]
+    refs = [StorageWeakRef(g.untyped_storage()) for g in grads]
+    del grads
     opt.step()
     assert len(alive_at_reduce) >= 4, "the test needs several buckets"
     assert alive_at_reduce[0] < len(params) and alive_at_reduce[-1] <= 2, alive_at_reduce

@@ -68,7 +68,7 @@ class HandOverGuard:
             return ""
         left = opt._grad_views if opt.contiguous_grad_buffer else itertools.repeat(None)
         changed = itertools.compress(range(len(opt.params)), map(operator.is_not, map(GRAD, opt.params), left))
-        late = [k for k in changed if opt._grad_sync.arrived[k]]
+        late = [k for k in changed if opt._grad_sync.arrived[k] or id(opt.params[k]) in opt._probe.held]
         if not late:
             return ""
         first = param_names(opt.param_groups)[id(opt.params[late[0]])]

@@ -82,6 +82,8 @@ def grad_ready(optimizer: weakref.ref, k: int, param: torch.Tensor) -> None:
     if opt._probe.active:
         # the first iteration synchronises in step(), in the order learnt here
         opt._probe.record(k, synchronised=not opt.iteration.no_sync)
+        if not opt.iteration.no_sync and not opt.contiguous_grad_buffer:
+            opt._probe.hold(param)  # [Note: the first backward's gradients in host memory] (_iteration.py)
     elif not opt.iteration.no_sync:
         opt._hand_over(k, param)
 

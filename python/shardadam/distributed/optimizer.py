@@ -354,6 +354,7 @@ class ShardedOptimizer(LayoutBuild, StateIO, GradScaling, HostStep, ApexMethods,
         _watchdog.check()
         self._refuse_mid_host_step("zero_grad()")
         self._grad_sync.reset()  # a reduce-scatter may still read the buffers
+        self._probe.held.clear()
         with torch._C.DisableTorchFunctionSubclass():  # gradients only: armed parameters stay armed
             if self.contiguous_grad_buffer:
                 self._check_params_in_place()  # the gradient views fit the parameters they were made for
@@ -430,6 +431,8 @@ class ShardedOptimizer(LayoutBuild, StateIO, GradScaling, HostStep, ApexMethods,
             self._adopt_backward_order()
         self._hand_over_guard.refuse(self)
         self._leave_consumed(range(len(self.params)))
+        for k, grad in self._probe.held_in_order(self.params):  # [Note: the first backward's gradients in host memory]
+            self._grad_sync.pack(k, grad.to(self.device))
         self._grad_sync.finish(release_grads=not self.contiguous_grad_buffer)
         if self.contiguous_grad_buffer:
             self._hand_over_guard.record(self)  # after the synchronisation's own writes
