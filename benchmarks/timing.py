@@ -119,10 +119,10 @@ def capture_graph(fn, warmup: int):
 
 
 def interleaved(cases: dict, rounds: int) -> dict[str, list]:
-    """Each case's result per round, the cases in turn (A B C A B C): a shared machine's drift hits every case
-    alike and shows as a spread between rounds, not as a difference between cases."""
+    """Each case's result per round, the cases in turn, every other round backwards (A B C C B A): a machine's drift,
+    and what running first or last in a round does (a warm GPU, the host's caches), falls on every case alike."""
     out = {name: [] for name in cases}
-    for _ in range(rounds):
-        for name, fn in cases.items():
-            out[name].append(fn())
+    for r in range(rounds):
+        for name in (list(cases) if r % 2 == 0 else reversed(cases)):
+            out[name].append(cases[name]())
     return out
