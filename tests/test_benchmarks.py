@@ -72,12 +72,12 @@ def test_time_wall_and_host_leaves_out_the_setup():
     assert calls == ["setup", "fn"] * 5 + ["setup"] * 4 + ["setup", "fn"] * 4
 
 
-def test_interleaved_calls_the_cases_in_turn():
+def test_interleaved_calls_the_cases_in_turn_every_other_round_backwards():
     from timing import interleaved
     order = []
     out = interleaved({"a": lambda: order.append("a") or len(order), "b": lambda: order.append("b") or len(order)}, 3)
-    assert order == ["a", "b"] * 3
-    assert out == {"a": [1, 3, 5], "b": [2, 4, 6]}
+    assert order == ["a", "b", "b", "a", "a", "b"]
+    assert out == {"a": [1, 4, 5], "b": [2, 3, 6]}
 
 
 def test_stopwatch_laps_on_the_host_clock():
