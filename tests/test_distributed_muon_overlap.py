@@ -114,6 +114,36 @@ def test_a_dropped_optimizer_leaves_no_parameter_armed(one_rank):
     model(_data()[0][1])
 
 
+def test_a_bucket_taking_gradients_lands_its_all_gather_first(one_rank):
+    """A Muon bucket's buffers carry the gradients too ([Note: Muon buckets
+    between iterations]): with the all-gathers of a step in flight and no
+    forward to land them, a norm of no gradients is 0, and gradients set by
+    hand have their own norm and step as FusedMuon steps them."""
+    model, reference = _Net(), _Net()
+    opt = _optimizer(model)
+    ref = shardadam.FusedMuon(_groups(reference), ns_dtype=torch.float32, **OPTIONS)
+    _iteration(model, opt, 0, 0, 1)
+    assert opt._muon.param_gathers.pending
+    assert float(opt.grad_norm()) == 0.0, "a bucket was reduced with its all-gather's values in it"
+    opt.zero_grad()
+    _iteration(reference, ref, 0, 0, 1)
+    ref.zero_grad()
+    for m, o in ((model, opt), (reference, ref)):
+        _iteration(m, o, 1, 0, 1)
+        o.zero_grad()
+    assert opt._muon.param_gathers.pending, "the gradients set by hand must meet all-gathers in flight"
+    generator = torch.Generator().manual_seed(3)
+    by_hand = [torch.randn(p.shape, generator=generator) for p in model.parameters()]
+    for m, o in ((model, opt), (reference, ref)):
+        for p, g in zip(m.parameters(), by_hand):
+            p.grad = g.clone()
+    torch.testing.assert_close(opt.grad_norm(), torch.cat([g.flatten() for g in by_hand]).norm(), rtol=1e-5, atol=0)
+    opt.step()
+    ref.step()
+    for i, (p, w) in enumerate(zip(model.parameters(), reference.parameters())):
+        torch.testing.assert_close(p.detach(), w.detach(), rtol=1e-5, atol=2e-6, msg=lambda m: f"param {i}: {m}")
+
+
 def _refusal_worker(rank, world, port, out) -> None:
     """2 ranks, the Muon groups alone (no inner DistributedFusedAdam to check
     its own copy of the option): overlap_param_sync not a bool on rank 1
