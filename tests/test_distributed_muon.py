@@ -127,6 +127,10 @@ def _rank_model(rank, world, port, cfg, out):
         yield _Net().to(f"cuda:{rank}" if cuda else "cpu")
 
 
+def _params(model) -> list[np.ndarray]:
+    return [p.detach().cpu().numpy().copy() for p in model.parameters()]
+
+
 def _worker(rank, world, port, cfg, out) -> None:
     with _rank_model(rank, world, port, cfg, out) as model:
         if rank != 0:  # the optimizer broadcasts rank 0's parameters
@@ -134,20 +138,31 @@ def _worker(rank, world, port, cfg, out) -> None:
                 for p in model.parameters():
                     p.add_(1.0)
         opt = shardadam.DistributedFusedMuon(_groups(model), ns_dtype=cfg["ns_dtype"], momentum_dtype=cfg["momentum"],
-                                             overlap_grad_sync=cfg["overlap"], bucket_cap_mb=cfg["cap"], **OPTIONS,
+                                             overlap_grad_sync=cfg["overlap"], bucket_cap_mb=cfg["cap"],
+                                             overlap_param_sync=cfg["param_overlap"], **OPTIONS,
                                              **(_two_by_two(rank) if cfg["redundant"] else {}))
-        norms = _train(model, opt, range(STEPS), rank, world, cfg["micro"], cfg["clip"], accumulate=cfg["accumulate"])
-        out.put((rank, dict(norms=norms, params=[p.detach().cpu().numpy().copy() for p in model.parameters()],
+        norms, reads = [], []
+        for s in range(STEPS):
+            norms += _train(model, opt, [s], rank, world, cfg["micro"], cfg["clip"], accumulate=cfg["accumulate"])
+            if cfg["read"]:  # outside any forward, the all-gathers in flight: the first-use guard waits
+                reads.append(_params(model))
+        if cfg["param_overlap"]:
+            opt.param_sync()
+            landed = not opt._muon.param_gathers.pending and not opt._adamw._param_sync.pending
+        out.put((rank, dict(norms=norms, reads=reads, landed=landed if cfg["param_overlap"] else None,
+                            params=_params(model),
                             state=_numpy_state(opt.state_dict()), owned=opt.orthogonalized_matrices(),
                             buckets=len(opt._muon.buckets), adamw_shards=opt._adamw.dist_size)))
     _exit()
 
 
 def _config(ns_dtype=torch.float32, overlap=True, cap=100.0, micro=1, device="cpu", clip=None, momentum=None,
-            accumulate="no_sync", redundant=False):
-    """redundant: 4 ranks as 2 distributed x 2 redundant (_two_by_two)."""
+            accumulate="no_sync", redundant=False, param_overlap=False, read=False):
+    """redundant: 4 ranks as 2 distributed x 2 redundant (_two_by_two).
+    param_overlap: overlap_param_sync=True, and param_sync() before the
+    state dict; read: every parameter read after each step, outside a forward."""
     return dict(ns_dtype=ns_dtype, overlap=overlap, cap=cap, micro=micro, device=device, clip=clip,
-                momentum=momentum, accumulate=accumulate, redundant=redundant)
+                momentum=momentum, accumulate=accumulate, redundant=redundant, param_overlap=param_overlap, read=read)
 
 
 @pytest.mark.parametrize("world,cfg", [
@@ -160,17 +175,34 @@ def _config(ns_dtype=torch.float32, overlap=True, cap=100.0, micro=1, device="cp
     (2, _config(clip=0.05)),                    # clip_grad_norm over both parts, as torch's over the model
     (4, _config(redundant=True)),               # owners over {0, 1} and {2, 3}, replicated over {0, 2} / {1, 3}
     (4, _config(redundant=True, overlap=False, clip=0.05)),
+    (2, _config(param_overlap=True, read=True)),                      # every read outside forward waits on first use
+    (3, _config(param_overlap=True, cap=1e-3, micro=2, clip=0.05)),   # each module's forward waits for its buckets
     pytest.param(1, _config(device="cuda"), marks=pytest.mark.cuda),
     pytest.param(2, _config(device="cuda", cap=1e-3, micro=2), marks=pytest.mark.multigpu),
+    pytest.param(1, _config(device="cuda", param_overlap=True, read=True), marks=pytest.mark.cuda),
+    pytest.param(2, _config(device="cuda", param_overlap=True, cap=1e-3, clip=0.05), marks=pytest.mark.multigpu),
 ], ids=["world-2", "world-3-small-buckets", "world-4", "no-overlap", "no_sync-3", "rounds-per-micro-batch", "clip",
-        "redundant-2x2", "redundant-2x2-no-overlap-clip", "nccl-1", "nccl-2-small-buckets"])
+        "redundant-2x2", "redundant-2x2-no-overlap-clip", "overlap-param-sync-2-first-use",
+        "overlap-param-sync-3-no_sync-clip", "nccl-1", "nccl-2-small-buckets", "nccl-1-overlap-param-sync",
+        "nccl-2-overlap-param-sync-clip"])
 def test_matches_fused_muon_on_the_global_batch(world, cfg):
     """Parameters, norms and state (Muon's update is invariant to a constant
     gradient scale, a wrong average shows in the momentum) equal FusedMuon's
-    on the global batch; every rank holds the same parameters."""
+    on the global batch; every rank holds the same parameters. With
+    overlap_param_sync, so does every read after each step (outside a
+    forward: no forward-pre hook waits for it)."""
     results = _spawn_all(_worker, world, cfg)
     want_norms, want_state = [], {}
     want = _reference(cfg["ns_dtype"], device=cfg["device"], clip=cfg["clip"], norms=want_norms, state=want_state)
+    if cfg["read"]:
+        for s in range(STEPS):
+            after = _reference(cfg["ns_dtype"], range(s + 1), device=cfg["device"], clip=cfg["clip"])
+            for r, result in enumerate(results):
+                for i, (got, w) in enumerate(zip(result["reads"][s], after)):
+                    torch.testing.assert_close(torch.from_numpy(got), w, rtol=1e-5, atol=2e-6,
+                                               msg=lambda m: f"rank {r}, read of param {i} after step {s}: {m}")
+    assert all(result["landed"] is (True if cfg["param_overlap"] else None) for result in results), \
+        "param_sync() left an all-gather in flight"
     if cfg["clip"] is not None:
         assert min(want_norms) > cfg["clip"], "the test must clip at every step"
         for result in results:
@@ -374,13 +406,15 @@ def test_scaler_unscale_is_refused_and_names_unscale_grads(one_rank):
     assert all(torch.equal(a, b) for a, b in zip(before, _snapshot(model, opt)))
 
 
-def _checkpoint_worker(rank, world, port, path, phase, redundant, out) -> None:
+def _checkpoint_worker(rank, world, port, path, phase, redundant, param_overlap, out) -> None:
     """phase "save": 2 steps, state_dict() to path; "load": load it and take
-    the rest. redundant: 4 ranks as 2 x 2 (_two_by_two)."""
+    the rest. redundant: 4 ranks as 2 x 2 (_two_by_two); param_overlap:
+    overlap_param_sync=True (the all-gathers of the last step before the
+    save still in flight when state_dict() is called)."""
     with _rank_group(rank, world, port, out):
         model = _Net()
-        opt = shardadam.DistributedFusedMuon(_groups(model), ns_dtype=torch.float32, **OPTIONS,
-                                             **(_two_by_two(rank) if redundant else {}))
+        opt = shardadam.DistributedFusedMuon(_groups(model), ns_dtype=torch.float32, overlap_param_sync=param_overlap,
+                                             **OPTIONS, **(_two_by_two(rank) if redundant else {}))
         if phase == "save":
             _train(model, opt, range(2), rank, world)
             sd = opt.state_dict()
@@ -396,12 +430,14 @@ def _checkpoint_worker(rank, world, port, path, phase, redundant, out) -> None:
     _exit()
 
 
-@pytest.mark.parametrize("load_world,redundant", [(1, False), (3, False), (4, True)], ids=["1", "3", "2x2-redundant"])
-def test_state_dict_of_2_ranks_resumes_at_other_world_sizes(tmp_path, load_world, redundant):
+@pytest.mark.parametrize("load_world,redundant,param_overlap", [
+    (1, False, False), (3, False, False), (4, True, False), (3, False, True),
+], ids=["1", "3", "2x2-redundant", "3-overlap-param-sync"])
+def test_state_dict_of_2_ranks_resumes_at_other_world_sizes(tmp_path, load_world, redundant, param_overlap):
     path = str(tmp_path / "ckpt.pt")
-    keys = _spawn_all(_checkpoint_worker, 2, path, "save", False)
+    keys = _spawn_all(_checkpoint_worker, 2, path, "save", False, param_overlap)
     assert keys[0] == ["momentum_buffer"]
-    resumed = _spawn_all(_checkpoint_worker, load_world, path, "load", redundant)
+    resumed = _spawn_all(_checkpoint_worker, load_world, path, "load", redundant, param_overlap)
     for i, (got, want) in enumerate(zip(resumed[0], _reference(torch.float32))):
         torch.testing.assert_close(torch.from_numpy(got), want, rtol=1e-5, atol=2e-6, msg=lambda m: f"param {i}: {m}")
 
@@ -410,7 +446,7 @@ def test_state_dict_of_2_ranks_resumes_at_other_world_sizes(tmp_path, load_world
 def test_state_dict_loads_into_fused_muon(tmp_path, world, redundant):
     """The checkpoint is FusedMuon's: a single-process run resumes from it."""
     path = str(tmp_path / "ckpt.pt")
-    _spawn_all(_checkpoint_worker, world, path, "save", redundant)
+    _spawn_all(_checkpoint_worker, world, path, "save", redundant, False)
     saved = torch.load(path)
     model = _Net()
     model.load_state_dict(saved["model"])

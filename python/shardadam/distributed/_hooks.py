@@ -28,8 +28,6 @@ import weakref
 
 import torch
 
-from ._iteration import Params
-
 __all__ = ["Hooks", "grad_ready", "owning_modules", "register_forward_waits", "wait_for_own_params"]
 
 # Every live module a parameter was registered in, held weakly. Modules,
@@ -104,9 +102,13 @@ _READS_CHILD_PARAMS = (torch.nn.MultiheadAttention,)
 # module whose forward runs the hook (tests/test_compile.py).
 @torch.compiler.disable
 def wait_for_own_params(optimizer: weakref.ref, module: torch.nn.Module, args) -> None:
-    """Module forward-pre hook: wait for the all-gathers of this module's parameters."""
+    """Module forward-pre hook: wait for the all-gathers of this module's
+    parameters. `optimizer` is any engine that gathers parameters after its
+    step (DistributedFusedAdam, DistributedFusedMuon's Muon part): its
+    ``params_owed`` says whether a gather is still owed, its
+    ``_make_current(params)`` waits for those parameters' buckets."""
     opt = optimizer()
-    if opt is not None and opt.iteration.params is not Params.CURRENT:
+    if opt is not None and opt.params_owed:
         opt._make_current(list(module.parameters(recurse=isinstance(module, _READS_CHILD_PARAMS))))
 
 

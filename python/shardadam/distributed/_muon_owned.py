@@ -21,7 +21,14 @@ match across ranks):
    into the momentum pass's gradient scale (the reduced gradients are never
    rescaled in memory), and a step skipped for inf/NaN writes nothing;
 3. each rank copies its matrices into its slot and the slots are
-   all-gathered into every rank's parameters.
+   all-gathered into every rank's parameters (_muon_gather.py): waited for
+   in step(), or with overlap_param_sync left running, as
+   DistributedFusedAdam leaves its own: each module's forward waits for
+   the buckets of its parameters (a forward-pre hook: [Note: hooks on the
+   modules that own the parameters] in _hooks.py), any other read of a
+   parameter on its first use ([Note: first-use guard] in _first_use.py),
+   and whatever reuses a bucket's buffers for gradients waits for that
+   bucket ([Note: Muon buckets between iterations] in _muon_gather.py).
 
 With a redundant group ([Note: redundant replicas] in _shard_groups.py) the
 owners are spread over the distributed group, each replica set holds the
@@ -37,19 +44,15 @@ import torch.distributed as dist
 
 from .. import kernels
 from .._muon_layout import Entry, MuonLayout, layout_key
+from ._first_use import FirstUseGuard
 from ._grad_scaling import clip_factor
+from ._hooks import Hooks, register_forward_waits
 from ._iteration import BACKWARD_AFTER_REDUCTION
-from ._muon_owners import Matrix, OwnerBucket, plan_owner_buckets
+from ._muon_gather import MatrixAllGather
+from ._muon_owners import Matrix, OwnerBucket, matrix_in, matrix_of, plan_owner_buckets
 from ._shard_groups import ShardGroups
+from ._sync import BucketGathers
 from ._transport import _all_gather, _reduce_scatter
-
-
-def _matrix(flat: torch.Tensor, m: Matrix, base: int = 0) -> torch.Tensor:
-    return flat[base + m.offset:base + m.offset + m.numel].view(m.rows, m.cols)
-
-
-def _of_param(p: torch.Tensor, m: Matrix) -> torch.Tensor:
-    return p if m.index is None else p[m.index]
 
 
 class OwnedMuon:
@@ -57,8 +60,8 @@ class OwnedMuon:
     on one rank of ``groups.shard``."""
 
     def __init__(self, params: list[torch.Tensor], group_of: list[int], groups: ShardGroups, *, cap: int,
-                 overlap_grad_sync: bool, average_grad_sync: bool, ns_dtype: torch.dtype,
-                 momentum_dtype: torch.dtype | None = None):
+                 overlap_grad_sync: bool, overlap_param_sync: bool, average_grad_sync: bool,
+                 ns_dtype: torch.dtype, momentum_dtype: torch.dtype | None = None):
         self.params = params
         self.group_of = group_of
         self.group = groups.shard  # the owners' group: reduce-scatters and all-gathers
@@ -93,12 +96,20 @@ class OwnedMuon:
         self._layout = None
         self._addresses = None
         self._entries_now: list[Entry] = []
-        self._hooks = []
+        self.overlap_param_sync = overlap_param_sync
+        self.param_gathers = BucketGathers(
+            MatrixAllGather(params, self.buckets, self.full, self.shard, self.group, self.rank), params,
+            [b.params for b in self.buckets])
+        # DistributedFusedAdam's hooks and first-use guard, holding this object
+        # weakly and removed with it ([Note: hooks die with their optimizer] in _hooks.py).
+        self._hooks = Hooks()
+        self._first_use = self._hooks.first_use = FirstUseGuard(self._make_current) if overlap_param_sync else None
+        weakref.finalize(self, self._hooks.remove)
+        me = weakref.ref(self)
         if overlap_grad_sync:
-            me = weakref.ref(self)
-            for k, p in enumerate(params):
-                self._hooks.append(p.register_post_accumulate_grad_hook(
-                    lambda p, k=k: (lambda o: o is not None and o.hand_over(k, p))(me())))
+            self._hooks.grad = [p.register_post_accumulate_grad_hook(
+                lambda p, k=k: (lambda o: o is not None and o.hand_over(k, p))(me())) for k, p in enumerate(params)]
+        self._hooks.forward = register_forward_waits(me, params) if overlap_param_sync else None
 
     # ------------------------------------------------------------ gradients
 
@@ -124,10 +135,12 @@ class OwnedMuon:
         if grad.shape != p.shape:
             raise ValueError(f"the gradient of Muon parameter {k} has shape {tuple(grad.shape)}, the parameter "
                              f"{tuple(p.shape)}")
+        self._free(b)
         for m in self.matrices_of[k]:
-            _matrix(full, m, m.owner * bucket.slot_size).add_(_of_param(grad, m))
+            matrix_in(full, m, m.owner * bucket.slot_size).add_(matrix_of(grad, m))
 
     def _launch(self, b: int) -> None:
+        self._free(b)
         out = self.shard[b] if self._round == 0 else torch.empty_like(self.shard[b])
         self._works[b] = _reduce_scatter(out, self.full[b], group=self.group, async_op=True)
         self._adds[b] = out if self._round else None
@@ -200,8 +213,8 @@ class OwnedMuon:
         entries = []
         for b, bucket in enumerate(self.buckets):
             for m in bucket.owned_by(self.rank):
-                entries.append(Entry(self.group_of[m.param], _of_param(self.params[m.param], m),
-                                     _matrix(self.shard[b], m), _matrix(self.momentum[b], m), (m.rows, m.cols)))
+                entries.append(Entry(self.group_of[m.param], matrix_of(self.params[m.param], m),
+                                     matrix_in(self.shard[b], m), matrix_in(self.momentum[b], m), (m.rows, m.cols)))
         return entries
 
     def _current_layout(self, param_groups: list[dict]) -> MuonLayout | None:
@@ -222,8 +235,11 @@ class OwnedMuon:
 
     @torch.no_grad()
     def step(self, param_groups: list[dict], inv_scale: torch.Tensor | None = None) -> None:
-        """Reduce, step the owned matrices, all-gather the parameters.
-        inv_scale: 1 / the loss scale of GradScaler's scaled gradients."""
+        """Reduce, step the owned matrices, all-gather the parameters (with
+        overlap_param_sync, start the all-gathers: they land where the
+        parameters are first needed). inv_scale: 1 / the loss scale of
+        GradScaler's scaled gradients."""
+        self.land_params()
         self.finish_grad_sync()
         layout = self._current_layout(param_groups)
         if layout is not None:
@@ -236,36 +252,72 @@ class OwnedMuon:
                 scale *= clip_factor(max_norm, scaled_norm if inv_scale is None else scaled_norm * inv_scale)
             layout.step(grads, param_groups, grad_scale=scale, found_inf=None, unscale_grads=False)
         self.stepped = True
-        self._gather_params()
-        self.end_iteration()
+        # The all-gathers (each bucket's full buffer whole) overwrite the
+        # staged gradients, and landing zeroes them: no zeroing here.
+        self._new_iteration()
+        # As DistributedFusedAdam's step: a graph that saved a parameter before
+        # this step refuses backward through values written after it, even
+        # where the all-gather lands later.
+        torch.autograd.graph.increment_version(self.params)
+        self.param_gathers.start()
+        if self.overlap_param_sync:
+            self._first_use.arm(self.params)  # [Note: first-use guard]
+        else:
+            self.land_params()
 
     def end_iteration(self) -> None:
-        """Forget this iteration's gradients and clipping: after step(), for
-        a step skipped for inf/NaN (which writes nothing), and at zero_grad()
-        (a reduction in flight is waited for first)."""
-        self.clip = None
-        self._reduced = False
+        """Forget this iteration's gradients and clipping: for a step
+        skipped for inf/NaN (which writes nothing), and at zero_grad() (a
+        reduction in flight is waited for first). Once nothing was handed
+        over, a zero_grad() leaves the all-gathers in flight: the buckets'
+        buffers are not touched."""
         if self._round == 0 and self._launched == 0 and \
                 all(p == set(b.params) for p, b in zip(self._pending, self.buckets)):
-            return  # nothing was handed over: the buckets hold zeros
+            self.clip = None
+            self._reduced = False
+            return  # nothing was handed over: the buckets hold zeros, or all-gathers that zero them
+        self.land_params()  # [Note: Muon buckets between iterations]
         self._wait()
         for full in self.full:
             full.zero_()
+        self._new_iteration()
+
+    def _new_iteration(self) -> None:
+        self.clip = None
+        self._reduced = False
         self._pending = [set(b.params) for b in self.buckets]
         self._launched = 0
         self._round = 0
 
-    def _gather_params(self) -> None:
-        works = []
-        for b, bucket in enumerate(self.buckets):
-            for m in bucket.owned_by(self.rank):
-                _matrix(self.shard[b], m).copy_(_of_param(self.params[m.param], m))
-            works.append(_all_gather(self.full[b], self.shard[b], group=self.group, async_op=True))
-        for b, (bucket, work) in enumerate(zip(self.buckets, works)):
-            work.wait()
-            for m in bucket.matrices:
-                if m.owner != self.rank:
-                    _of_param(self.params[m.param], m).copy_(_matrix(self.full[b], m, m.owner * bucket.slot_size))
+    # ------------------------------------------------------------ parameters
+
+    @property
+    def params_owed(self) -> bool:
+        """Whether an all-gather of the last step is still in flight (the forward hooks ask)."""
+        return bool(self.param_gathers.pending)
+
+    def _make_current(self, params: list) -> None:
+        """Wait for the all-gathers of the buckets holding these parameters
+        (a module's forward, their first use, or their bucket taking
+        gradients); once none is left, every parameter is disarmed."""
+        self.param_gathers.wait_for(params)
+        if not self.param_gathers.pending:
+            self.land_params()
+        elif self._first_use is not None:
+            self._first_use.disarm(params)
+
+    def land_params(self) -> None:
+        """Wait for every all-gather in flight (none: nothing to do): every
+        parameter is current, and none is armed."""
+        self.param_gathers.finish()
+        if self._first_use is not None:
+            self._first_use.disarm_all()
+
+    def _free(self, b: int) -> None:
+        """Bucket b's buffers are about to take gradients: its all-gather, if
+        still in flight, lands first ([Note: Muon buckets between iterations])."""
+        if b in self.param_gathers.pending:
+            self._make_current([self.params[k] for k in self.buckets[b].params])
 
     # ------------------------------------------------------------ momentum I/O
 
@@ -276,12 +328,12 @@ class OwnedMuon:
         on every rank; {} before the first step. Every rank must call it."""
         if not self.stepped:
             return {}
-        out = {k: torch.empty_like(p) for k, p in enumerate(self.params)}
+        out = {k: torch.empty(p.shape, dtype=p.dtype, device=p.device) for k, p in enumerate(self.params)}
         for b, bucket in enumerate(self.buckets):
             gathered = self.full[b].new_empty(self.full[b].shape, dtype=self.momentum[b].dtype)
             _all_gather(gathered, self.momentum[b], group=self.group)
             for m in bucket.matrices:
-                _of_param(out[m.param], m).copy_(_matrix(gathered, m, m.owner * bucket.slot_size))
+                matrix_of(out[m.param], m).copy_(matrix_in(gathered, m, m.owner * bucket.slot_size))
         return out
 
     @torch.no_grad()
@@ -292,13 +344,13 @@ class OwnedMuon:
             self.momentum[b].zero_()
             for m in bucket.owned_by(self.rank):
                 if buffers:
-                    _matrix(self.momentum[b], m).copy_(_of_param(buffers[m.param], m))
+                    matrix_in(self.momentum[b], m).copy_(matrix_of(buffers[m.param], m))
         self.stepped = bool(buffers)
 
     def owned_momentum(self) -> list[tuple[Matrix, torch.Tensor]]:
         """The matrices this rank owns and views of their momentum, as stored
         (in momentum_dtype): what its sharded checkpoint holds."""
-        return [(m, _matrix(self.momentum[b], m)) for b, bucket in enumerate(self.buckets)
+        return [(m, matrix_in(self.momentum[b], m)) for b, bucket in enumerate(self.buckets)
                 for m in bucket.owned_by(self.rank)]
 
     def owned(self) -> list[Matrix]:

@@ -62,6 +62,16 @@ class OwnerBucket:
         return [m for m in self.matrices if m.owner == rank]
 
 
+def matrix_in(flat: torch.Tensor, m: Matrix, base: int = 0) -> torch.Tensor:
+    """m's place in a slot (flat), or in a bucket whose slot m lies in starts at base."""
+    return flat[base + m.offset:base + m.offset + m.numel].view(m.rows, m.cols)
+
+
+def matrix_of(p: torch.Tensor, m: Matrix) -> torch.Tensor:
+    """m's matrix of its parameter p: p itself (2-D) or p[m.index] (3-D)."""
+    return p if m.index is None else p[m.index]
+
+
 def _align(n: int) -> int:
     return -(-n // SLOT_ALIGN) * SLOT_ALIGN
 

@@ -14,7 +14,8 @@ are added to the first's.
 
 Parameters: each bucket's updated shards are all-gathered; with
 overlap_param_sync the all-gathers run while the next forward starts, each
-module waiting for the buckets of its own parameters.
+module waiting for the buckets of its own parameters (BucketGathers, which
+DistributedFusedMuon's owned matrices travel by too).
 
 At most ``pipeline_size`` gradient buckets are in flight: once another one
 starts, the oldest are waited for until that many remain. ParamSync.start(depth)
@@ -158,8 +159,11 @@ class GradSync:
         self.pipeline.push(record._replace(then=add))
 
 
-class ParamSync:
-    """The all-gather of the updated parameter shards, bucket by bucket.
+class BucketGathers:
+    """All-gathers bucket by bucket through an AllGather transport, each
+    parameter waiting only for the buckets that hold it: DistributedFusedAdam's
+    parameter shards (ParamSync) and DistributedFusedMuon's owned matrices
+    (_muon_gather.py).
 
     start() launches every bucket's all-gather, first-needed first (buckets
     hold the parameters in reverse order, so forward needs the last bucket
@@ -167,16 +171,14 @@ class ParamSync:
     parameters (a module's forward-pre hook), finish() for all of them.
     """
 
-    def __init__(self, params: list, layout, shards, buffer, group, peer=None, *,
-                 transport: AllGather | None = None):
-        """shards, buffer: BucketRows (_rows.py); shards: this rank's new values. buffer and peer
-        choose the transport (choose_all_gather in _transport.py); transport:
-        one to use instead."""
-        self.transport = transport or choose_all_gather(params, layout, shards, buffer, group, peer)
-        self.n_buckets = len(layout.buckets)
+    def __init__(self, transport: AllGather, params: list, params_of_bucket: list):
+        """params_of_bucket: per bucket, the indices into params of the parameters it holds."""
+        self.transport = transport
+        self.n_buckets = len(params_of_bucket)
         self.buckets_of = {}
-        for f in layout.fragments:
-            self.buckets_of.setdefault(id(params[f.param]), []).append(f.bucket)
+        for b, held in enumerate(params_of_bucket):
+            for k in held:
+                self.buckets_of.setdefault(id(params[k]), []).append(b)
         self.pending: dict = {}  # bucket -> InFlight
 
     def start(self, depth: int | None = None) -> None:
@@ -205,3 +207,15 @@ class ParamSync:
 
     def _finish_bucket(self, b: int) -> None:
         self.pending.pop(b).complete()
+
+
+class ParamSync(BucketGathers):
+    """The all-gather of DistributedFusedAdam's updated parameter shards, over its bucket layout."""
+
+    def __init__(self, params: list, layout, shards, buffer, group, peer=None, *,
+                 transport: AllGather | None = None):
+        """shards, buffer: BucketRows (_rows.py); shards: this rank's new values. buffer and peer
+        choose the transport (choose_all_gather in _transport.py); transport:
+        one to use instead."""
+        super().__init__(transport or choose_all_gather(params, layout, shards, buffer, group, peer), params,
+                         [[f.param for f in frags] for frags in layout.fragments_by_bucket])

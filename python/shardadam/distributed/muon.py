@@ -10,7 +10,7 @@ import torch.distributed as dist
 from .._groups import run_closure
 from .._muon_groups import MUON_KEYS, add_group, check_group, check_muon_hyper, uses_muon
 from . import _amp, _muon_dcp
-from ._agreement import check_same
+from ._agreement import check_same, validate_then_agree
 from ._iteration import Grads
 from ._muon_owned import OwnedMuon
 from ._shard_groups import shard_groups
@@ -35,8 +35,8 @@ class DistributedFusedMuon(torch.optim.Optimizer):
     matrix-atomic ownership] in _muon_owners.py). The ``use_muon=False``
     groups are stepped by an inner DistributedFusedAdam (AdamW sharded
     element-wise), which takes the keyword options in ``adamw_options``
-    (dtype, grad_sync_dtype, param_sync_dtype, storage kinds, bucket and
-    overlap options, ...). ``distributed_process_group`` x
+    (dtype, grad_sync_dtype, param_sync_dtype, storage kinds,
+    pipeline_size, ...). ``distributed_process_group`` x
     ``redundant_process_group`` is DistributedFusedAdam's layout, for both
     parts: the owners are spread over each distributed group, every
     distributed group holds the same owners, and the replicas of an owner
@@ -69,36 +69,63 @@ class DistributedFusedMuon(torch.optim.Optimizer):
     ``clip_grad_norm(max_norm, grad_scaler=scaler)`` alone): 1/scale joins
     both parts' gradient scales, and one found-inf flag, agreed over every
     rank and both parts, skips the whole step (nothing is written) and tells
-    the scaler. Not offered yet: capturable steps and CUDA-graph capture, and the options
+    the scaler.
+
+    overlap_param_sync=True (DistributedFusedAdam's option, for both parts)
+    leaves the all-gathers of the updated parameters, the Muon matrices' and
+    the AdamW groups', running when step() returns: each module's forward
+    waits for the buckets of its own parameters (a forward-pre hook), and
+    any other read of a parameter waits on its first use (the first-use
+    guard, [Note: first-use guard] in _first_use.py: p.sum(),
+    model.state_dict(), an evaluation through a functional call...).
+    param_sync() lands every all-gather, as do state_dict(),
+    sharded_state_dict() and the next step(); zero_grad() leaves them
+    running. Call param_sync() before handing a parameter to a C++ extension
+    outside a forward (the guard sees only torch's Python dispatch). Not
+    offered yet: capturable steps and CUDA-graph capture, and the options
     named in ``_REFUSED_OPTIONS``.
     """
 
     def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
                  ns_coefficients=(3.4445, -4.775, 2.0315), eps=1e-7, ns_steps=5, adjust_lr_fn=None, *,
                  process_group=None, distributed_process_group=None, redundant_process_group=None,
-                 overlap_grad_sync=True, average_grad_sync=True, bucket_cap_mb=100, ns_dtype=torch.bfloat16,
-                 momentum_dtype=None, skip_nonfinite_grads=False, **adamw_options):
+                 overlap_grad_sync=True, overlap_param_sync=False, average_grad_sync=True, bucket_cap_mb=100,
+                 ns_dtype=torch.bfloat16, momentum_dtype=None, skip_nonfinite_grads=False, **adamw_options):
         name = type(self).__name__
-        refused = [k for k in _REFUSED_OPTIONS if adamw_options.get(k)]
-        if refused:
-            raise ValueError(f"{name} does not offer {refused} yet: leave them out (the AdamW groups' "
-                             "DistributedFusedAdam takes its other options)")
-        if ns_dtype not in (torch.bfloat16, torch.float32):
-            raise ValueError(f"ns_dtype must be torch.bfloat16 or torch.float32, got {ns_dtype}")
-        if momentum_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"momentum_dtype must be None (the parameter's dtype, as torch), torch.float32, "
-                             f"torch.bfloat16 or torch.float16, got {momentum_dtype}")
-        if not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
-        check_muon_hyper(name, defaults)
+        self._adamw_given: list[dict] = []
+
+        def arguments() -> None:
+            refused = [k for k in _REFUSED_OPTIONS if adamw_options.get(k)]
+            if refused:
+                raise ValueError(f"{name} does not offer {refused} yet: leave them out (the AdamW groups' "
+                                 "DistributedFusedAdam takes its other options)")
+            if ns_dtype not in (torch.bfloat16, torch.float32):
+                raise ValueError(f"ns_dtype must be torch.bfloat16 or torch.float32, got {ns_dtype}")
+            if momentum_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
+                raise ValueError(f"momentum_dtype must be None (the parameter's dtype, as torch), torch.float32, "
+                                 f"torch.bfloat16 or torch.float16, got {momentum_dtype}")
+            if not bucket_cap_mb > 0:
+                raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+            if not isinstance(overlap_param_sync, bool):
+                raise ValueError(f"overlap_param_sync must be True or False, got {overlap_param_sync!r}: pass a bool "
+                                 "(one option for the Muon matrices and the AdamW groups)")
+            check_muon_hyper(name, defaults)
+            torch.optim.Optimizer.__init__(self, params, defaults)
+
+        # [Note: validate, then mutate] (../_validate.py): a rank that refuses
+        # its arguments tells its peers, so every rank raises the same error
+        # before any collective that would leave the others waiting.
+        if dist.is_initialized():
+            validate_then_agree(f"{name}(...)", arguments, process_group, None,
+                                outcome="no rank built the optimizer")
+        else:
+            arguments()  # no peers to tell (the missing process group is refused below)
         self.process_group = process_group
         self.redundant_group = redundant_process_group
         self.ns_dtype = ns_dtype
         self.skip_nonfinite_grads = bool(skip_nonfinite_grads)
-        self._adamw_given: list[dict] = []
-        super().__init__(params, defaults)
         muon_params = [p for g in self.param_groups if uses_muon(g) for p in g["params"]]
         group_of = [gi for gi, g in enumerate(self.param_groups) if uses_muon(g) for _ in g["params"]]
         device = muon_params[0].device if muon_params else torch.device("cpu")
@@ -106,9 +133,9 @@ class DistributedFusedMuon(torch.optim.Optimizer):
             raise ValueError(f"{name}: the Muon parameters lie on {sorted({str(p.device) for p in muon_params})}; "
                              "each rank's must share one device (the rank's GPU, or the CPU with gloo)")
         groups = shard_groups(process_group, distributed_process_group, redundant_process_group)
-        check_same(f"{name}: the {{ranks}} ranks of process_group were not given the same Muon parameters and "
-                   "hyperparameters: {difference}. Every rank must build the same model and optimizer",
-                   self._muon_setup(), process_group, device)
+        check_same(f"{name}: the {{ranks}} ranks of process_group were not given the same Muon parameters, "
+                   "hyperparameters and options: {difference}. Every rank must build the same model and optimizer",
+                   self._muon_setup(overlap_param_sync), process_group, device)
         # The AdamW groups' engine: its own groups replace the placeholders, so
         # schedulers and users see one list of groups.
         self._adamw = None
@@ -116,8 +143,8 @@ class DistributedFusedMuon(torch.optim.Optimizer):
             self._adamw = DistributedFusedAdam(
                 [dict(g) for g in self._adamw_given], process_group=process_group,
                 distributed_process_group=distributed_process_group, redundant_process_group=redundant_process_group,
-                overlap_grad_sync=overlap_grad_sync, average_grad_sync=average_grad_sync,
-                bucket_cap_mb=bucket_cap_mb, **adamw_options)
+                overlap_grad_sync=overlap_grad_sync, overlap_param_sync=overlap_param_sync,
+                average_grad_sync=average_grad_sync, bucket_cap_mb=bucket_cap_mb, **adamw_options)
             inner = iter(self._adamw.param_groups)
             self.param_groups = [g if uses_muon(g) else next(inner) for g in self.param_groups]
         self._device = device if muon_params else self._adamw.device
@@ -132,8 +159,9 @@ class DistributedFusedMuon(torch.optim.Optimizer):
             elem = muon_params[0].element_size()
             self._muon = OwnedMuon(muon_params, group_of, groups,
                                    cap=max(1, int(bucket_cap_mb * (1 << 20)) // elem),
-                                   overlap_grad_sync=overlap_grad_sync, average_grad_sync=average_grad_sync,
-                                   ns_dtype=ns_dtype, momentum_dtype=momentum_dtype)
+                                   overlap_grad_sync=overlap_grad_sync, overlap_param_sync=overlap_param_sync,
+                                   average_grad_sync=average_grad_sync, ns_dtype=ns_dtype,
+                                   momentum_dtype=momentum_dtype)
         self._built = True
 
     # ------------------------------------------------------------ groups
@@ -146,8 +174,9 @@ class DistributedFusedMuon(torch.optim.Optimizer):
         if not uses_muon(group):
             self._adamw_given.append(group)
 
-    def _muon_setup(self) -> list:
-        items = [("the number of parameter groups", len(self.param_groups))]
+    def _muon_setup(self, overlap_param_sync: bool) -> list:
+        items = [("option overlap_param_sync", overlap_param_sync),
+                 ("the number of parameter groups", len(self.param_groups))]
         for gi, g in enumerate(self.param_groups):
             items.append((f"param_groups[{gi}]: use_muon", uses_muon(g)))
             if uses_muon(g):
@@ -243,13 +272,16 @@ class DistributedFusedMuon(torch.optim.Optimizer):
         return found
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for g in self.param_groups:
-            if uses_muon(g):
-                for p in g["params"]:
-                    if set_to_none:
-                        p.grad = None
-                    elif p.grad is not None:
-                        p.grad.zero_()
+        """Clears the gradients; the all-gathers overlap_param_sync left
+        running go on (gradients only: the parameters stay armed)."""
+        with torch._C.DisableTorchFunctionSubclass():
+            for g in self.param_groups:
+                if uses_muon(g):
+                    for p in g["params"]:
+                        if set_to_none:
+                            p.grad = None
+                        elif p.grad is not None:
+                            p.grad.zero_()
         if self._adamw is not None:
             self._adamw.zero_grad(set_to_none=set_to_none)
         self._end_iteration()
@@ -271,10 +303,21 @@ class DistributedFusedMuon(torch.optim.Optimizer):
                     self._muon.no_sync = before
 
     def param_sync(self) -> None:
-        """Bring every parameter up to date (the AdamW groups' all-gathers
-        with overlap_param_sync; the Muon matrices are current after step())."""
+        """Bring every parameter up to date: finish the all-gathers that
+        overlap_param_sync left running, in both parts (call this before
+        reading parameters where the first-use guard cannot see it, e.g. a
+        C++ extension given a parameter outside a forward)."""
+        if self._muon is not None:
+            self._muon.land_params()
         if self._adamw is not None:
             self._adamw.param_sync()
+
+    def _land_params(self) -> None:
+        """Let every all-gather of the last step land, in both parts; nothing new starts."""
+        if self._muon is not None:
+            self._muon.land_params()
+        if self._adamw is not None:
+            self._adamw._land_param_sync()
 
     @torch.no_grad()
     def grad_norm(self, *, grad_scaler=None) -> torch.Tensor:
@@ -333,7 +376,11 @@ class DistributedFusedMuon(torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         """FusedMuon's state dict with whole tensors, on every rank (every
-        rank must call it)."""
+        rank must call it). The last step's all-gathers land first (as in
+        sharded_state_dict()): no collective of the step is left in flight
+        while the caller saves, and the model's parameters, read next for
+        its own state dict, are current."""
+        self._land_params()
         muon_idx, adamw_idx = self._indices()
         state, groups = {}, []
         momenta = self._muon.momentum_buffers() if self._muon is not None else {}
@@ -359,7 +406,9 @@ class DistributedFusedMuon(torch.optim.Optimizer):
         AdamW groups' state), for torch.distributed.checkpoint: see
         distributed/_muon_dcp.py (a checkpoint of N ranks loads on M).
         Refused with a redundant_process_group, as DistributedFusedAdam
-        refuses it (every replica would write the same pieces)."""
+        refuses it (every replica would write the same pieces). The last
+        step's all-gathers land first, as in state_dict()."""
+        self._land_params()
         return _muon_dcp.sharded_state_dict(self)
 
     def check_sharded_checkpoint(self, checkpoint_id, key: str = "optim") -> None:

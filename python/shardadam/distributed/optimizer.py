@@ -408,6 +408,11 @@ class ShardedOptimizer(LayoutBuild, StateIO, GradScaling, HostStep, ApexMethods,
         if self._first_use is not None:
             self._first_use.disarm_all()
 
+    @property
+    def params_owed(self) -> bool:
+        """Whether the last step's all-gathers are still owed to the parameters (the forward hooks ask)."""
+        return self.iteration.params is not Params.CURRENT
+
     @naming_phase("forward (overlap_param_sync waits for the parameters a module or a first use needs)")
     def _make_current(self, params: list) -> None:
         """Wait for the all-gathers of these parameters (a module's forward,
