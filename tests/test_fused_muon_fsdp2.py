@@ -196,25 +196,29 @@ def _save_worker(rank: int, world: int, port: int, path: str, out) -> None:
     with _rank_group(rank, world, port, out):
         result = _sharded_runs(rank, (world,), f"{path}/2")
         result["scaled"] = _scaled_run(rank, world)
-        result["resumed from 2x2"] = [t.numpy() for t in _resumed(f"{path}/2x2", rank, world, _mesh((world,)))]
+        model, opt = _resumed(f"{path}/2x2", rank, world, _mesh((world,)))
+        result["resumed from 2x2"] = [t.numpy() for t in _full(model)]
+        momenta = [(opt.state[p]["momentum_buffer"], p) for p in opt.param_groups[0]["params"]]
+        result["resumed momentum placed as its parameter"] = all(
+            isinstance(b, DTensor) and tuple(b.placements) == tuple(p.placements) == (Shard(0),) for b, p in momenta)
         out.put((rank, result))
     _exit()
 
 
-def _resumed(path: str, rank: int, world: int, mesh=None) -> list[torch.Tensor]:
+def _resumed(path: str, rank: int, world: int, mesh=None) -> tuple[Model, shardadam.FusedMuon]:
     """An fp32 checkpoint loaded (FSDP2 on `mesh`, or the plain model), trained on to STEPS."""
     model = _model(mesh)
     opt = _optimizer(model, torch.float32)
     _load(model, opt, path)
     _train(model, opt, range(SAVED_AT, STEPS), rank, world)
-    return _full(model)
+    return model, opt
 
 
 def _three_worker(rank: int, world: int, port: int, path: str, out) -> None:
     """At 3 ranks: the runs of every ns_dtype, and the 2-rank checkpoint resumed."""
     with _rank_group(rank, world, port, out):
         result = _sharded_runs(rank, (world,), f"{path}/3")
-        result["resumed"] = [t.numpy() for t in _resumed(f"{path}/2", rank, world, _mesh((world,)))]
+        result["resumed"] = [t.numpy() for t in _full(_resumed(f"{path}/2", rank, world, _mesh((world,)))[0])]
         out.put((rank, result))
     _exit()
 
@@ -308,7 +312,7 @@ def test_momentum_is_a_dtensor_of_its_parameters_placements_live_and_saved(runs,
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # the plain model loads in one process
 def test_dcp_checkpoint_of_2_ranks_resumes_on_3_and_on_the_plain_model(runs):
     uninterrupted = [torch.from_numpy(t) for t in runs[(2,)][0]["fp32"]]
-    on_one = _resumed(f"{runs['path']}/2", 0, 1)  # plain FusedMuon on the unsharded model: the global batch
+    on_one = _full(_resumed(f"{runs['path']}/2", 0, 1)[0])  # plain FusedMuon on the unsharded model: the global batch
     for where, got in (("3 ranks", runs[(3,)][0]["resumed"]), ("the plain model", on_one)):
         for i, (g, want) in enumerate(zip(got, uninterrupted)):
             torch.testing.assert_close(torch.as_tensor(g), want, rtol=0, atol=1e-5,
@@ -318,6 +322,7 @@ def test_dcp_checkpoint_of_2_ranks_resumes_on_3_and_on_the_plain_model(runs):
 def test_dcp_checkpoint_of_hsdp_resumes_on_a_1d_mesh_of_2_ranks(runs):
     uninterrupted = [torch.from_numpy(t) for t in runs[(2, 2)][0]["fp32"]]
     for rank, result in enumerate(runs[(2,)]):
+        assert result["resumed momentum placed as its parameter"], f"rank {rank}: momentum not Shard(0) after the load"
         for i, (got, want) in enumerate(zip(result["resumed from 2x2"], uninterrupted)):
             torch.testing.assert_close(torch.from_numpy(got), want, rtol=0, atol=1e-5,
                                        msg=lambda m: f"rank {rank}, parameter {i}: {m}")
