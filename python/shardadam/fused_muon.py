@@ -56,15 +56,16 @@ class FusedMuon(torch.optim.Optimizer):
       (as FusedAdam). Without capturable, GradScaler unscales the gradients
       itself;
     - DTensor parameters (FSDP2's fully_shard): Muon-group matrices sharded
-      by rows (Shard(0) on a 1-D mesh) are each orthogonalized whole on one
-      owner rank, the ranks sharing the work, and everything element-wise
+      by rows (Shard(0) on a 1-D mesh, or HSDP's (Replicate(), Shard(0)) on a
+      2-D mesh) are each orthogonalized whole on one owner rank, every rank
+      of the mesh sharing the work, and everything element-wise
       runs on the local shards; the states are DTensors of the parameters'
       placements, so DCP reshards them ([Note: Muon on sharded matrices] in
       _muon_dtensor.py). AdamW groups take DTensors as FusedAdam does.
 
     Bad input raises ValueError naming the argument, before anything is
     written: a Muon-group parameter that is not 2-D or 3-D, or not a float
-    tensor, or a DTensor not sharded as Shard(0) on a 1-D mesh; ns_steps
+    tensor, or a DTensor laid out otherwise than those two; ns_steps
     outside [0, 100); ns_coefficients that are not three finite numbers;
     momentum outside [0, 1); a gradient that does not match its parameter.
     """
